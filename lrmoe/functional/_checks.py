@@ -1,0 +1,60 @@
+"""Argument checks shared by the functional primitives.
+
+Every check looks only at Python values, shapes and dtypes, never at tensor contents, so none of them
+synchronises with the device or breaks a compiled graph. Errors name the argument and what was expected.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+
+def check_tensor(
+    name: str,
+    t: object,
+    *,
+    ndim: int | Iterable[int] | None = None,
+    kind: str | None = None,
+) -> torch.Tensor:
+    """Check that ``t`` is a tensor of the given rank(s) and dtype kind ("float" or "int")."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if ndim is not None:
+        allowed = (ndim,) if isinstance(ndim, int) else tuple(ndim)
+        if t.dim() not in allowed:
+            want = " or ".join(str(a) for a in allowed)
+            raise ValueError(f"{name} must have {want} dimensions, got shape {tuple(t.shape)}")
+    if kind == "float" and not t.dtype.is_floating_point:
+        raise TypeError(f"{name} must be a floating-point tensor, got dtype {t.dtype}")
+    if kind == "int" and (t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool):
+        raise TypeError(f"{name} must be an integer tensor, got dtype {t.dtype}")
+    return t
+
+
+def check_choice(name: str, value: object, choices: Iterable[str]) -> str:
+    choices = tuple(choices)
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(repr(c) for c in choices)}; got {value!r}")
+    return value  # type: ignore[return-value]
+
+
+def check_retain(retain: float, min_retain: float = 0.0) -> None:
+    if isinstance(retain, torch.Tensor) or not isinstance(retain, (int, float)):
+        raise TypeError(f"retain must be a Python float in (0, 1], got {type(retain).__name__}")
+    if not 0.0 < retain <= 1.0:
+        raise ValueError(f"retain must be in (0, 1], got {retain}")
+    if isinstance(min_retain, torch.Tensor) or not isinstance(min_retain, (int, float)):
+        raise TypeError(f"min_retain must be a Python float in [0, retain], got {type(min_retain).__name__}")
+    if not 0.0 <= min_retain <= retain:
+        raise ValueError(f"min_retain must be in [0, retain={retain}], got {min_retain}")
+
+
+def check_same_size(name_a: str, a: torch.Tensor, dim_a: int, name_b: str, b: torch.Tensor, dim_b: int) -> None:
+    if a.shape[dim_a] != b.shape[dim_b]:
+        raise ValueError(
+            f"{name_a} has size {a.shape[dim_a]} in dimension {dim_a} but {name_b} has size "
+            f"{b.shape[dim_b]} in dimension {dim_b}; they must match "
+            f"(shapes {tuple(a.shape)} and {tuple(b.shape)})"
+        )
