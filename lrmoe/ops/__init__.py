@@ -1,0 +1,9 @@
+"""torch.library registrations (namespace ``lrmoe``): schema, fake, autograd, CPU reference, CUDA launch.
+
+Importing this package registers the ops; the functional API calls them so a compiled graph sees one op per
+kernel.
+"""
+
+from lrmoe.ops.grouped_gemm import gather_grouped_mm, grouped_outer
+
+__all__ = ["gather_grouped_mm", "grouped_outer"]

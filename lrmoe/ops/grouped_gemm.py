@@ -1,0 +1,130 @@
+"""Grouped GEMMs over compact row buffers, as custom ops.
+
+Shapes: N source rows, R buffer rows, E experts (groups), O output features, I input features.
+
+``lrmoe::gather_grouped_mm(x_NI, weight_EOI, rows_R, offsets_E) -> y_RO``
+    y[i] = weight[e(i)] @ x[rows[i]] for i < offsets[-1], where e(i) is the group whose [start, end) holds i
+    (offsets are cumulative ends); y[i] = 0 past offsets[-1]. Differentiable in x and weight.
+``lrmoe::grouped_outer(a_RO, b_NI, rows_R, offsets_E) -> w_EOI``
+    w[e] = sum over i in group e of outer(a[i], b[rows[i]]): the weight gradient of the op above.
+
+Why custom ops: a compiled graph then holds one opaque node per GEMM whose fake implementation only needs
+shapes, so torch.compile(fullgraph=True) works on every device and dtype (torch._grouped_mm's fake accepts bf16
+only). The CPU kernel is the reference: a loop over groups, reading the offsets on the host, which costs no
+device synchronisation on CPU. The CUDA kernel uses torch._grouped_mm where its layout rules hold (bf16, 16-byte
+aligned rows) and never reads offsets on the host there; other dtypes fall back to the reference loop. The
+Triton kernels with the gather fused into the operand load replace both on CUDA (a later issue).
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["gather_grouped_mm", "grouped_outer"]
+
+
+def _group_bounds(offsets_E: torch.Tensor, n_rows: int) -> list[tuple[int, int, int]]:
+    """(group, start, end) of every non-empty group, clipped to the buffer. Host read: reference kernels only."""
+    bounds, start = [], 0
+    for e, end in enumerate(offsets_E.tolist()):  # CPU tensor in the reference path: no device sync
+        end = min(int(end), n_rows)
+        if end > start:
+            bounds.append((e, start, end))
+        start = max(start, end)
+    return bounds
+
+
+def _valid_rows(offsets_E: torch.Tensor, n_rows: int) -> torch.Tensor:
+    """[R, 1] bool: rows inside the last group's end."""
+    end = offsets_E[-1:].long() if offsets_E.numel() else offsets_E.new_zeros(1, dtype=torch.long)
+    return (torch.arange(n_rows, device=offsets_E.device) < end).unsqueeze(1)
+
+
+def _loop_mm(x_NI, weight_EOI, rows_R, offsets_E):
+    y_RO = x_NI.new_zeros(rows_R.shape[0], weight_EOI.shape[1])
+    for e, start, end in _group_bounds(offsets_E, rows_R.shape[0]):
+        y_RO[start:end] = x_NI[rows_R[start:end]] @ weight_EOI[e].t()
+    return y_RO
+
+
+def _grouped_mm_ok(*tensors: torch.Tensor) -> bool:
+    return all(t.dtype == torch.bfloat16 and t.shape[-1] % 8 == 0 and t.shape[-2] % 8 == 0 for t in tensors)
+
+
+# ---------------------------------------------------------------------------------------------- gather_grouped_mm
+
+
+@torch.library.custom_op("lrmoe::gather_grouped_mm", mutates_args=())
+def gather_grouped_mm(
+    x_NI: torch.Tensor, weight_EOI: torch.Tensor, rows_R: torch.Tensor, offsets_E: torch.Tensor
+) -> torch.Tensor:
+    return _loop_mm(x_NI, weight_EOI, rows_R, offsets_E)
+
+
+@gather_grouped_mm.register_kernel("cuda")
+def _(x_NI, weight_EOI, rows_R, offsets_E):
+    if not _grouped_mm_ok(x_NI, weight_EOI):
+        return _loop_mm(x_NI, weight_EOI, rows_R, offsets_E)
+    x_RI = x_NI.index_select(0, rows_R.clamp(min=0))
+    y_RO = torch._grouped_mm(x_RI, weight_EOI.transpose(-2, -1), offs=offsets_E.int())
+    # _grouped_mm leaves rows past the last offset uninitialised.
+    return torch.where(_valid_rows(offsets_E, rows_R.shape[0]), y_RO, 0)
+
+
+
+@gather_grouped_mm.register_fake
+def _(x_NI, weight_EOI, rows_R, offsets_E):
+    return x_NI.new_empty(rows_R.shape[0], weight_EOI.shape[1])
+
+
+def _gather_grouped_mm_setup(ctx, inputs, output):
+    x_NI, weight_EOI, rows_R, offsets_E = inputs
+    ctx.save_for_backward(x_NI, weight_EOI, rows_R, offsets_E)
+
+
+def _gather_grouped_mm_backward(ctx, grad_y_RO):
+    x_NI, weight_EOI, rows_R, offsets_E = ctx.saved_tensors
+    grad_x = grad_w = None
+    rows_safe_R = rows_R.clamp(min=0)  # padding rows carry zero gradient (the op's output is 0 there)
+    if ctx.needs_input_grad[0]:
+        ident_R = torch.arange(rows_R.shape[0], device=rows_R.device)
+        dx_RI = gather_grouped_mm(grad_y_RO, weight_EOI.transpose(1, 2), ident_R, offsets_E)
+        grad_x = torch.zeros_like(x_NI).index_add(0, rows_safe_R, dx_RI)
+    if ctx.needs_input_grad[1]:
+        grad_w = grouped_outer(grad_y_RO, x_NI, rows_safe_R, offsets_E)
+    return grad_x, grad_w, None, None
+
+
+gather_grouped_mm.register_autograd(_gather_grouped_mm_backward, setup_context=_gather_grouped_mm_setup)
+
+
+# -------------------------------------------------------------------------------------------------- grouped_outer
+
+
+@torch.library.custom_op("lrmoe::grouped_outer", mutates_args=())
+def grouped_outer(
+    a_RO: torch.Tensor, b_NI: torch.Tensor, rows_R: torch.Tensor, offsets_E: torch.Tensor
+) -> torch.Tensor:
+    return _loop_outer(a_RO, b_NI, rows_R, offsets_E)
+
+
+def _loop_outer(a_RO, b_NI, rows_R, offsets_E):
+    w_EOI = a_RO.new_zeros(offsets_E.shape[0], a_RO.shape[1], b_NI.shape[1])
+    for e, start, end in _group_bounds(offsets_E, rows_R.shape[0]):
+        w_EOI[e] = a_RO[start:end].t() @ b_NI[rows_R[start:end]]
+    return w_EOI
+
+
+@grouped_outer.register_kernel("cuda")
+def _(a_RO, b_NI, rows_R, offsets_E):
+    if not _grouped_mm_ok(a_RO, b_NI):
+        return _loop_outer(a_RO, b_NI, rows_R, offsets_E)
+    valid_R1 = _valid_rows(offsets_E, rows_R.shape[0])
+    a_RO = torch.where(valid_R1, a_RO, 0)
+    b_RI = torch.where(valid_R1, b_NI.index_select(0, rows_R.clamp(min=0)), 0)
+    return torch._grouped_mm(a_RO.t(), b_RI, offs=offsets_E.int())
+
+
+@grouped_outer.register_fake
+def _(a_RO, b_NI, rows_R, offsets_E):
+    return a_RO.new_empty(offsets_E.shape[0], a_RO.shape[1], b_NI.shape[1])
