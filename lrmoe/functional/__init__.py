@@ -1,0 +1,27 @@
+"""Pure functional primitives of lrmoe: tensors in, tensors out, static shapes, no host synchronisation."""
+
+from lrmoe.functional.experts import ExpertPlan, plan_experts, retained_rows_bound, selective_swiglu_experts
+from lrmoe.functional.gemm import compact_and_gemm
+from lrmoe.functional.quotas import apportion, plan_quotas
+from lrmoe.functional.replicas import route_to_replicas
+from lrmoe.functional.routing import Routing, expert_loads, route_topk
+from lrmoe.functional.scoring import score_pairs
+from lrmoe.functional.selection import Selection, inclusion_probabilities, select_within_quota
+
+__all__ = [
+    "ExpertPlan",
+    "Routing",
+    "Selection",
+    "apportion",
+    "compact_and_gemm",
+    "expert_loads",
+    "inclusion_probabilities",
+    "plan_experts",
+    "plan_quotas",
+    "retained_rows_bound",
+    "route_to_replicas",
+    "route_topk",
+    "score_pairs",
+    "select_within_quota",
+    "selective_swiglu_experts",
+]

@@ -1,0 +1,249 @@
+"""SwiGLU experts with an exact forward and a quota-bounded selective backward (DESIGN.md sections 3 and 5).
+
+Shapes: T tokens, D model dim, F expert hidden dim, E experts, K top-k, P = T*K pairs, R = retained-row buffer.
+
+Forward computes every routed pair: h_u = W_gu[e] x_t, phi_u = silu(h_u[:F]) * h_u[F:], y_u = W_d[e] phi_u,
+out_t = sum_u alpha_u y_u, and saves h (per pair), y (for the router gradient) and ||phi_u||^2 (fp32).
+
+Backward: the router gradient dL/d alpha_u = <g_t, y_u> is exact for every pair. Then every pair is scored
+(score_pairs), each expert keeps its quota (select_within_quota), kept rows are scaled by their selection weight,
+and the expert backward runs as grouped GEMMs over the compact buffer of at most R rows only: a dropped pair
+contributes nothing to dW_gu, dW_d or, through the expert, to dx. At retain = 1 nothing is scored or dropped and
+the backward equals plain autograd.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from lrmoe.functional._checks import check_choice, check_retain, check_tensor
+from lrmoe.functional.quotas import POLICIES, plan_quotas
+from lrmoe.functional.routing import expert_loads
+from lrmoe.functional.scoring import METRICS, score_pairs
+from lrmoe.functional.selection import MODES, select_within_quota
+from lrmoe.ops import gather_grouped_mm, grouped_outer
+
+__all__ = ["ExpertPlan", "plan_experts", "retained_rows_bound", "selective_swiglu_experts"]
+
+N_BACKWARD_STATS = 3  # score-mass fraction kept, retained pairs, backward calls
+
+
+@dataclass(frozen=True)
+class ExpertPlan:
+    """What the forward pass plans for backward (all tensors, no host sync).
+
+    loads:   [E] int64, pairs routed to each expert.
+    quotas:  [E] int64, pairs of each expert that backward keeps.
+    uniform: [E] fp32 uniforms for systematic sampling (drawn in forward so backward is reproducible), or None.
+    """
+
+    loads: torch.Tensor
+    quotas: torch.Tensor
+    uniform: torch.Tensor | None
+
+
+torch.utils._pytree.register_dataclass(ExpertPlan)
+
+
+def retained_rows_bound(n_pairs: int, n_experts: int, retain: float) -> int:
+    """Static size of the backward row buffer: min(P, floor(retain * P) + E).
+
+    The waterfill plan keeps exactly floor(retain * P) pairs, the proportional one at most that plus one per
+    expert from its min_retain floors, so the bound always holds (plan_quotas' invariants).
+    """
+    if retain >= 1.0:
+        return n_pairs
+    return min(n_pairs, int(retain * n_pairs) + n_experts)
+
+
+def plan_experts(
+    expert_ids_TK: torch.Tensor,
+    num_experts: int,
+    *,
+    retain: float = 1.0,
+    min_retain: float = 0.0,
+    policy: str = "waterfill",
+    selection: str = "sample",
+    generator: torch.Generator | None = None,
+) -> ExpertPlan:
+    """Loads, quotas and sampling uniforms for one single-device MoE layer step."""
+    loads_E = expert_loads(expert_ids_TK, num_experts)
+    quotas_E = plan_quotas(loads_E, retain, min_retain=min_retain, policy=policy)
+    uniform_E = None
+    if selection == "sample" and retain < 1.0:
+        uniform_E = torch.rand(num_experts, generator=generator, device=expert_ids_TK.device)
+    return ExpertPlan(loads=loads_E, quotas=quotas_E, uniform=uniform_E)
+
+
+def selective_swiglu_experts(
+    x_TD: torch.Tensor,
+    gate_up_EFD: torch.Tensor,
+    down_EDF: torch.Tensor,
+    expert_ids_TK: torch.Tensor,
+    gates_TK: torch.Tensor,
+    *,
+    retain: float = 1.0,
+    metric: str = "lrm",
+    selection: str = "sample",
+    policy: str = "waterfill",
+    min_retain: float = 0.0,
+    plan: ExpertPlan | None = None,
+    generator: torch.Generator | None = None,
+    stats_probe: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """out_TD = sum_k gates[t, k] * SwiGLU_{expert_ids[t, k]}(x_t), with the selective backward.
+
+    Args:
+        x_TD: [T, D] float tokens.
+        gate_up_EFD: [E, 2F, D] gate half first (transformers' Qwen3-MoE ``experts.gate_up_proj``).
+        down_EDF: [E, D, F] (``experts.down_proj``).
+        expert_ids_TK: [T, K] integer expert of each pair; gates_TK: [T, K] float combine weights.
+        retain, metric, selection, policy, min_retain: see plan_quotas, score_pairs, select_within_quota.
+        plan: loads/quotas/uniforms from :func:`plan_experts`; planned here when None.
+        generator: RNG for sampling uniforms and the "random" metric (global RNG when None).
+        stats_probe: optional [3] fp32 leaf requiring grad; backward adds (fraction of score mass kept,
+            retained pairs, 1) to its ``.grad``, which is how backward statistics leave without a sync.
+
+    Returns: out_TD, dtype of x.
+    """
+    check_tensor("x_TD", x_TD, ndim=2, kind="float")
+    check_tensor("gate_up_EFD", gate_up_EFD, ndim=3, kind="float")
+    check_tensor("down_EDF", down_EDF, ndim=3, kind="float")
+    check_tensor("expert_ids_TK", expert_ids_TK, ndim=2, kind="int")
+    check_tensor("gates_TK", gates_TK, ndim=2, kind="float")
+    check_retain(retain, min_retain)
+    check_choice("metric", metric, METRICS)
+    check_choice("selection", selection, MODES)
+    check_choice("policy", policy, POLICIES)
+    n_exp, two_f, dim = gate_up_EFD.shape
+    if dim != x_TD.shape[1] or two_f % 2:
+        raise ValueError(f"gate_up_EFD must be [E, 2F, D={x_TD.shape[1]}], got {tuple(gate_up_EFD.shape)}")
+    if down_EDF.shape != (n_exp, dim, two_f // 2):
+        raise ValueError(f"down_EDF must be [E={n_exp}, D={dim}, F={two_f // 2}], got {tuple(down_EDF.shape)}")
+    if expert_ids_TK.shape != gates_TK.shape or expert_ids_TK.shape[0] != x_TD.shape[0]:
+        raise ValueError(
+            f"expert_ids_TK {tuple(expert_ids_TK.shape)} and gates_TK {tuple(gates_TK.shape)} must both be "
+            f"[T={x_TD.shape[0]}, K]"
+        )
+    if not (x_TD.dtype == gate_up_EFD.dtype == down_EDF.dtype):
+        raise TypeError(
+            f"x_TD, gate_up_EFD and down_EDF must share a dtype, got {x_TD.dtype}, {gate_up_EFD.dtype}, "
+            f"{down_EDF.dtype}"
+        )
+    if plan is None:
+        plan = plan_experts(
+            expert_ids_TK, n_exp, retain=retain, min_retain=min_retain, policy=policy, selection=selection,
+            generator=generator,
+        )
+    cfg = _Config(retain=retain, metric=metric, selection=selection, generator=generator)
+    return _SelectiveSwiGLU.apply(
+        x_TD, gate_up_EFD, down_EDF, gates_TK, expert_ids_TK, plan.quotas, plan.uniform, stats_probe, cfg
+    )
+
+
+@dataclass(frozen=True)
+class _Config:
+    retain: float
+    metric: str
+    selection: str
+    generator: torch.Generator | None
+
+
+def _swiglu(h_PF2: torch.Tensor) -> torch.Tensor:
+    gate, up = h_PF2.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def _swiglu_backward(h_RF2: torch.Tensor, dphi_RF: torch.Tensor) -> torch.Tensor:
+    """d/dh of silu(gate) * up, in fp32 (sigmoid's derivative loses too much in bf16)."""
+    gate, up = h_RF2.float().chunk(2, dim=-1)
+    sig = torch.sigmoid(gate)
+    dphi = dphi_RF.float()
+    dgate = dphi * up * sig * (1 + gate * (1 - sig))
+    dup = dphi * gate * sig
+    return torch.cat([dgate, dup], dim=-1).to(h_RF2.dtype)
+
+
+class _SelectiveSwiGLU(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_TD, gate_up_EFD, down_EDF, gates_TK, expert_ids_TK, quotas_E, uniform_E, stats_probe, cfg):
+        n_tok, top_k = expert_ids_TK.shape
+        n_exp = gate_up_EFD.shape[0]
+        flat_P = expert_ids_TK.reshape(-1).long()
+        order_P = torch.argsort(flat_P, stable=True)  # pairs grouped by expert, pair id within
+        tok_P = torch.div(order_P, top_k, rounding_mode="floor")
+        offsets_E = torch.cumsum(expert_loads(flat_P, n_exp), 0).int()
+        ident_P = torch.arange(flat_P.shape[0], device=flat_P.device)
+
+        h_PF2 = gather_grouped_mm(x_TD, gate_up_EFD, tok_P, offsets_E)
+        phi_PF = _swiglu(h_PF2)
+        y_PD = gather_grouped_mm(phi_PF, down_EDF, ident_P, offsets_E)
+        # Back to pair order (t, k): y_TKD[t, k] is pair t*K + k.
+        inv_P = torch.empty_like(order_P).scatter_(0, order_P, ident_P)
+        y_TKD = y_PD.index_select(0, inv_P).view(n_tok, top_k, -1)
+        phi_sq_TK = phi_PF.float().square().sum(-1).index_select(0, inv_P).view(n_tok, top_k)
+        out_TD = (y_TKD * gates_TK.to(y_TKD.dtype).unsqueeze(-1)).sum(1)
+
+        ctx.cfg = cfg
+        ctx.has_probe = stats_probe is not None
+        ctx.save_for_backward(x_TD, gate_up_EFD, down_EDF, gates_TK, expert_ids_TK, quotas_E, uniform_E,
+                              h_PF2, y_TKD, phi_sq_TK, order_P, inv_P, offsets_E)
+        return out_TD
+
+    @staticmethod
+    def backward(ctx, grad_out_TD):
+        (x_TD, gate_up_EFD, down_EDF, gates_TK, expert_ids_TK, quotas_E, uniform_E,
+         h_PF2, y_TKD, phi_sq_TK, order_P, inv_P, offsets_E) = ctx.saved_tensors
+        cfg: _Config = ctx.cfg
+        n_tok, top_k = expert_ids_TK.shape
+        n_pairs = n_tok * top_k
+        n_exp = gate_up_EFD.shape[0]
+        g_TD = grad_out_TD
+
+        # Exact router gradient: dL/d alpha_u = <g_t, y_u>.
+        grad_gates_TK = torch.einsum("td,tkd->tk", g_TD.float(), y_TKD.float()).to(gates_TK.dtype)
+
+        if cfg.retain >= 1.0:
+            # Keep everything, in the forward's expert-sorted order: the dense backward.
+            pair_R, off_E = order_P, offsets_E
+            weight_R = torch.ones(n_pairs, device=g_TD.device)
+            mass_kept = torch.ones((), device=g_TD.device)
+        else:
+            scores_TK = score_pairs(gates_TK.detach(), g_TD, phi_sq_TK, metric=cfg.metric, generator=cfg.generator)
+            sel = select_within_quota(
+                scores_TK.reshape(-1), expert_ids_TK.reshape(-1), quotas_E,
+                max_rows=retained_rows_bound(n_pairs, n_exp, cfg.retain), mode=cfg.selection,
+                generator=cfg.generator, uniform_G=uniform_E,
+            )
+            pair_R, off_E, weight_R = sel.pair_ids, sel.offsets, sel.weights
+            finite_P = torch.where(torch.isfinite(scores_TK.reshape(-1)), scores_TK.reshape(-1), 0.0)
+            kept_mass = finite_P.index_select(0, pair_R.clamp(min=0)).mul(pair_R >= 0).sum()
+            mass_kept = kept_mass / finite_P.sum().clamp(min=torch.finfo(torch.float32).tiny)
+
+        # Compact the kept rows: padding (pair -1) reads pair 0 with weight 0, past the last offset.
+        safe_R = pair_R.clamp(min=0)
+        tok_R = torch.div(safe_R, top_k, rounding_mode="floor")
+        coef_R = gates_TK.detach().reshape(-1).float().index_select(0, safe_R) * weight_R
+        dy_RD = (g_TD.float().index_select(0, tok_R) * coef_R.unsqueeze(1)).to(x_TD.dtype)
+        h_RF2 = h_PF2.index_select(0, inv_P.index_select(0, safe_R))
+        phi_RF = _swiglu(h_RF2)
+        ident_R = torch.arange(pair_R.shape[0], device=pair_R.device)
+
+        grad_x = grad_gu = grad_down = None
+        dphi_RF = gather_grouped_mm(dy_RD, down_EDF.transpose(1, 2), ident_R, off_E)
+        if ctx.needs_input_grad[2]:
+            grad_down = grouped_outer(dy_RD, phi_RF, ident_R, off_E)
+        dh_RF2 = _swiglu_backward(h_RF2, dphi_RF)
+        if ctx.needs_input_grad[1]:
+            grad_gu = grouped_outer(dh_RF2, x_TD, tok_R, off_E)
+        if ctx.needs_input_grad[0]:
+            dx_RD = gather_grouped_mm(dh_RF2, gate_up_EFD.transpose(1, 2), ident_R, off_E)
+            grad_x = torch.zeros_like(x_TD).index_add(0, tok_R, dx_RD)
+
+        grad_probe = None
+        if ctx.has_probe:
+            grad_probe = torch.stack([mass_kept.float(), off_E[-1].float(), torch.ones_like(mass_kept)])
+        return grad_x, grad_gu, grad_down, grad_gates_TK, None, None, None, grad_probe, None

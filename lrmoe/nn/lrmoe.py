@@ -1,0 +1,180 @@
+"""LRMoE: a drop-in MoE layer with the parameters of transformers' Qwen3MoeSparseMoeBlock.
+
+Parameter names and shapes: ``gate.weight`` [E, D]; ``experts.gate_up_proj`` [E, 2F, D] (gate half first);
+``experts.down_proj`` [E, D, F]. A Qwen3-MoE checkpoint's block state_dict loads with strict=True.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from lrmoe.functional._checks import check_choice, check_retain
+from lrmoe.functional.experts import N_BACKWARD_STATS, plan_experts, selective_swiglu_experts
+from lrmoe.functional.quotas import POLICIES
+from lrmoe.functional.routing import route_topk
+from lrmoe.functional.scoring import METRICS
+from lrmoe.functional.selection import MODES
+
+__all__ = ["LRMoE", "LRMoEStats", "SwiGLUExperts"]
+
+
+@dataclass(frozen=True)
+class LRMoEStats:
+    """Per-step statistics, all tensors on the layer's device (reading them costs no sync until you print).
+
+    loads [E] int64 and quotas [E] int64: pairs routed to / kept in backward by each expert, last forward.
+    retained_pairs, total_pairs: 0-d int64, last forward.
+    score_mass_fraction: 0-d fp32, mean over the backward passes since the last ``reset_stats()`` of the
+        fraction of (finite) score mass carried by the kept pairs; 1 at retain = 1; nan before any backward.
+    backward_calls: 0-d fp32, backward passes since the last ``reset_stats()``.
+    """
+
+    loads: torch.Tensor
+    quotas: torch.Tensor
+    retained_pairs: torch.Tensor
+    total_pairs: torch.Tensor
+    score_mass_fraction: torch.Tensor
+    backward_calls: torch.Tensor
+
+    @property
+    def retained_fraction(self) -> torch.Tensor:
+        return self.retained_pairs.float() / self.total_pairs.clamp(min=1).float()
+
+
+class SwiGLUExperts(nn.Module):
+    """E SwiGLU experts stored as fused 3-D tensors, as transformers' Qwen3MoeExperts stores them."""
+
+    def __init__(self, num_experts: int, dim: int, hidden_dim: int):
+        super().__init__()
+        self.num_experts, self.dim, self.hidden_dim = num_experts, dim, hidden_dim
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * hidden_dim, dim))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        # nn.Linear's default: uniform(+-1/sqrt(fan_in)) per expert matrix.
+        nn.init.uniform_(self.gate_up_proj, -1 / math.sqrt(self.dim), 1 / math.sqrt(self.dim))
+        nn.init.uniform_(self.down_proj, -1 / math.sqrt(self.hidden_dim), 1 / math.sqrt(self.hidden_dim))
+
+
+class LRMoE(nn.Module):
+    """Top-k MoE with SwiGLU experts, exact forward and quota-bounded selective backward.
+
+    Args:
+        dim, hidden_dim, num_experts, top_k: D, F, E, K.
+        retain: fraction of routed pairs whose expert-path gradient backward keeps, in (0, 1]; 1 = dense.
+        metric: pair score, "lrm" (alpha^2 ||g||^2 ||phi||^2), "grad_l2", "grad_abs" or "random".
+        selection: "sample" (unbiased, default) or "top" (the paper's top-quota rule).
+        policy: quota policy, "waterfill" or "proportional". min_retain: per-expert floor, <= retain.
+        score_func, norm_topk_prob: router as in Qwen3-MoE (softmax, renormalised top-k).
+        generator: RNG for sampling; the global RNG when None, so a seeded run is reproducible.
+
+    Input [..., dim] -> output of the same shape and dtype.
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        hidden_dim: int,
+        num_experts: int,
+        top_k: int,
+        *,
+        retain: float = 1.0,
+        metric: str = "lrm",
+        selection: str = "sample",
+        policy: str = "waterfill",
+        min_retain: float = 0.0,
+        score_func: str = "softmax",
+        norm_topk_prob: bool = True,
+        generator: torch.Generator | None = None,
+    ):
+        super().__init__()
+        for name, value in (("dim", dim), ("hidden_dim", hidden_dim), ("num_experts", num_experts)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if not isinstance(top_k, int) or not 1 <= top_k <= num_experts:
+            raise ValueError(f"top_k must be an int in [1, num_experts={num_experts}], got {top_k!r}")
+        check_retain(retain, min_retain)
+        check_choice("metric", metric, METRICS)
+        check_choice("selection", selection, MODES)
+        check_choice("policy", policy, POLICIES)
+        check_choice("score_func", score_func, ("softmax", "sigmoid"))
+        self.dim, self.hidden_dim, self.num_experts, self.top_k = dim, hidden_dim, num_experts, top_k
+        self.retain, self.metric, self.selection, self.policy = retain, metric, selection, policy
+        self.min_retain, self.score_func, self.norm_topk_prob = min_retain, score_func, norm_topk_prob
+        self.generator = generator
+
+        self.gate = nn.Linear(dim, num_experts, bias=False)
+        self.experts = SwiGLUExperts(num_experts, dim, hidden_dim)
+        # Last forward's plan, for logging (non-persistent: not part of the checkpoint).
+        self.register_buffer("last_loads", torch.zeros(num_experts, dtype=torch.int64), persistent=False)
+        self.register_buffer("last_quotas", torch.zeros(num_experts, dtype=torch.int64), persistent=False)
+        # Backward statistics leave as the gradient of this probe (see selective_swiglu_experts).
+        self._stats_probe = torch.zeros(N_BACKWARD_STATS, requires_grad=True)
+
+    def extra_repr(self) -> str:
+        return (
+            f"dim={self.dim}, hidden_dim={self.hidden_dim}, num_experts={self.num_experts}, top_k={self.top_k}, "
+            f"retain={self.retain}, metric={self.metric!r}, selection={self.selection!r}, policy={self.policy!r}"
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.dim:
+            raise ValueError(f"x must have last dimension dim={self.dim}, got shape {tuple(x.shape)}")
+        if x.dtype != self.experts.gate_up_proj.dtype:
+            raise TypeError(
+                f"x has dtype {x.dtype} but the layer's parameters are {self.experts.gate_up_proj.dtype}; "
+                "cast one of them (e.g. layer.to(x.dtype))"
+            )
+        x_TD = x.reshape(-1, self.dim)
+        routing = route_topk(
+            self.gate(x_TD), self.top_k, score_func=self.score_func, norm_topk_prob=self.norm_topk_prob
+        )
+        plan = plan_experts(
+            routing.expert_ids, self.num_experts, retain=self.retain, min_retain=self.min_retain,
+            policy=self.policy, selection=self.selection, generator=self.generator,
+        )
+        with torch.no_grad():
+            self.last_loads.copy_(plan.loads)
+            self.last_quotas.copy_(plan.quotas)
+        probe = self._probe_for(x)
+        out_TD = selective_swiglu_experts(
+            x_TD, self.experts.gate_up_proj, self.experts.down_proj, routing.expert_ids,
+            routing.gates.to(x.dtype), retain=self.retain, metric=self.metric, selection=self.selection,
+            policy=self.policy, min_retain=self.min_retain, plan=plan, generator=self.generator,
+            stats_probe=probe,
+        )
+        return out_TD.view(x.shape)
+
+    def _probe_for(self, x: torch.Tensor) -> torch.Tensor | None:
+        if not (torch.is_grad_enabled() and x.requires_grad or self._params_require_grad()):
+            return None
+        if self._stats_probe.device != x.device:
+            self._stats_probe = torch.zeros(N_BACKWARD_STATS, device=x.device, requires_grad=True)
+        return self._stats_probe
+
+    def _params_require_grad(self) -> bool:
+        return torch.is_grad_enabled() and self.experts.gate_up_proj.requires_grad
+
+    def stats(self) -> LRMoEStats:
+        """This step's statistics as tensors (see :class:`LRMoEStats`)."""
+        acc = self._stats_probe.grad
+        if acc is None:
+            acc = torch.zeros(N_BACKWARD_STATS, device=self.last_loads.device)
+        calls = acc[2]
+        return LRMoEStats(
+            loads=self.last_loads.clone(),
+            quotas=self.last_quotas.clone(),
+            retained_pairs=self.last_quotas.sum(),
+            total_pairs=self.last_loads.sum(),
+            score_mass_fraction=acc[0] / calls,
+            backward_calls=calls.clone(),
+        )
+
+    def reset_stats(self) -> None:
+        """Forget the accumulated backward statistics."""
+        self._stats_probe.grad = None

@@ -1,0 +1,279 @@
+"""LRMoE against a plain per-expert-loop reference, against transformers' Qwen3-MoE block, and its retain < 1
+contract: exact forward and router gradient, expert gradients restricted to the selected pairs."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lrmoe.functional import plan_quotas
+from lrmoe.nn import LRMoE
+
+T, D, FF, E, K = 24, 16, 12, 6, 2
+
+
+def dense_reference(layer: LRMoE, x: torch.Tensor, kept=None) -> torch.Tensor:
+    """Per-expert loop written from the math: softmax/sigmoid router, top-k, renormalise, SwiGLU experts.
+
+    ``kept``: optional [T, K] bool; pairs outside it contribute their forward value but no expert-path gradient
+    (their expert output is computed from detached inputs and weights), which is what selective backward with
+    weight 1 means.
+    """
+    x_TD = x.reshape(-1, layer.dim)
+    logits = x_TD @ layer.gate.weight.t()
+    probs = logits.float().softmax(-1) if layer.score_func == "softmax" else logits.float().sigmoid()
+    top_w, top_i = probs.topk(layer.top_k, dim=-1)
+    if layer.norm_topk_prob:
+        top_w = top_w / top_w.sum(-1, keepdim=True)
+    out = torch.zeros_like(x_TD)
+    w_gu, w_d = layer.experts.gate_up_proj, layer.experts.down_proj
+    for e in range(layer.num_experts):
+        tok, slot = torch.where(top_i == e)
+        if tok.numel() == 0:
+            continue
+        for live in (True, False):
+            sel = torch.ones_like(tok, dtype=torch.bool) if kept is None else kept[tok, slot] == live
+            if kept is None and not live:
+                continue
+            t_, s_ = tok[sel], slot[sel]
+            xs, wg, wd = x_TD[t_], w_gu[e], w_d[e]
+            if not live:
+                xs, wg, wd = xs.detach(), wg.detach(), wd.detach()
+            gate, up = (xs @ wg.t()).chunk(2, dim=-1)
+            y = (F.silu(gate) * up) @ wd.t()
+            out = out.index_add(0, t_, y * top_w[t_, s_, None].to(y.dtype))
+    return out.view(x.shape)
+
+
+def grads(layer, x, fn, c):
+    for p in layer.parameters():
+        p.grad = None
+    x = x.detach().clone().requires_grad_(True)
+    out = fn(x)
+    (out * c).sum().backward()
+    return out.detach(), x.grad, {n: p.grad.clone() for n, p in layer.named_parameters()}
+
+
+def make(retain=1.0, seed=0, **kw):
+    torch.manual_seed(seed)
+    layer = LRMoE(D, FF, E, K, retain=retain, **kw)
+    x = torch.randn(2, T // 2, D)
+    c = torch.randn(2, T // 2, D)
+    return layer, x, c
+
+
+@pytest.mark.parametrize("score_func", ["softmax", "sigmoid"])
+@pytest.mark.parametrize("norm_topk_prob", [True, False])
+@pytest.mark.parametrize("selection", ["sample", "top"])
+def test_retain_one_equals_dense_reference(score_func, norm_topk_prob, selection):
+    layer, x, c = make(score_func=score_func, norm_topk_prob=norm_topk_prob, selection=selection)
+    out, gx, gp = grads(layer, x, layer, c)
+    ref, rx, rp = grads(layer, x, lambda x: dense_reference(layer, x), c)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(gx, rx, rtol=1e-5, atol=1e-6)
+    for name in rp:
+        torch.testing.assert_close(gp[name], rp[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_equals_transformers_qwen3_moe_block():
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+    config = transformers.Qwen3MoeConfig(
+        hidden_size=D, moe_intermediate_size=FF, num_experts=E, num_experts_per_tok=K, norm_topk_prob=True,
+        hidden_act="silu", num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2, vocab_size=32,
+    )
+    torch.manual_seed(0)
+    hf = Qwen3MoeSparseMoeBlock(config).float()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.normal_(0, 0.3)
+    layer = LRMoE(D, FF, E, K)
+    layer.load_state_dict(hf.state_dict(), strict=True)
+    hf.load_state_dict(layer.state_dict(), strict=True)  # and back: same names, same shapes
+
+    x = torch.randn(2, T // 2, D)
+    c = torch.randn(2, T // 2, D)
+    out, gx, gp = grads(layer, x, layer, c)
+    for p in hf.parameters():
+        p.grad = None
+    xh = x.clone().requires_grad_(True)
+    ref = hf(xh)
+    (ref * c).sum().backward()
+    torch.testing.assert_close(out, ref.detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(gx, xh.grad, rtol=1e-5, atol=1e-6)
+    for name, p in hf.named_parameters():
+        torch.testing.assert_close(gp[name], p.grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def lrm_scores(layer, x, c):
+    """alpha^2 ||g||^2 ||phi||^2 per pair, from the definitions (g = c for the loss sum(out * c))."""
+    with torch.no_grad():
+        x_TD = x.reshape(-1, D)
+        probs = (x_TD @ layer.gate.weight.t()).softmax(-1)
+        top_w, top_i = probs.topk(K, dim=-1)
+        top_w = top_w / top_w.sum(-1, keepdim=True)
+        gate, up = torch.einsum("td,tkfd->tkf", x_TD, layer.experts.gate_up_proj[top_i]).chunk(2, -1)
+        phi_sq = (F.silu(gate) * up).square().sum(-1)
+        g_sq = c.reshape(-1, D).square().sum(-1, keepdim=True)
+        return top_w.square() * g_sq * phi_sq, top_i
+
+
+@pytest.mark.parametrize("retain", [0.75, 0.5, 0.3])
+@pytest.mark.parametrize("policy", ["waterfill", "proportional"])
+def test_top_selection_restricts_expert_gradients_to_top_quota_pairs(retain, policy):
+    layer, x, c = make(retain=retain, selection="top", policy=policy)
+    out, gx, gp = grads(layer, x, layer, c)
+    dense_out, _, dense_gp = grads(layer, x, lambda x: dense_reference(layer, x), c)
+
+    # Which pairs a correct implementation keeps: per expert, the quota highest LRM scores (ties to lower id).
+    scores, top_i = lrm_scores(layer, x, c)
+    loads = torch.zeros(E, dtype=torch.int64).scatter_add_(0, top_i.reshape(-1), torch.ones(T * K, dtype=torch.int64))
+    quotas = plan_quotas(loads, retain, policy=policy)
+    kept = torch.zeros(T * K, dtype=torch.bool)
+    flat_s, flat_e = scores.reshape(-1).tolist(), top_i.reshape(-1).tolist()
+    for e in range(E):
+        members = sorted((p for p in range(T * K) if flat_e[p] == e), key=lambda p: (-flat_s[p], p))
+        kept[members[: int(quotas[e])]] = True
+    assert int(kept.sum()) == math.floor(retain * T * K) or policy == "proportional"
+    assert int(kept.sum()) < T * K
+
+    ref_out, ref_gx, ref_gp = grads(layer, x, lambda x: dense_reference(layer, x, kept.view(T, K)), c)
+    torch.testing.assert_close(out, dense_out, rtol=1e-5, atol=1e-6)  # forward exact
+    torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(gp["gate.weight"], dense_gp["gate.weight"], rtol=1e-5, atol=1e-6)  # router exact
+    torch.testing.assert_close(gx, ref_gx, rtol=1e-5, atol=1e-6)
+    for name in ref_gp:
+        torch.testing.assert_close(gp[name], ref_gp[name], rtol=1e-5, atol=1e-6, msg=name)
+    # and the restriction matters: the expert gradients differ from the dense ones
+    assert not torch.allclose(gp["experts.down_proj"], dense_gp["experts.down_proj"], rtol=1e-3, atol=1e-4)
+
+
+def test_sample_selection_is_unbiased():
+    layer, x, c = make(retain=0.5, selection="sample")
+    _, dense_gx, dense_gp = grads(layer, x, lambda x: dense_reference(layer, x), c)
+    n_draws = 400
+    acc = {n: torch.zeros_like(p) for n, p in dense_gp.items()}
+    acc_sq = {n: torch.zeros_like(p) for n, p in dense_gp.items()}
+    acc_x = torch.zeros_like(dense_gx)
+    torch.manual_seed(123)
+    for _ in range(n_draws):
+        out, gx, gp = grads(layer, x, layer, c)
+        acc_x += gx
+        for n in acc:
+            acc[n] += gp[n]
+            acc_sq[n] += gp[n].square()
+    for n in acc:
+        mean = acc[n] / n_draws
+        std_err = ((acc_sq[n] / n_draws - mean.square()).clamp(min=0) / n_draws).sqrt()
+        # every coordinate within 6 standard errors (plus float slack) of the dense gradient
+        assert ((mean - dense_gp[n]).abs() <= 6 * std_err + 1e-5).all(), n
+    # a single draw is not the dense gradient (so the test above is not vacuous)
+    assert not torch.allclose(gp["experts.down_proj"], dense_gp["experts.down_proj"], rtol=1e-3, atol=1e-4)
+    assert (acc_x / n_draws - dense_gx).abs().max() < 0.1 * dense_gx.abs().max()
+
+
+def test_forward_and_router_gradient_unchanged_by_retain():
+    dense, x, c = make(retain=1.0)
+    out1, _, gp1 = grads(dense, x, dense, c)
+    for selection in ("sample", "top"):
+        layer = LRMoE(D, FF, E, K, retain=0.6, selection=selection)
+        layer.load_state_dict(dense.state_dict())
+        out, _, gp = grads(layer, x, layer, c)
+        torch.testing.assert_close(out, out1, rtol=0, atol=0)
+        torch.testing.assert_close(gp["gate.weight"], gp1["gate.weight"], rtol=1e-6, atol=1e-7)
+
+
+def test_backward_gemms_see_at_most_the_planned_rows():
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class RecordGroupedOps(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.rows = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.namespace == "lrmoe":
+                self.rows.append((str(func), args[2].shape[0]))
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    layer = LRMoE(D, FF, E, K, retain=0.5)
+    x = torch.randn(64, D, requires_grad=True)
+    out = layer(x)
+    n_pairs = 64 * K
+    with RecordGroupedOps() as mode:
+        out.square().sum().backward()
+    assert len(mode.rows) == 4  # dphi, dW_down, dW_gate_up, dx
+    bound = math.ceil(0.5 * n_pairs) + E
+    assert all(rows <= bound for _, rows in mode.rows), mode.rows
+    assert max(rows for _, rows in mode.rows) < n_pairs
+
+
+def test_stats():
+    layer, x, c = make(retain=0.75)
+    grads(layer, x, layer, c)
+    s = layer.stats()
+    assert int(s.total_pairs) == T * K and int(s.loads.sum()) == T * K
+    assert int(s.retained_pairs) == math.floor(0.75 * T * K)
+    assert torch.equal(s.quotas, plan_quotas(s.loads, 0.75))
+    assert 0.75 <= float(s.score_mass_fraction) <= 1.0  # the kept pairs carry at least their share of mass
+    assert float(s.backward_calls) == 1.0
+    grads(layer, x, layer, c)
+    assert float(layer.stats().backward_calls) == 2.0
+    layer.reset_stats()
+    assert math.isnan(float(layer.stats().score_mass_fraction))
+
+    dense, x, c = make(retain=1.0)
+    grads(dense, x, dense, c)
+    assert float(dense.stats().score_mass_fraction) == 1.0
+    assert float(dense.stats().retained_fraction) == 1.0
+
+
+def test_sample_is_reproducible_with_seed_and_generator():
+    layer, x, c = make(retain=0.5, selection="sample")
+    torch.manual_seed(7)
+    _, _, a = grads(layer, x, layer, c)
+    torch.manual_seed(7)
+    _, _, b = grads(layer, x, layer, c)
+    _, _, other = grads(layer, x, layer, c)
+    assert torch.equal(a["experts.down_proj"], b["experts.down_proj"])
+    assert not torch.equal(a["experts.down_proj"], other["experts.down_proj"])
+
+    layer.generator = torch.Generator().manual_seed(3)
+    _, _, g1 = grads(layer, x, layer, c)
+    layer.generator = torch.Generator().manual_seed(3)
+    _, _, g2 = grads(layer, x, layer, c)
+    assert torch.equal(g1["experts.down_proj"], g2["experts.down_proj"])
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(top_k=7), "top_k"),
+        (dict(top_k=0), "top_k"),
+        (dict(retain=0.0), "retain"),
+        (dict(retain=1.5), "retain"),
+        (dict(retain=0.5, min_retain=0.6), "min_retain"),
+        (dict(metric="l3"), "metric"),
+        (dict(policy="greedy"), "policy"),
+        (dict(selection="best"), "selection"),
+        (dict(score_func="relu"), "score_func"),
+        (dict(num_experts=0, top_k=1), "num_experts"),
+    ],
+)
+def test_bad_configuration_raises_naming_the_argument(kwargs, match):
+    args = dict(dim=D, hidden_dim=FF, num_experts=E, top_k=K) | kwargs
+    with pytest.raises((ValueError, TypeError), match=match):
+        LRMoE(**args)
+
+
+def test_bad_input_raises():
+    layer = LRMoE(D, FF, E, K)
+    with pytest.raises(ValueError, match="dim"):
+        layer(torch.randn(3, D + 1))
+    with pytest.raises(TypeError, match="dtype"):
+        layer(torch.randn(3, D, dtype=torch.float64))
