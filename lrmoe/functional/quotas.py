@@ -34,7 +34,8 @@ def plan_quotas(
         min_retain: every expert keeps at least ceil(min_retain * its load) pairs; in [0, retain].
         policy: "waterfill" trims only the experts above a common level lambda: an expert keeps
             max(floor, min(load, lambda)) or one more, which flattens the backward load; "proportional" keeps
-            the same fraction of every expert (largest-remainder rounding).
+            the same fraction of every expert (largest-remainder rounding); with floors, each expert keeps its
+            floor plus the same fraction of the load above it.
         capacity, placement: per-rank backward capacity and expert placement for expert parallelism; not
             implemented on this path yet (a later issue), so they must be None.
 
@@ -63,7 +64,10 @@ def plan_quotas(
     if policy == "waterfill":
         quotas_E = _waterfill(loads_E, floors_E, budget)
     else:
-        quotas_E = torch.maximum(apportion(budget.reshape(1), loads_E.unsqueeze(1)).squeeze(1), floors_E)
+        # Floors first, then what is left of the budget over the room above them, in proportion. (Raising the
+        # proportional shares to the floors afterwards would overshoot the budget.)
+        rest = (budget - floors_E.sum()).clamp(min=0).reshape(1)
+        quotas_E = floors_E + apportion(rest, (loads_E - floors_E).unsqueeze(1)).squeeze(1)
 
     quotas_SE = apportion(quotas_E, loads_SE)
     return quotas_SE.squeeze(0) if one_source else quotas_SE
