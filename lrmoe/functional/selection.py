@@ -83,7 +83,7 @@ def select_within_quota(
     device = scores_P.device
     n_groups = quotas_G.shape[0]
     gid_P = group_ids_P.long()
-    scores_P = scores_P.float().nan_to_num(nan=float("inf"))
+    scores_P = _nan_as_inf(scores_P)
     sizes_G = torch.zeros(n_groups, dtype=torch.int64, device=device).scatter_add_(0, gid_P, torch.ones_like(gid_P))
     starts_G = torch.cumsum(sizes_G, 0) - sizes_G
     take_G = torch.minimum(quotas_G.long().clamp(min=0), sizes_G)
@@ -133,7 +133,13 @@ def inclusion_probabilities(scores_P: torch.Tensor, group_ids_P: torch.Tensor, q
     )
     take_G = torch.minimum(quotas_G.long().clamp(min=0), sizes_G)
     starts_G = torch.cumsum(sizes_G, 0) - sizes_G
-    return _probabilities(scores_P.float().nan_to_num(nan=float("inf")), gid_P, take_G, sizes_G, starts_G)
+    return _probabilities(_nan_as_inf(scores_P), gid_P, take_G, sizes_G, starts_G)
+
+
+def _nan_as_inf(scores_P: torch.Tensor) -> torch.Tensor:
+    """fp32 scores with NaN as +inf. (Not nan_to_num: it would also turn +-inf into the largest finite floats.)"""
+    scores_P = scores_P.float()
+    return torch.where(torch.isnan(scores_P), float("inf"), scores_P)
 
 
 def _group_sort(gid_P: torch.Tensor, key_P: torch.Tensor, *, descending: bool) -> torch.Tensor:
@@ -152,6 +158,22 @@ def _segment_cumsum(v_P: torch.Tensor, g_P: torch.Tensor, starts_G: torch.Tensor
     return cum_P - base_G[g_P]
 
 
+def _segment_suffix_sum(v_S: torch.Tensor, g_S: torch.Tensor) -> torch.Tensor:
+    """Sum from every position to the end of its group, for values sorted by group (fp64).
+
+    A segmented Hillis-Steele scan: ceil(log2 P) shifted adds, each taking the partial sum d places ahead when
+    it lies in the same group. Unlike a group total minus a prefix sum it never subtracts, so a tail of tiny
+    weights after huge ones (or after another group) keeps its precision and a tail of zeros is exactly zero.
+    """
+    out_S = v_S.double()
+    n, d = v_S.shape[0], 1
+    while d < n:  # static: depends on the shape only
+        same_S = torch.cat([g_S[d:] == g_S[:-d], g_S.new_zeros(d, dtype=torch.bool)])
+        out_S = out_S + torch.where(same_S, torch.cat([out_S[d:], out_S.new_zeros(d)]), 0.0)
+        d *= 2
+    return out_S
+
+
 def _probabilities(scores_P, gid_P, take_G, sizes_G, starts_G) -> torch.Tensor:
     w_P = scores_P.double().clamp(min=0).sqrt()
     order_P = _group_sort(gid_P, w_P, descending=True)  # +inf first, then by weight
@@ -165,9 +187,11 @@ def _probabilities(scores_P, gid_P, take_G, sizes_G, starts_G) -> torch.Tensor:
     q_G = (take_G - n_inf_G).clamp(min=0)
     wf_S = torch.where(inf_S, 0.0, w_S)
     rf_S = rank_S - n_inf_G[g_S]
-    tail_S = torch.zeros_like(wf_S).scatter_add_(0, g_S, wf_S)[g_S] - (_segment_cumsum(wf_S, g_S, starts_G) - wf_S)
-    # The largest m pairs are capped at 1, m the first rank with (q - r) w_r <= t(r) (monotone in r).
-    fits_S = (q_G[g_S] - rf_S).double() * wf_S <= tail_S
+    tail_S = _segment_suffix_sum(wf_S, g_S)
+    # The largest m pairs are capped at 1, m the first rank with (q - r) w_r <= t(r) (monotone in r). A quota
+    # covering every finite pair caps them all, so p is exactly 1 there (retain = 1 must give weights of 1).
+    room_G = q_G < sizes_G - n_inf_G
+    fits_S = room_G[g_S] & ((q_G[g_S] - rf_S).double() * wf_S <= tail_S)
     in_quota_S = (~inf_S) & (rf_S < q_G[g_S])
     m_G = torch.zeros_like(q_G).scatter_add_(0, g_S, (in_quota_S & ~fits_S).long())
     at_m_S = (~inf_S) & (rf_S == m_G[g_S])
