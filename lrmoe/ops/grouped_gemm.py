@@ -128,3 +128,27 @@ def _(a_RO, b_NI, rows_R, offsets_E):
 @grouped_outer.register_fake
 def _(a_RO, b_NI, rows_R, offsets_E):
     return a_RO.new_empty(offsets_E.shape[0], a_RO.shape[1], b_NI.shape[1])
+
+
+def _grouped_outer_setup(ctx, inputs, output):
+    a_RO, b_NI, rows_R, offsets_E = inputs
+    ctx.save_for_backward(a_RO, b_NI, rows_R, offsets_E)
+
+
+def _grouped_outer_backward(ctx, grad_w_EOI):
+    # w[e] = sum_i a[i] b[rows[i]]^T, so da[i] = grad_w[e(i)] b[rows[i]] and
+    # db[n] = sum over rows[i] = n of grad_w[e(i)]^T a[i]: both are gather_grouped_mm (zero past the last group).
+    # This also makes gather_grouped_mm twice differentiable.
+    a_RO, b_NI, rows_R, offsets_E = ctx.saved_tensors
+    grad_w_EOI = grad_w_EOI.contiguous()  # autograd may hand an expanded (stride 0) tensor; _grouped_mm rejects it
+    grad_a = grad_b = None
+    if ctx.needs_input_grad[0]:
+        grad_a = gather_grouped_mm(b_NI, grad_w_EOI, rows_R, offsets_E)
+    if ctx.needs_input_grad[1]:
+        ident_R = torch.arange(rows_R.shape[0], device=rows_R.device)
+        db_RI = gather_grouped_mm(a_RO, grad_w_EOI.transpose(1, 2), ident_R, offsets_E)
+        grad_b = torch.zeros_like(b_NI).index_add(0, rows_R.clamp(min=0), db_RI)
+    return grad_a, grad_b, None, None
+
+
+grouped_outer.register_autograd(_grouped_outer_backward, setup_context=_grouped_outer_setup)
