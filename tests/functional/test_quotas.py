@@ -1,0 +1,296 @@
+"""Properties of lrmoe.functional.quotas: plan_quotas and apportion.
+
+The contract (plan_quotas docstring, DESIGN.md section 4.1): 0 <= quota <= load; retain = 1 gives quota == load;
+the total equals the budget floor(retain * total) exactly unless the min_retain floors alone exceed it (then
+every expert keeps its floor); each expert's quota is split over sources in proportion to their loads
+(largest remainder); deterministic. Checks use exact rationals (fractions.Fraction) where they compare with a
+real-valued share.
+"""
+
+from __future__ import annotations
+
+import math
+from fractions import Fraction
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import example, given
+from hypothesis import strategies as st
+
+from lrmoe.functional import apportion, plan_quotas
+
+POLICIES = ["waterfill", "proportional"]
+
+
+def _budget(loads_E: list[int], retain: float) -> int:
+    # The documented budget, floor(retain * total), in Python float arithmetic (IEEE double, as documented).
+    return math.floor(sum(loads_E) * retain)
+
+
+def _floor_of(load: int, min_retain: float) -> int:
+    # ceil(min_retain * load), with the documented float slack (0.3 * 10 = 3.0000000000000004 counts as 3).
+    return min(load, max(0, math.ceil(load * min_retain - 1e-6)))
+
+
+# ------------------------------------------------------------------------------------------------ strategies
+
+retains = st.one_of(
+    st.sampled_from([0.1, 0.25, 0.3, 0.5, 0.7, 0.75, 0.9, 1.0]),
+    st.floats(min_value=1e-3, max_value=1.0, exclude_min=False),
+)
+
+
+@st.composite
+def loads_cases(draw, *, min_retain_zero: bool = False):
+    S = draw(st.integers(1, 4))
+    E = draw(st.integers(1, 8))
+    shape = draw(st.sampled_from(["random", "random", "hot", "zeros"]))
+    if shape == "random":
+        loads = draw(st.lists(st.integers(0, 40), min_size=S * E, max_size=S * E))
+    elif shape == "hot":  # one expert takes every token
+        hot = draw(st.integers(0, E - 1))
+        per_src = draw(st.lists(st.integers(0, 50), min_size=S, max_size=S))
+        loads = [per_src[s] if e == hot else 0 for s in range(S) for e in range(E)]
+    else:
+        loads = [0] * (S * E)
+    loads_SE = torch.tensor(loads, dtype=torch.int64).reshape(S, E)
+    one_d = S == 1 and draw(st.booleans())
+    retain = draw(retains)
+    if min_retain_zero or draw(st.booleans()):
+        min_retain = 0.0
+    else:
+        min_retain = retain * draw(st.sampled_from([0.1, 0.5, 0.9, 1.0]) | st.floats(0.0, 1.0))
+    policy = draw(st.sampled_from(POLICIES))
+    dtype = draw(st.sampled_from([torch.int64, torch.int32]))
+    loads_SE = loads_SE.to(dtype)
+    return (loads_SE[0] if one_d else loads_SE), retain, min_retain, policy
+
+
+def _plan(loads, retain, min_retain, policy):
+    q = plan_quotas(loads, retain, min_retain=min_retain, policy=policy)
+    assert q.dtype == torch.int64
+    assert q.shape == loads.shape
+    return q
+
+
+def _as_SE(t: torch.Tensor) -> list[list[int]]:
+    return t.reshape(-1, t.shape[-1]).long().tolist()
+
+
+# ------------------------------------------------------------------------------------------------ properties
+
+
+@given(loads_cases())
+@example((torch.tensor([1, 1, 100]), 0.5, 0.01, "proportional"))
+@example((torch.tensor([1, 1, 100]), 0.5, 0.01, "waterfill"))
+@example((torch.zeros(2, 3, dtype=torch.int64), 0.5, 0.2, "waterfill"))
+@example((torch.tensor([[0, 7, 0], [0, 3, 0], [0, 0, 0], [0, 11, 0]]), 0.4, 0.0, "waterfill"))
+def test_quota_contract(case):
+    loads, retain, min_retain, policy = case
+    q = _plan(loads, retain, min_retain, policy)
+    L_SE, Q_SE = _as_SE(loads), _as_SE(q)
+    S, E = len(L_SE), len(L_SE[0])
+    L_E = [sum(L_SE[s][e] for s in range(S)) for e in range(E)]
+    Q_E = [sum(Q_SE[s][e] for s in range(S)) for e in range(E)]
+
+    # 0 <= quota <= load, elementwise (per source and per expert).
+    for s in range(S):
+        for e in range(E):
+            assert 0 <= Q_SE[s][e] <= L_SE[s][e], (s, e, Q_SE, L_SE)
+
+    # Floors: every expert keeps at least min_retain of its load (float slack of 1e-6).
+    for e in range(E):
+        assert Q_E[e] >= L_E[e] * min_retain - 1e-6, (e, Q_E, L_E, min_retain)
+
+    # Total: the budget exactly, unless the floors alone exceed it, then every expert keeps its floor.
+    budget = _budget(L_E, retain)
+    floors = [_floor_of(l, min_retain) for l in L_E]
+    if sum(floors) <= budget:
+        assert sum(Q_E) == budget, (sum(Q_E), budget, Q_E, L_E, retain, min_retain, policy)
+    else:
+        assert Q_E == floors, (Q_E, floors)
+
+    # Per-source split: sums to the expert quota, each share within 1 of quota_e * load_se / load_e.
+    for e in range(E):
+        for s in range(S):
+            share = Fraction(Q_E[e] * L_SE[s][e], L_E[e]) if L_E[e] else Fraction(0)
+            assert abs(Q_SE[s][e] - share) < 1, (s, e, Q_SE, L_SE)
+
+
+@given(loads_cases(min_retain_zero=True))
+def test_retain_one_keeps_everything(case):
+    loads, _, _, policy = case
+    for min_retain in (0.0, 0.5, 1.0):
+        q = _plan(loads, 1.0, min_retain, policy)
+        assert torch.equal(q, loads.long())
+
+
+@given(loads_cases())
+def test_waterfill_has_a_common_level(case):
+    loads, retain, min_retain, _ = case
+    q = _plan(loads, retain, min_retain, "waterfill")
+    L_E = [sum(col) for col in zip(*_as_SE(loads))]
+    Q_E = [sum(col) for col in zip(*_as_SE(q))]
+    F_E = [_floor_of(l, min_retain) for l in L_E]
+
+    def fits(level: int) -> bool:
+        # Each expert keeps clamp(level, floor, load), or one more if it is still growing at that level.
+        for l, f, qe in zip(L_E, F_E, Q_E):
+            base = min(max(level, f), l)
+            if not (qe == base or (qe == base + 1 and f <= level < l)):
+                return False
+        return True
+
+    levels = [lv for lv in range(0, max(L_E, default=0) + 1) if fits(lv)]
+    assert levels, f"no common level explains quotas {Q_E} for loads {L_E} (floors {F_E})"
+
+    if min_retain == 0.0:
+        # Untouched below the level, trimmed experts at L or L + 1: the heaviest experts are trimmed first.
+        lv = levels[0]
+        for l, qe in zip(L_E, Q_E):
+            if l <= lv:
+                assert qe == l
+            else:
+                assert qe in (lv, lv + 1)
+        for a in range(len(L_E)):
+            for b in range(len(L_E)):
+                if L_E[a] >= L_E[b]:
+                    assert Q_E[a] >= Q_E[b] - 1, (L_E, Q_E)
+
+
+@given(loads_cases())
+def test_proportional_keeps_the_same_fraction(case):
+    loads, retain, min_retain, _ = case
+    q = _plan(loads, retain, min_retain, "proportional")
+    L_E = [sum(col) for col in zip(*_as_SE(loads))]
+    Q_E = [sum(col) for col in zip(*_as_SE(q))]
+    total = sum(L_E)
+    budget = _budget(L_E, retain)
+    if min_retain == 0.0:
+        # Largest remainder apportionment of the budget: within 1 of budget * load / total ...
+        for l, qe in zip(L_E, Q_E):
+            share = Fraction(budget * l, total) if total else Fraction(0)
+            assert abs(qe - share) < 1, (L_E, Q_E, budget)
+        # ... hence within 2 of retain * load.
+        for l, qe in zip(L_E, Q_E):
+            assert abs(qe - retain * l) < 2
+    else:
+        # Floors first, then the rest of the budget over what lies above the floors, in proportion.
+        F_E = [_floor_of(l, min_retain) for l in L_E]
+        rest, room = budget - sum(F_E), total - sum(F_E)
+        if rest >= 0:
+            for l, f, qe in zip(L_E, F_E, Q_E):
+                share = Fraction(rest * (l - f), room) if room else Fraction(0)
+                assert qe >= f and abs(qe - f - share) < 1, (L_E, F_E, Q_E, budget)
+
+
+@given(loads_cases(), st.randoms(use_true_random=False))
+def test_deterministic_and_permutation_consistent(case, rnd):
+    loads, retain, min_retain, policy = case
+    q1 = _plan(loads, retain, min_retain, policy)
+    q2 = _plan(loads.clone(), retain, min_retain, policy)
+    assert torch.equal(q1, q2)
+
+    loads_SE = loads.reshape(-1, loads.shape[-1])
+    q_SE = q1.reshape(loads_SE.shape)
+    # Expert quotas depend only on the expert totals: the same with the sources summed or shuffled.
+    q_E = _plan(loads_SE.sum(0), retain, min_retain, policy)
+    assert torch.equal(q_SE.sum(0), q_E)
+    src_perm = list(range(loads_SE.shape[0]))
+    rnd.shuffle(src_perm)
+    q_perm = _plan(loads_SE[src_perm], retain, min_retain, policy)
+    assert torch.equal(q_perm.sum(0), q_E)
+
+    # Permuting experts keeps the total; waterfill's +1 goes by index, but the multiset of quotas is unchanged.
+    exp_perm = list(range(loads_SE.shape[1]))
+    rnd.shuffle(exp_perm)
+    q_eperm = _plan(loads_SE.sum(0)[exp_perm], retain, min_retain, policy)
+    assert int(q_eperm.sum()) == int(q_E.sum())
+    if policy == "waterfill":
+        assert sorted(q_eperm.tolist()) == sorted(q_E.tolist())
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_small_cases_by_hand(policy):
+    # All-zero loads: nothing to keep.
+    assert plan_quotas(torch.zeros(4, dtype=torch.int64), 0.5, policy=policy).tolist() == [0, 0, 0, 0]
+    # One expert takes all tokens: it keeps floor(retain * load).
+    assert plan_quotas(torch.tensor([0, 10, 0]), 0.75, policy=policy).tolist() == [0, 7, 0]
+    # Split over 4 sources in proportion to their loads: 7 of [4, 0, 4, 2] -> 2.8, 0, 2.8, 1.4 -> 3, 0, 3, 1.
+    q = plan_quotas(torch.tensor([[0, 4], [0, 0], [0, 4], [0, 2]]), 0.7, policy=policy)
+    assert q.tolist() == [[0, 3], [0, 0], [0, 3], [0, 1]]
+
+
+def test_waterfill_by_hand():
+    # loads 10, 6, 2, 1; budget floor(0.5 * 19) = 9 -> level 3: 2 and 1 untouched, 10 and 6 keep 3 each.
+    assert plan_quotas(torch.tensor([10, 6, 2, 1]), 0.5).tolist() == [3, 3, 2, 1]
+    # budget floor(0.55 * 19) = 10 -> level 3 keeps 9; the first expert still growing there gets the extra pair.
+    assert plan_quotas(torch.tensor([10, 6, 2, 1]), 0.55).tolist() == [4, 3, 2, 1]
+    # floors ceil(0.5 * load) = 5, 3, 1, 1 fit in the budget floor(0.75 * 18) = 13 -> level 5: 5, 5, 2, 1.
+    assert plan_quotas(torch.tensor([9, 6, 2, 1]), 0.75, min_retain=0.5).tolist() == [5, 5, 2, 1]
+    # budget floor(0.5 * 18) = 9 < floors 5 + 3 + 1 + 1 = 10 -> every expert keeps its floor.
+    assert plan_quotas(torch.tensor([9, 6, 2, 1]), 0.5, min_retain=0.5).tolist() == [5, 3, 1, 1]
+
+
+def test_proportional_with_floors_uses_the_budget_exactly():
+    # Experts of load 1 round to 0 by proportion, but a floor keeps one pair each; the heavy expert gives way.
+    q = plan_quotas(torch.tensor([1, 1, 100]), 0.5, min_retain=0.01, policy="proportional")
+    assert int(q.sum()) == 51
+    assert q[:2].tolist() == [1, 1]
+
+
+@given(st.lists(st.integers(0, 30), min_size=1, max_size=6), st.integers(1, 4), st.data())
+def test_apportion_largest_remainder(totals, S, data):
+    G = len(totals)
+    weights = torch.tensor(data.draw(st.lists(st.integers(0, 12), min_size=S * G, max_size=S * G))).reshape(S, G)
+    totals_t = torch.tensor([min(t, int(weights[:, g].sum())) for g, t in enumerate(totals)])
+    out = apportion(totals_t, weights)
+    for g in range(G):
+        col, tot, w = out[:, g].tolist(), int(totals_t[g]), weights[:, g].tolist()
+        assert sum(col) == tot
+        W = sum(w)
+        for s in range(S):
+            share = Fraction(tot * w[s], W) if W else Fraction(0)
+            assert math.floor(share) <= col[s] <= math.floor(share) + 1
+            assert col[s] <= w[s]
+        # Largest remainders win the extra units, ties to the lower row.
+        if W:
+            rems = [(-(Fraction(tot * w[s], W) % 1), s) for s in range(S)]
+            extra = {s for _, s in sorted(rems)[: tot - sum(math.floor(Fraction(tot * x, W)) for x in w)]}
+            assert {s for s in range(S) if col[s] > math.floor(Fraction(tot * w[s], W))} == extra
+
+
+# ------------------------------------------------------------------------------------------------ errors
+
+_LOADS = torch.tensor([[3, 0, 5], [1, 2, 0]])
+
+
+@pytest.mark.parametrize(
+    "loads, kwargs, exc, name",
+    [
+        (_LOADS, {"retain": 0.0}, ValueError, "retain"),
+        (_LOADS, {"retain": 1.5}, ValueError, "retain"),
+        (_LOADS, {"retain": -0.1}, ValueError, "retain"),
+        (_LOADS, {"retain": float("nan")}, ValueError, "retain"),
+        (_LOADS, {"retain": torch.tensor(0.5)}, TypeError, "retain"),
+        (_LOADS, {"retain": 0.5, "min_retain": 0.6}, ValueError, "min_retain"),
+        (_LOADS, {"retain": 0.5, "min_retain": -0.1}, ValueError, "min_retain"),
+        (_LOADS, {"retain": 0.5, "policy": "greedy"}, ValueError, "policy"),
+        (_LOADS.float(), {"retain": 0.5}, TypeError, "loads_SE"),
+        (_LOADS.bool(), {"retain": 0.5}, TypeError, "loads_SE"),
+        (_LOADS.reshape(1, 2, 3), {"retain": 0.5}, ValueError, "loads_SE"),
+        (torch.tensor(4), {"retain": 0.5}, ValueError, "loads_SE"),
+        (_LOADS.tolist(), {"retain": 0.5}, TypeError, "loads_SE"),
+    ],
+)
+def test_plan_quotas_errors_name_the_argument(loads, kwargs, exc, name):
+    retain = kwargs.pop("retain")
+    with pytest.raises(exc, match=name):
+        plan_quotas(loads, retain, **kwargs)
+
+
+@pytest.mark.parametrize("kw", ["capacity", "placement"])
+def test_capacity_and_placement_not_implemented(kw):
+    with pytest.raises(NotImplementedError, match=kw):
+        plan_quotas(_LOADS, 0.5, **{kw: torch.tensor([4, 4])})

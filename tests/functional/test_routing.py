@@ -1,0 +1,250 @@
+"""Properties of lrmoe.functional.routing: route_topk and expert_loads.
+
+References are NumPy: softmax/sigmoid in float64, and the choice checked against the returned fp32 scores plus
+the bias added in fp32 (the same IEEE operation the router performs), so ties cannot make the check flaky.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from lrmoe.functional import Routing, expert_loads, route_topk
+
+# ------------------------------------------------------------------------------------------------ references
+
+
+def _np_scores(logits_TE: np.ndarray, score_func: str) -> np.ndarray:
+    x = logits_TE.astype(np.float64)
+    if score_func == "softmax":
+        z = np.exp(x - x.max(-1, keepdims=True))
+        return z / z.sum(-1, keepdims=True)
+    return 1.0 / (1.0 + np.exp(-x))
+
+
+def _np_gates(scores64_TE, ids_TK, norm_topk_prob, scaling):
+    g = np.take_along_axis(scores64_TE, ids_TK, axis=1)
+    if norm_topk_prob:
+        g = g / g.sum(-1, keepdims=True)
+    return g * scaling
+
+
+def _check_topk_choice(choice_TE: np.ndarray, ids_TK: np.ndarray, allowed_TE: np.ndarray | None = None):
+    """Tie-robust top-k check: every chosen value >= every unchosen (allowed) value, ids distinct,
+    and listed in non-increasing order of the choice value."""
+    T, E = choice_TE.shape
+    for t in range(T):
+        ids = ids_TK[t].tolist()
+        assert len(set(ids)) == len(ids), f"token {t}: repeated expert ids {ids}"
+        assert all(0 <= i < E for i in ids)
+        chosen = choice_TE[t, ids]
+        assert np.all(np.diff(chosen) <= 0), f"token {t}: ids not ordered by biased score {chosen}"
+        pool = [e for e in range(E) if e not in ids and (allowed_TE is None or allowed_TE[t, e])]
+        if pool:
+            assert chosen.min() >= choice_TE[t, pool].max(), f"token {t}: {ids} is not a top-k of {choice_TE[t]}"
+
+
+# ------------------------------------------------------------------------------------------------ strategies
+
+
+@st.composite
+def routing_cases(draw):
+    T = draw(st.integers(1, 6))
+    E = draw(st.integers(1, 9))
+    k = draw(st.integers(1, E))
+    tied = draw(st.booleans())
+    if tied:  # many exact ties: the choice must still be a valid top-k with distinct ids
+        vals = st.sampled_from([-2.0, 0.0, 0.0, 1.0, 3.0])
+        logits = np.array(draw(st.lists(vals, min_size=T * E, max_size=T * E)), dtype=np.float32).reshape(T, E)
+    else:
+        seed = draw(st.integers(0, 2**31 - 1))
+        logits = (np.random.default_rng(seed).standard_normal((T, E)) * 3).astype(np.float32)
+    score_func = draw(st.sampled_from(["softmax", "sigmoid"]))
+    use_bias = draw(st.booleans())
+    bias = None
+    if use_bias:
+        bias = np.array(
+            draw(st.lists(st.floats(-1.0, 1.0, width=32), min_size=E, max_size=E)), dtype=np.float32
+        )
+    norm = draw(st.booleans())
+    scaling = draw(st.sampled_from([1.0, 2.5, 0.3]))
+    return logits, k, score_func, bias, norm, scaling
+
+
+@st.composite
+def grouped_cases(draw):
+    n_group = draw(st.integers(1, 4))
+    group_size = draw(st.integers(1, 4))
+    E = n_group * group_size
+    topk_group = draw(st.integers(1, n_group))
+    k = draw(st.integers(1, topk_group * group_size))
+    T = draw(st.integers(1, 5))
+    seed = draw(st.integers(0, 2**31 - 1))
+    rng = np.random.default_rng(seed)
+    logits = (rng.standard_normal((T, E)) * 3).astype(np.float32)
+    bias = (rng.standard_normal(E) * 0.1).astype(np.float32) if draw(st.booleans()) else None
+    score_func = draw(st.sampled_from(["softmax", "sigmoid"]))
+    return logits, k, score_func, bias, n_group, topk_group
+
+
+# ------------------------------------------------------------------------------------------------ properties
+
+
+@given(routing_cases())
+def test_route_topk_matches_numpy_reference(case):
+    logits, k, score_func, bias, norm, scaling = case
+    T, E = logits.shape
+    r = route_topk(
+        torch.from_numpy(logits),
+        k,
+        score_func=score_func,
+        bias_E=None if bias is None else torch.from_numpy(bias),
+        norm_topk_prob=norm,
+        scaling=scaling,
+    )
+    assert isinstance(r, Routing)
+    assert r.expert_ids.shape == (T, k) and r.expert_ids.dtype == torch.int64
+    assert r.gates.shape == (T, k) and r.gates.dtype == torch.float32
+    assert r.scores.shape == (T, E) and r.scores.dtype == torch.float32
+
+    scores64 = _np_scores(logits, score_func)
+    np.testing.assert_allclose(r.scores.numpy(), scores64, rtol=1e-5, atol=1e-7)
+
+    # The choice: top-k of scores (+ bias). The bias is added in fp32, as the router does.
+    choice = r.scores.numpy() if bias is None else r.scores.numpy() + bias
+    ids = r.expert_ids.numpy()
+    _check_topk_choice(choice, ids)
+
+    # Gates never see the bias: unbiased scores of the chosen experts, renormalised, scaled.
+    np.testing.assert_allclose(r.gates.numpy(), _np_gates(scores64, ids, norm, scaling), rtol=1e-5, atol=1e-7)
+
+
+@given(grouped_cases())
+def test_group_limited_routing_matches_brute_force(case):
+    logits, k, score_func, bias, n_group, topk_group = case
+    T, E = logits.shape
+    gs = E // n_group
+    r = route_topk(
+        torch.from_numpy(logits),
+        k,
+        score_func=score_func,
+        bias_E=None if bias is None else torch.from_numpy(bias),
+        n_group=n_group,
+        topk_group=topk_group,
+    )
+    choice = r.scores.numpy() if bias is None else r.scores.numpy() + bias
+    ids = r.expert_ids.numpy()
+    for t in range(T):
+        groups = choice[t].reshape(n_group, gs)
+        top2 = -np.sort(-groups, axis=1)[:, : min(2, gs)]
+        gscore = top2[:, 0] + (top2[:, 1] if gs > 1 else 0)
+        allowed_groups = set(np.argsort(-gscore, kind="stable")[:topk_group].tolist())
+        chosen_groups = {int(e) // gs for e in ids[t]}
+        assert len(chosen_groups) <= topk_group
+        assert chosen_groups <= allowed_groups, f"token {t}: groups {chosen_groups} not in {allowed_groups}"
+        allowed = np.array([e // gs in allowed_groups for e in range(E)])
+        _check_topk_choice(choice[t : t + 1], ids[t : t + 1], allowed[None])
+    np.testing.assert_allclose(
+        r.gates.numpy(), _np_gates(_np_scores(logits, score_func), ids, True, 1.0), rtol=1e-5, atol=1e-7
+    )
+
+
+def test_group_limited_routing_excludes_best_expert_of_a_weak_group():
+    # Group 0 = experts {0, 1}: one very strong expert, one very weak. Group 1 = {2, 3}: two good ones.
+    # Group scores (sum of best two) favour group 1, so expert 0 must not be chosen despite the best logit.
+    logits = torch.tensor([[5.0, -20.0, 4.0, 4.0]])
+    r = route_topk(logits, 2, score_func="sigmoid", n_group=2, topk_group=1)
+    assert sorted(r.expert_ids[0].tolist()) == [2, 3]
+    plain = route_topk(logits, 2, score_func="sigmoid")
+    assert 0 in plain.expert_ids[0].tolist()
+
+
+def test_bias_changes_choice_not_gates():
+    torch.manual_seed(0)
+    logits = torch.randn(7, 6)
+    bias = torch.zeros(6)
+    bias[4] = 100.0  # expert 4 wins every token's first slot
+    r = route_topk(logits, 2, bias_E=bias, norm_topk_prob=False)
+    assert (r.expert_ids[:, 0] == 4).all()
+    scores64 = _np_scores(logits.numpy(), "softmax")
+    np.testing.assert_allclose(r.gates[:, 0].numpy(), scores64[:, 4], rtol=1e-6)
+    # A constant bias changes nothing at all.
+    base = route_topk(logits, 3)
+    shifted = route_topk(logits, 3, bias_E=torch.full((6,), 0.25))
+    assert torch.equal(base.expert_ids, shifted.expert_ids)
+    torch.testing.assert_close(base.gates, shifted.gates)
+
+
+@pytest.mark.parametrize("score_func", ["softmax", "sigmoid"])
+def test_k_equals_E_and_single_token(score_func):
+    torch.manual_seed(1)
+    logits = torch.randn(1, 5)
+    r = route_topk(logits, 5, score_func=score_func, norm_topk_prob=True)
+    assert sorted(r.expert_ids[0].tolist()) == [0, 1, 2, 3, 4]
+    torch.testing.assert_close(r.gates.sum(), torch.tensor(1.0))
+    if score_func == "softmax":  # all experts chosen and renormalised: gates are the probabilities themselves
+        torch.testing.assert_close(r.gates[0], r.scores[0, r.expert_ids[0]])
+
+
+@given(routing_cases())
+def test_gate_gradient_matches_fixed_choice_reference(case):
+    logits, k, score_func, bias, norm, scaling = case
+    x = torch.from_numpy(logits).double().requires_grad_(True)
+    r = route_topk(
+        x, k, score_func=score_func, bias_E=None if bias is None else torch.from_numpy(bias),
+        norm_topk_prob=norm, scaling=scaling,
+    )
+    w = torch.linspace(-1, 1, r.gates.numel(), dtype=torch.float32).reshape(r.gates.shape)
+    (gx,) = torch.autograd.grad((r.gates * w).sum(), x)
+
+    x_ref = torch.from_numpy(logits).double().requires_grad_(True)
+    s = x_ref.softmax(-1) if score_func == "softmax" else x_ref.sigmoid()
+    g = s.gather(1, r.expert_ids)
+    if norm:
+        g = g / g.sum(-1, keepdim=True)
+    (gx_ref,) = torch.autograd.grad((g * scaling * w.double()).sum(), x_ref)
+    torch.testing.assert_close(gx, gx_ref, rtol=1e-4, atol=1e-6)
+
+
+@given(st.integers(1, 8), st.integers(1, 6), st.integers(0, 2**31 - 1))
+def test_expert_loads_is_bincount(T, E, seed):
+    ids = torch.from_numpy(np.random.default_rng(seed).integers(0, E, size=(T, min(E, 3))))
+    loads = expert_loads(ids, E)
+    assert loads.dtype == torch.int64
+    np.testing.assert_array_equal(loads.numpy(), np.bincount(ids.numpy().ravel(), minlength=E))
+
+
+# ------------------------------------------------------------------------------------------------ errors
+
+_L = torch.randn(3, 8)
+
+
+@pytest.mark.parametrize(
+    "args, kwargs, exc, name",
+    [
+        ((_L, 9), {}, ValueError, "top_k"),
+        ((_L, 0), {}, ValueError, "top_k"),
+        ((_L, -1), {}, ValueError, "top_k"),
+        ((_L, 2.0), {}, ValueError, "top_k"),
+        ((torch.randn(8), 2), {}, ValueError, "logits_TE"),
+        ((torch.randn(2, 3, 8), 2), {}, ValueError, "logits_TE"),
+        ((torch.zeros(3, 8, dtype=torch.int64), 2), {}, TypeError, "logits_TE"),
+        ((_L.tolist(), 2), {}, TypeError, "logits_TE"),
+        ((_L, 2), {"bias_E": torch.zeros(7)}, ValueError, "bias_E"),
+        ((_L, 2), {"bias_E": torch.zeros(1, 8)}, ValueError, "bias_E"),
+        ((_L, 2), {"bias_E": torch.zeros(8, dtype=torch.int64)}, TypeError, "bias_E"),
+        ((_L, 2), {"score_func": "tanh"}, ValueError, "score_func"),
+        ((_L, 2), {"n_group": 3, "topk_group": 1}, ValueError, "n_group"),
+        ((_L, 2), {"n_group": 0, "topk_group": 1}, ValueError, "n_group"),
+        ((_L, 2), {"n_group": 4}, ValueError, "topk_group"),
+        ((_L, 2), {"n_group": 4, "topk_group": 5}, ValueError, "topk_group"),
+        ((_L, 2), {"n_group": 4, "topk_group": 0}, ValueError, "topk_group"),
+        ((_L, 5), {"n_group": 4, "topk_group": 2}, ValueError, "top_k"),
+    ],
+)
+def test_route_topk_errors_name_the_argument(args, kwargs, exc, name):
+    with pytest.raises(exc, match=name):
+        route_topk(*args, **kwargs)
