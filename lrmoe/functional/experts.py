@@ -51,8 +51,9 @@ torch.utils._pytree.register_dataclass(ExpertPlan)
 def retained_rows_bound(n_pairs: int, n_experts: int, retain: float) -> int:
     """Static size of the backward row buffer: min(P, floor(retain * P) + E).
 
-    The waterfill plan keeps exactly floor(retain * P) pairs, the proportional one at most that plus one per
-    expert from its min_retain floors, so the bound always holds (plan_quotas' invariants).
+    Both quota policies keep exactly floor(retain * P) pairs unless the min_retain floors alone need more; each
+    floor is ceil(min_retain * load) <= retain * load + 1, so the floors need at most retain * P + E and the
+    bound always holds (plan_quotas' invariants).
     """
     if retain >= 1.0:
         return n_pairs
