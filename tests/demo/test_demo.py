@@ -1,0 +1,122 @@
+"""End-to-end test of ``python -m lrmoe demo --quick``, run in-process through ``lrmoe.__main__.main``.
+
+One module-scoped run (dense then retain 0.75, JSON logs on) backs most tests; the reproducibility tests run the
+0.75 case again. The whole file takes a few seconds on two CPU cores.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from lrmoe.__main__ import main
+
+SEED = 3
+QUICK_STEPS = 20  # the --quick preset
+LN_VOCAB = math.log(256)  # loss of a uniform guess over bytes
+
+
+def run_main(argv: list[str]) -> tuple[int, str]:
+    """main(argv) with stdout captured; returns (exit status, printed text)."""
+    buffer = io.StringIO()
+    with contextlib.redirect_stdout(buffer):
+        status = main(argv)
+    return status, buffer.getvalue()
+
+
+def read_log(out_dir: Path, retain: str) -> dict:
+    return json.loads((out_dir / f"retain_{retain}.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory) -> tuple[int, str, Path]:
+    out_dir = tmp_path_factory.mktemp("demo")
+    status, text = run_main(["demo", "--quick", "--seed", str(SEED), "--out", str(out_dir)])
+    return status, text, out_dir
+
+
+def table_rows(text: str) -> dict[str, list[str]]:
+    """The final table's rows keyed by their retain cell (the lines after the header and its dashes)."""
+    lines = text.splitlines()
+    header = max(i for i, line in enumerate(lines) if line.split()[:1] == ["retain"] and "held-out" in line)
+    rows = {}
+    for line in lines[header + 2 :]:
+        cells = line.split()
+        if not cells:
+            break
+        rows[cells[0]] = cells
+    return rows
+
+
+def test_exit_status_and_table_has_both_rows(quick_run):
+    status, text, _ = quick_run
+    assert status == 0
+    rows = table_rows(text)
+    assert set(rows) == {"1.00", "0.75"}
+    assert all(len(cells) == 7 for cells in rows.values())
+
+
+def test_training_reduces_heldout_loss(quick_run):
+    _, _, out_dir = quick_run
+    for retain in ("1", "0.75"):
+        result = read_log(out_dir, retain)
+        assert result["heldout_loss"] is not None and math.isfinite(result["heldout_loss"])
+        assert result["heldout_loss"] < LN_VOCAB
+        assert result["heldout_loss"] < result["initial_heldout_loss"] - 0.5
+        assert result["heldout_ppl"] == pytest.approx(math.exp(result["heldout_loss"]))
+
+
+def test_retained_fraction_matches_retain(quick_run):
+    _, _, out_dir = quick_run
+    dense, sparse = read_log(out_dir, "1"), read_log(out_dir, "0.75")
+    assert dense["retained_fraction"] == 1.0
+    assert all(step["retained_fraction"] == 1.0 for step in dense["history"])
+    assert dense["score_mass_fraction"] == pytest.approx(1.0)
+    assert abs(sparse["retained_fraction"] - 0.75) <= 0.05
+    # Fewer pairs keep less score mass, but more than their share: the metric favours heavy pairs.
+    assert 0.75 <= sparse["score_mass_fraction"] < 1.0
+
+
+def test_json_log_has_one_entry_per_step(quick_run):
+    _, _, out_dir = quick_run
+    for retain in ("1", "0.75"):
+        history = read_log(out_dir, retain)["history"]
+        assert [step["step"] for step in history] == list(range(1, QUICK_STEPS + 1))
+        assert all(math.isfinite(step["loss"]) for step in history)
+    summary = json.loads((out_dir / "summary.json").read_text())
+    assert [row["retain"] for row in summary] == [1.0, 0.75]
+
+
+def test_same_seed_gives_identical_losses(quick_run, tmp_path):
+    _, _, first_dir = quick_run
+    status, _ = run_main(["demo", "--quick", "--seed", str(SEED), "--retain", "0.75", "--out", str(tmp_path)])
+    assert status == 0
+    first, again = read_log(first_dir, "0.75"), read_log(tmp_path, "0.75")
+    assert [s["loss"] for s in again["history"]] == [s["loss"] for s in first["history"]]
+    assert again["heldout_loss"] == first["heldout_loss"]
+
+
+def test_other_seed_gives_other_losses(quick_run, tmp_path):
+    _, _, first_dir = quick_run
+    argv = ["demo", "--quick", "--seed", str(SEED + 1), "--retain", "1.0", "--steps", "3", "--out", str(tmp_path)]
+    assert run_main(argv)[0] == 0
+    first, other = read_log(first_dir, "1"), read_log(tmp_path, "1")
+    assert other["history"][0]["loss"] != first["history"][0]["loss"]
+
+
+def test_user_corpus(tmp_path):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("the quick brown fox jumps over the lazy dog.\n" * 500)
+    argv = ["demo", "--quick", "--corpus", str(corpus), "--retain", "0.5", "--steps", "10", "--out", str(tmp_path)]
+    status, text = run_main(argv)
+    assert status == 0
+    assert str(corpus) in text
+    result = read_log(tmp_path, "0.5")
+    assert len(result["history"]) == 10
+    assert abs(result["retained_fraction"] - 0.5) <= 0.05
+    assert result["heldout_loss"] < result["initial_heldout_loss"]
