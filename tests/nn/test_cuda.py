@@ -1,0 +1,72 @@
+"""The same contracts on a GPU (run through the device tool; skipped on CPU-only machines)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lrmoe.functional import compact_and_gemm
+from lrmoe.nn import LRMoE
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def run(layer, x, c):
+    for p in layer.parameters():
+        p.grad = None
+    x = x.detach().clone().requires_grad_(True)
+    out = layer(x)
+    (out * c).sum().backward()
+    return [out.detach(), x.grad] + [p.grad for p in layer.parameters()]
+
+
+@pytest.mark.parametrize("retain, selection", [(1.0, "top"), (0.75, "top")])
+def test_cuda_fp32_equals_cpu(retain, selection):
+    torch.manual_seed(0)
+    cpu = LRMoE(32, 24, 8, 2, retain=retain, selection=selection)
+    gpu = LRMoE(32, 24, 8, 2, retain=retain, selection=selection).cuda()
+    gpu.load_state_dict(cpu.state_dict())
+    x, c = torch.randn(96, 32), torch.randn(96, 32)
+    for a, b in zip(run(gpu, x.cuda(), c.cuda()), run(cpu, x, c)):
+        torch.testing.assert_close(a.cpu(), b, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("n_rows, empty", [(200, False), (200, True)])
+def test_cuda_bf16_grouped_mm_matches_fp32_reference(n_rows, empty):
+    torch.manual_seed(0)
+    E, N, I, O = 8, 64, 32, 48
+    sizes = torch.randint(0, 40, (E,))
+    if empty:
+        sizes[2] = 0
+        sizes[-1] = 0
+    offsets = torch.cumsum(sizes, 0).clamp(max=n_rows)
+    rows = torch.randint(0, N, (n_rows,))
+    rows[int(offsets[-1]):] = -1
+    x = torch.randn(N, I)
+    w = torch.randn(E, O, I) / I**0.5
+    ref = compact_and_gemm(x, w, rows, offsets)
+    xg = x.cuda().bfloat16().requires_grad_(True)
+    wg = w.cuda().bfloat16().requires_grad_(True)
+    got = compact_and_gemm(xg, wg, rows.cuda(), offsets.cuda())
+    torch.testing.assert_close(got.float().cpu(), ref, rtol=2e-2, atol=2e-2)
+    assert (got[int(offsets[-1]):] == 0).all()
+    g = torch.randn_like(ref)
+    got.backward(g.cuda().bfloat16())
+    xr, wr = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+    compact_and_gemm(xr, wr, rows, offsets).backward(g)
+    torch.testing.assert_close(xg.grad.float().cpu(), xr.grad, rtol=3e-2, atol=5e-2)
+    torch.testing.assert_close(wg.grad.float().cpu(), wr.grad, rtol=3e-2, atol=5e-2)
+
+
+def test_cuda_bf16_compile_fullgraph_matches_eager():
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    layer = LRMoE(128, 64, 16, 4, retain=0.75, selection="top").cuda().bfloat16()
+    x = torch.randn(512, 128, device="cuda", dtype=torch.bfloat16)
+    c = torch.randn_like(x)
+    want = run(layer, x, c)
+    got = run(torch.compile(layer, fullgraph=True), x, c)
+    for g, w in zip(got, want):
+        # bf16: compare as a relative error of the whole tensor (fusion changes the rounding order)
+        err = (g.float() - w.float()).norm() / w.float().norm()
+        assert err < 2e-2, (tuple(w.shape), float(err))
