@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from lrmoe.demo.cli import add_demo_parser
+from lrmoe.demo.study import add_study_parser
 
 __all__ = ["main", "build_parser"]
 
@@ -15,6 +16,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lrmoe", description="lrmoe command-line tools")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     add_demo_parser(subparsers)
+    add_study_parser(subparsers)
     return parser
 
 

@@ -1,8 +1,9 @@
 """``lrmoe demo``: train the same tiny byte-level MoE LM dense and with LRMoE's selective backward, then compare.
 
 Every run uses the same seed, so the same initial weights and the same batches; only ``retain`` differs. The
-default (two runs of 300 steps on the stdlib sources) takes about a minute on two CPU cores; ``--quick`` is a
-few-second smoke run for CI.
+default (two runs of 1,000 steps on the stdlib sources) takes about 2-3 minutes on two CPU cores and writes a
+JSON log of every step and PNG plots (loss curves; per-expert load before and after calibration) to --out
+(runs/demo); ``--quick`` is a few-second smoke run for CI.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 
 from lrmoe.demo.data import load_corpus
 from lrmoe.demo.model import ModelConfig
+from lrmoe.demo.plots import have_matplotlib, plot_expert_loads, plot_loss_curves
 from lrmoe.demo.train import TrainConfig, train, warmup
 
 __all__ = ["add_demo_parser", "run_demo", "format_table"]
@@ -29,13 +31,22 @@ DEFAULT_RETAIN = (1.0, 0.75)
 _PRESETS = {
     "default": (
         ModelConfig(dim=128, n_layers=2, n_heads=4, max_seq_len=128, num_experts=8, top_k=2, expert_hidden_dim=128),
-        TrainConfig(steps=300, batch_size=16, seq_len=128, lr=3e-3, warmup_steps=20, eval_batches=8, log_every=10),
+        TrainConfig(steps=1000, batch_size=16, seq_len=128, lr=3e-3, warmup_steps=50, eval_batches=8, log_every=10,
+                    eval_every=100),
         4_000_000,
     ),
     "quick": (
         ModelConfig(dim=32, n_layers=2, n_heads=2, max_seq_len=32, num_experts=4, top_k=2, expert_hidden_dim=32),
-        TrainConfig(steps=20, batch_size=8, seq_len=32, lr=1e-2, warmup_steps=2, eval_batches=2, log_every=5),
+        TrainConfig(steps=20, batch_size=8, seq_len=32, lr=1e-2, warmup_steps=2, eval_batches=2, log_every=5,
+                    eval_every=10),
         500_000,
+    ),
+    # The quality study's size (GPU): ~13.6M parameters, E = 16, k = 4 (see lrmoe.demo.study).
+    "study": (
+        ModelConfig(dim=256, n_layers=4, n_heads=4, max_seq_len=256, num_experts=16, top_k=4, expert_hidden_dim=256),
+        TrainConfig(steps=1000, batch_size=32, seq_len=256, lr=2e-3, warmup_steps=50, eval_batches=16,
+                    log_every=50, eval_every=50),
+        4_000_000,
     ),
 }
 
@@ -62,7 +73,7 @@ def add_demo_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--steps", type=_positive_int, help="optimiser steps per run (default 300; 20 with --quick)")
+    parser.add_argument("--steps", type=_positive_int, help="optimiser steps per run (default 1000; 20 with --quick)")
     parser.add_argument(
         "--retain",
         type=_retain_value,
@@ -73,9 +84,23 @@ def add_demo_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
     parser.add_argument("--seed", type=int, default=0, help="seed for weights, data order and sampling")
     parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     parser.add_argument("--compile", action="store_true", help="torch.compile the model")
-    parser.add_argument("--corpus", metavar="PATH", help="train on this text file instead of the stdlib sources")
-    parser.add_argument("--out", metavar="DIR", help="write a JSON log of every step and a summary here")
+    parser.add_argument(
+        "--corpus", metavar="NAME|PATH",
+        help="'python' (the stdlib sources, default), 'prose' (the Python docs' English text) or a text file",
+    )
+    parser.add_argument(
+        "--out", metavar="DIR", default="runs/demo",
+        help="write the JSON logs and PNG plots here (default runs/demo); '' writes nothing",
+    )
+    parser.add_argument("--init", metavar="PATH", help="start from these model weights (continued training)")
+    parser.add_argument("--save", metavar="PATH", help="save the final weights of the (last) run here")
+    parser.add_argument("--eval-every", type=int, help="held-out evaluation every this many steps (0: end only)")
+    parser.add_argument("--no-progress", action="store_true", help="plain progress lines instead of a progress bar")
+    parser.add_argument("--no-plots", action="store_true", help="write the JSON logs but no PNG plots")
     parser.add_argument("--quick", action="store_true", help="a tiny model and a handful of steps (CI smoke run)")
+    parser.add_argument(
+        "--preset", choices=sorted(_PRESETS), help="model and run size (default 'default'; --quick means 'quick')"
+    )
     parser.add_argument("--metric", choices=("lrm", "grad_l2", "grad_abs", "random"), default="lrm")
     parser.add_argument("--selection", choices=("sample", "top"), default="sample")
     parser.add_argument("--policy", choices=("waterfill", "proportional"), default="waterfill")
@@ -91,14 +116,17 @@ def add_demo_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
 
 
 def _configs(args: argparse.Namespace) -> tuple[ModelConfig, TrainConfig, int]:
-    """The preset chosen by ``--quick``, with the flags that were given applied on top."""
-    model_cfg, train_cfg, max_bytes = _PRESETS["quick" if args.quick else "default"]
+    """The preset chosen by ``--preset`` or ``--quick``, with the flags that were given applied on top."""
+    model_cfg, train_cfg, max_bytes = _PRESETS[args.preset or ("quick" if args.quick else "default")]
     overrides = {
         "steps": args.steps,
         "batch_size": args.batch_size,
         "seq_len": args.seq_len,
         "lr": args.lr,
         "log_every": args.log_every,
+        "eval_every": args.eval_every,
+        "init_checkpoint": args.init,
+        "save_checkpoint": args.save,
     }
     train_cfg = replace(
         train_cfg,
@@ -127,11 +155,42 @@ def _default_threads() -> int:
 def _print_progress(record: dict) -> None:
     print(
         f"retain {record['retain']:.2f} | step {record['step']:>{len(str(record['steps']))}}/{record['steps']}"
-        f" | loss {record['loss']:.4f} | lr {record['lr']:.2e} | grad norm {record['grad_norm']:.3f}"
-        f" | retained {record['retained_fraction']:.3f} | score mass {record['score_mass_fraction']:.3f}"
-        f" | {record['ms_per_step']:.0f} ms/step",
+        f" | loss {record['loss']:.4f} | ppl {math.exp(min(record['loss'], 50)):.2f} | lr {record['lr']:.2e}"
+        f" | grad norm {record['grad_norm']:.3f} | retained {record['retained_fraction']:.3f}"
+        f" | score mass {record['score_mass_fraction']:.3f} | {record['tokens_per_s']:,.0f} tok/s",
         flush=True,
     )
+
+
+class _ProgressBar:
+    """A tqdm bar (on stderr) updated at every logging step, or plain lines when tqdm is missing or disabled."""
+
+    def __init__(self, retain: float, steps: int, enabled: bool):
+        self._bar = None
+        if enabled:
+            try:
+                from tqdm.auto import tqdm
+            except ImportError:
+                tqdm = None
+            if tqdm is not None:
+                self._bar = tqdm(total=steps, desc=f"retain {retain:.2f}", unit="step", dynamic_ncols=True)
+        self._done = 0
+
+    def __call__(self, record: dict) -> None:
+        if self._bar is None:
+            _print_progress(record)
+            return
+        self._bar.update(record["step"] - self._done)
+        self._done = record["step"]
+        self._bar.set_postfix(
+            loss=f"{record['loss']:.3f}", ppl=f"{math.exp(min(record['loss'], 50)):.2f}",
+            retained=f"{record['retained_fraction']:.3f}", tok_s=f"{record['tokens_per_s']:,.0f}",
+            refresh=False,
+        )
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
 
 
 _COLUMNS = (
@@ -140,6 +199,7 @@ _COLUMNS = (
     ("held-out loss", "heldout_loss", "{:.4f}"),
     ("held-out ppl", "heldout_ppl", "{:.3f}"),
     ("retained pairs", "retained_fraction", "{:.4f}"),
+    ("bwd rows/step", "bwd_rows_per_step", "{:.0f}"),
     ("score mass", "score_mass_fraction", "{:.4f}"),
     ("wall s", "wall_s", "{:.1f}"),
 )
@@ -178,6 +238,8 @@ def run_demo(args: argparse.Namespace) -> int:
     if len(set(args.retain)) != len(args.retain):
         raise SystemExit(f"lrmoe demo: --retain values must be distinct, got {args.retain}")
     model_cfg, train_cfg, max_bytes = _configs(args)
+    if args.save and len(args.retain) > 1:
+        raise SystemExit("lrmoe demo: --save keeps one run's weights; give a single --retain with it")
     out_dir = Path(args.out) if args.out else None
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -203,7 +265,11 @@ def run_demo(args: argparse.Namespace) -> int:
         warmup(model_cfg, train_cfg)
         results = []
         for retain in args.retain:
-            result = train(replace(model_cfg, retain=retain), train_cfg, corpus, log=_print_progress)
+            bar = _ProgressBar(retain, train_cfg.steps, enabled=not args.no_progress)
+            try:
+                result = train(replace(model_cfg, retain=retain), train_cfg, corpus, log=bar)
+            finally:
+                bar.close()
             print(
                 f"retain {retain:.2f} done: held-out loss {result['initial_heldout_loss']:.4f} -> "
                 f"{result['heldout_loss']:.4f} in {result['wall_s']:.1f} s",
@@ -220,5 +286,18 @@ def run_demo(args: argparse.Namespace) -> int:
     if out_dir is not None:
         summary = [{k: v for k, v in r.items() if k != "history"} for r in results]
         _write_json(out_dir / "summary.json", summary)
-        print(f"\nlogs written to {out_dir}")
+        written = [] if args.no_plots else _write_plots(results, out_dir)
+        print(f"\nlogs{' and plots' if written else ''} written to {out_dir}")
     return 0
+
+
+def _write_plots(results: list[dict], out_dir: Path) -> list[Path]:
+    """loss_curves.png, and expert_loads_retain_R.png for every run with retain < 1 (matplotlib permitting)."""
+    if not have_matplotlib():
+        print("matplotlib is not installed: no plots (pip install 'lrmoe[demo]')")
+        return []
+    paths = [plot_loss_curves(results, out_dir / "loss_curves.png", title="lrmoe demo")]
+    for result in results:
+        if result["retain"] < 1.0:
+            paths.append(plot_expert_loads(result, out_dir / f"expert_loads_retain_{result['retain']:g}.png"))
+    return paths

@@ -23,6 +23,8 @@ __all__ = [
     "stdlib_source_files",
     "load_stdlib_corpus",
     "load_text_corpus",
+    "load_prose_corpus",
+    "CORPORA",
     "load_corpus",
     "sample_batch",
     "heldout_batches",
@@ -31,7 +33,8 @@ __all__ = [
 VOCAB_SIZE = 256
 """Byte-level tokens."""
 
-_SKIP_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__", "test", "tests", "idle_test"})
+# pydoc_data holds the documentation's English prose, which is the separate "prose" corpus.
+_SKIP_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__", "test", "tests", "idle_test", "pydoc_data"})
 _HELDOUT_EVERY = 10
 
 
@@ -109,9 +112,27 @@ def load_text_corpus(path: str | os.PathLike, max_bytes: int | None = None, held
     return Corpus(train_N=_to_tensor(data[:split]), heldout_N=_to_tensor(data[split:]), source=str(path))
 
 
-def load_corpus(path: str | os.PathLike | None = None, max_bytes: int = 4_000_000) -> Corpus:
-    """The user file at ``path`` if given, else the stdlib corpus."""
-    return load_stdlib_corpus(max_bytes) if path is None else load_text_corpus(path, max_bytes)
+def load_prose_corpus(max_bytes: int = 4_000_000, heldout_fraction: float = 0.1) -> Corpus:
+    """English prose shipped with the interpreter: the language reference topics of ``pydoc_data`` (~0.5 MB),
+    joined in sorted topic order, the last 10% held out. A different distribution from the Python sources, for
+    continued training of a model pretrained on them.
+    """
+    from pydoc_data.topics import topics
+
+    data = "\n".join(topics[name] for name in sorted(topics)).encode("utf-8")[:max_bytes]
+    split = int(len(data) * (1.0 - heldout_fraction))
+    return Corpus(train_N=_to_tensor(data[:split]), heldout_N=_to_tensor(data[split:]), source="python documentation prose")
+
+
+CORPORA = {"python": load_stdlib_corpus, "prose": load_prose_corpus}
+"""Built-in corpora by name."""
+
+
+def load_corpus(name_or_path: str | os.PathLike | None = None, max_bytes: int = 4_000_000) -> Corpus:
+    """A built-in corpus by name ("python", the default, or "prose"), else the user text file at that path."""
+    if name_or_path is None or str(name_or_path) in CORPORA:
+        return CORPORA[str(name_or_path or "python")](max_bytes)
+    return load_text_corpus(name_or_path, max_bytes)
 
 
 def _windows(data_N: torch.Tensor, starts_B: torch.Tensor, seq_len: int) -> torch.Tensor:

@@ -44,6 +44,9 @@ class TrainConfig:
     compile: bool = False
     eval_batches: int = 8
     log_every: int = 10
+    eval_every: int = 0  # held-out evaluation every this many steps (0: only before and after training)
+    init_checkpoint: str | None = None  # start from these weights (continued training), else a fresh init
+    save_checkpoint: str | None = None  # write the final weights here
 
 
 def lr_factor(step: int, cfg: TrainConfig) -> float:
@@ -80,9 +83,19 @@ def evaluate(model: nn.Module, batches: list[torch.Tensor], device: torch.device
     return losses.mean().item()
 
 
-def _step_stats(model: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
-    """(retained fraction of pairs over all layers, mean score-mass fraction over layers) of the last step, as
-    0-d tensors, then reset the layers' backward statistics for the next step."""
+@dataclass(frozen=True)
+class _LayerStats:
+    """One step's LRMoE statistics over all layers, as tensors (no host sync)."""
+
+    retained_fraction: torch.Tensor  # 0-d: retained pairs / routed pairs, all layers
+    score_mass_fraction: torch.Tensor  # 0-d: mean over layers
+    bwd_rows: torch.Tensor  # 0-d: rows the backward expert GEMMs processed, all layers
+    loads_LE: torch.Tensor  # [layers, E] pairs routed to each expert
+    quotas_LE: torch.Tensor  # [layers, E] pairs each expert kept in backward
+
+
+def _step_stats(model: nn.Module) -> _LayerStats:
+    """The last step's statistics of every LRMoE layer, then reset their backward statistics."""
     layers = list(lrmoe_layers(model))
     stats = [layer.stats() for layer in layers]
     retained = torch.stack([s.retained_pairs for s in stats]).sum()
@@ -90,7 +103,13 @@ def _step_stats(model: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
     mass = torch.stack([s.score_mass_fraction.float() for s in stats]).nanmean()
     for layer in layers:
         layer.reset_stats()
-    return retained.double() / total.clamp(min=1).double(), mass.double()
+    return _LayerStats(
+        retained_fraction=retained.double() / total.clamp(min=1).double(),
+        score_mass_fraction=mass.double(),
+        bwd_rows=retained,
+        loads_LE=torch.stack([s.loads for s in stats]),
+        quotas_LE=torch.stack([s.quotas for s in stats]),
+    )
 
 
 def _rng_devices(device: torch.device) -> list[int]:
@@ -149,6 +168,7 @@ class StepMetrics:
     grad_norm: torch.Tensor
     retained_fraction: torch.Tensor
     score_mass_fraction: torch.Tensor
+    bwd_rows: torch.Tensor
 
 
 def _train_step(
@@ -158,7 +178,7 @@ def _train_step(
     scheduler: torch.optim.lr_scheduler.LRScheduler,
     batch_BL1: torch.Tensor,
     cfg: TrainConfig,
-) -> StepMetrics:
+) -> tuple[StepMetrics, _LayerStats]:
     """Forward (through ``step_fn``, the maybe-compiled model), backward, clip, optimiser and schedule step."""
     loss = _lm_loss(step_fn, batch_BL1)
     loss.backward()
@@ -166,8 +186,9 @@ def _train_step(
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     scheduler.step()
-    retained, mass = _step_stats(model)
-    return StepMetrics(loss.detach(), grad_norm.detach(), retained, mass)
+    stats = _step_stats(model)
+    return StepMetrics(loss.detach(), grad_norm.detach(), stats.retained_fraction, stats.score_mass_fraction,
+                       stats.bwd_rows), stats
 
 
 def _train_seeded(
@@ -179,6 +200,8 @@ def _train_seeded(
 ) -> dict:
     start = time.perf_counter()
     model = MoELM(model_cfg).to(device)
+    if train_cfg.init_checkpoint is not None:
+        model.load_state_dict(torch.load(train_cfg.init_checkpoint, map_location=device, weights_only=True))
     optimizer = _build_optimizer(model, train_cfg)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, train_cfg))
     step_fn = torch.compile(model) if train_cfg.compile else model
@@ -188,17 +211,34 @@ def _train_seeded(
 
     metrics_S: list[StepMetrics] = []
     lr_S: list[float] = []
+    eval_curve = [(0, initial_heldout_loss)]
+    n_layers = len(list(lrmoe_layers(model)))
+    loads_LE = torch.zeros(n_layers, model_cfg.num_experts, dtype=torch.int64, device=device)
+    quotas_LE = torch.zeros_like(loads_LE)
     loop_start = time.perf_counter()
+    eval_s = 0.0
     for step in range(1, train_cfg.steps + 1):
         batch_BL1 = sample_batch(corpus.train_N, train_cfg.batch_size, train_cfg.seq_len, data_gen).to(device)
         lr_S.append(scheduler.get_last_lr()[0])
-        metrics_S.append(_train_step(model, step_fn, optimizer, scheduler, batch_BL1, train_cfg))
+        metrics, stats = _train_step(model, step_fn, optimizer, scheduler, batch_BL1, train_cfg)
+        metrics_S.append(metrics)
+        loads_LE += stats.loads_LE
+        quotas_LE += stats.quotas_LE
+        if train_cfg.eval_every and step % train_cfg.eval_every == 0 and step < train_cfg.steps:
+            eval_start = time.perf_counter()
+            eval_curve.append((step, evaluate(model, eval_set, device)))
+            eval_s += time.perf_counter() - eval_start
         if log is not None and (step % train_cfg.log_every == 0 or step == train_cfg.steps):
-            ms_per_step = 1000.0 * (time.perf_counter() - loop_start) / step
-            log(_progress_record(model_cfg.retain, step, train_cfg.steps, lr_S[-1], metrics_S[-1], ms_per_step))
-    loop_s = time.perf_counter() - loop_start
+            ms_per_step = 1000.0 * (time.perf_counter() - loop_start - eval_s) / step
+            tokens_per_s = train_cfg.batch_size * train_cfg.seq_len * 1000.0 / max(ms_per_step, 1e-9)
+            log(_progress_record(model_cfg.retain, step, train_cfg.steps, lr_S[-1], metrics, ms_per_step,
+                                 tokens_per_s))
+    loop_s = time.perf_counter() - loop_start - eval_s
 
     heldout_loss = evaluate(model, eval_set, device)
+    eval_curve.append((train_cfg.steps, heldout_loss))
+    if train_cfg.save_checkpoint is not None:
+        torch.save(model.state_dict(), train_cfg.save_checkpoint)
     wall_s = time.perf_counter() - start
     history = _history(metrics_S, lr_S)
     tail = history[-min(train_cfg.log_every, len(history)) :]
@@ -212,6 +252,10 @@ def _train_seeded(
         "heldout_loss": heldout_loss,
         "heldout_ppl": math.exp(heldout_loss) if math.isfinite(heldout_loss) else float("nan"),
         "retained_fraction": _mean([r["retained_fraction"] for r in history], skip_nan=False),
+        "bwd_rows_per_step": _mean([r["bwd_rows"] for r in history], skip_nan=False),
+        "eval_curve": [{"step": s, "heldout_loss": v} for s, v in eval_curve],
+        "mean_expert_loads": (loads_LE.double() / max(1, train_cfg.steps)).cpu().tolist(),
+        "mean_expert_quotas": (quotas_LE.double() / max(1, train_cfg.steps)).cpu().tolist(),
         "score_mass_fraction": _mean([r["score_mass_fraction"] for r in history], skip_nan=True),
         "wall_s": wall_s,
         "ms_per_step": 1000.0 * loop_s / max(1, train_cfg.steps),
@@ -221,7 +265,9 @@ def _train_seeded(
     }
 
 
-def _progress_record(retain: float, step: int, steps: int, lr: float, m: StepMetrics, ms_per_step: float) -> dict:
+def _progress_record(
+    retain: float, step: int, steps: int, lr: float, m: StepMetrics, ms_per_step: float, tokens_per_s: float
+) -> dict:
     """The record passed to ``log`` on logging steps (a host sync)."""
     return {
         "retain": retain,
@@ -233,6 +279,7 @@ def _progress_record(retain: float, step: int, steps: int, lr: float, m: StepMet
         "retained_fraction": m.retained_fraction.item(),
         "score_mass_fraction": m.score_mass_fraction.item(),
         "ms_per_step": ms_per_step,
+        "tokens_per_s": tokens_per_s,
     }
 
 
@@ -240,7 +287,7 @@ def _history(metrics_S: list[StepMetrics], lr_S: list[float]) -> list[dict]:
     """Per-step records, moving each column of step tensors to the host in one transfer."""
     if not metrics_S:
         return []
-    names = ("loss", "grad_norm", "retained_fraction", "score_mass_fraction")
+    names = ("loss", "grad_norm", "retained_fraction", "score_mass_fraction", "bwd_rows")
     columns = {name: torch.stack([getattr(m, name) for m in metrics_S]).double().cpu().tolist() for name in names}
     return [
         {"step": i + 1, "lr": lr, **{name: columns[name][i] for name in names}} for i, lr in enumerate(lr_S)

@@ -69,12 +69,17 @@ def plan_experts(
     policy: str = "waterfill",
     selection: str = "sample",
     generator: torch.Generator | None = None,
+    draw_uniform: bool = True,
 ) -> ExpertPlan:
-    """Loads, quotas and sampling uniforms for one single-device MoE layer step."""
+    """Loads, quotas and sampling uniforms for one single-device MoE layer step.
+
+    ``draw_uniform=False`` skips the sampling draw (no backward will run, e.g. evaluation), so a forward-only
+    call leaves the RNG stream untouched.
+    """
     loads_E = expert_loads(expert_ids_TK, num_experts)
     quotas_E = plan_quotas(loads_E, retain, min_retain=min_retain, policy=policy)
     uniform_E = None
-    if selection == "sample" and retain < 1.0:
+    if draw_uniform and selection == "sample" and retain < 1.0:
         uniform_E = torch.rand(num_experts, generator=generator, device=expert_ids_TK.device)
     return ExpertPlan(loads=loads_E, quotas=quotas_E, uniform=uniform_E)
 

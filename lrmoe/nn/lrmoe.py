@@ -134,14 +134,14 @@ class LRMoE(nn.Module):
         routing = route_topk(
             self.gate(x_TD), self.top_k, score_func=self.score_func, norm_topk_prob=self.norm_topk_prob
         )
+        probe = self._probe_for(x)
         plan = plan_experts(
             routing.expert_ids, self.num_experts, retain=self.retain, min_retain=self.min_retain,
-            policy=self.policy, selection=self.selection, generator=self.generator,
+            policy=self.policy, selection=self.selection, generator=self.generator, draw_uniform=probe is not None,
         )
         with torch.no_grad():
             self.last_loads.copy_(plan.loads)
             self.last_quotas.copy_(plan.quotas)
-        probe = self._probe_for(x)
         out_TD = selective_swiglu_experts(
             x_TD, self.experts.gate_up_proj, self.experts.down_proj, routing.expert_ids,
             routing.gates.to(x.dtype), retain=self.retain, metric=self.metric, selection=self.selection,
@@ -151,14 +151,13 @@ class LRMoE(nn.Module):
         return out_TD.view(x.shape)
 
     def _probe_for(self, x: torch.Tensor) -> torch.Tensor | None:
-        if not (torch.is_grad_enabled() and x.requires_grad or self._params_require_grad()):
+        """The backward-statistics probe, or None when no backward will run through this call."""
+        needs_grad = x.requires_grad or any(p.requires_grad for p in self.parameters())
+        if not (torch.is_grad_enabled() and needs_grad):
             return None
         if self._stats_probe.device != x.device:
             self._stats_probe = torch.zeros(N_BACKWARD_STATS, device=x.device, requires_grad=True)
         return self._stats_probe
-
-    def _params_require_grad(self) -> bool:
-        return torch.is_grad_enabled() and self.experts.gate_up_proj.requires_grad
 
     def stats(self) -> LRMoEStats:
         """This step's statistics as tensors (see :class:`LRMoEStats`)."""

@@ -58,7 +58,10 @@ def test_exit_status_and_table_has_both_rows(quick_run):
     assert status == 0
     rows = table_rows(text)
     assert set(rows) == {"1.00", "0.75"}
-    assert all(len(cells) == 7 for cells in rows.values())
+    assert all(len(cells) == 8 for cells in rows.values())
+    # expert-backward rows per step: all routed pairs when dense, 75% of them at retain 0.75
+    dense_rows, sparse_rows = float(rows["1.00"][5]), float(rows["0.75"][5])
+    assert sparse_rows == pytest.approx(0.75 * dense_rows, abs=1)
 
 
 def test_training_reduces_heldout_loss(quick_run):
@@ -120,3 +123,36 @@ def test_user_corpus(tmp_path):
     assert len(result["history"]) == 10
     assert abs(result["retained_fraction"] - 0.5) <= 0.05
     assert result["heldout_loss"] < result["initial_heldout_loss"]
+
+
+def test_plots_and_eval_curve_are_written(quick_run):
+    _, text, out_dir = quick_run
+    for name in ("loss_curves.png", "expert_loads_retain_0.75.png"):
+        data = (out_dir / name).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5_000
+    curve = read_log(out_dir, "0.75")["eval_curve"]
+    assert [p["step"] for p in curve] == [0, 10, 20]  # --quick evaluates every 10 steps
+    assert curve[-1]["heldout_loss"] == read_log(out_dir, "0.75")["heldout_loss"]
+    loads = read_log(out_dir, "0.75")["mean_expert_loads"]
+    quotas = read_log(out_dir, "0.75")["mean_expert_quotas"]
+    assert all(q <= l for ql, ll in zip(quotas, loads) for q, l in zip(ql, ll))
+    assert sum(map(sum, quotas)) == pytest.approx(0.75 * sum(map(sum, loads)), rel=0.01)
+
+
+def test_continued_training_from_a_saved_checkpoint(tmp_path):
+    ckpt = tmp_path / "dense.pt"
+    argv = ["demo", "--quick", "--retain", "1.0", "--steps", "15", "--save", str(ckpt), "--out", str(tmp_path / "a")]
+    assert run_main(argv)[0] == 0
+    pretrained = read_log(tmp_path / "a", "1")
+    argv = ["demo", "--quick", "--retain", "0.75", "--steps", "5", "--corpus", "prose", "--init", str(ckpt),
+            "--out", str(tmp_path / "b")]
+    status, text = run_main(argv)
+    assert status == 0 and "prose" in text
+    continued = read_log(tmp_path / "b", "0.75")
+    # starting from the pretrained weights: the first step's loss is far below a fresh model's (ln 256)
+    assert continued["history"][0]["loss"] < pretrained["history"][0]["loss"] - 0.5
+
+
+def test_save_needs_a_single_run(tmp_path):
+    with pytest.raises(SystemExit, match="--save"):
+        run_main(["demo", "--quick", "--save", str(tmp_path / "x.pt"), "--out", ""])

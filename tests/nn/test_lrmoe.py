@@ -277,3 +277,16 @@ def test_bad_input_raises():
         layer(torch.randn(3, D + 1))
     with pytest.raises(TypeError, match="dtype"):
         layer(torch.randn(3, D, dtype=torch.float64))
+
+
+def test_forward_without_grad_leaves_rng_untouched():
+    layer, x, _ = make(retain=0.5, selection="sample")
+    torch.manual_seed(5)
+    with torch.no_grad():
+        layer(x)
+    after_eval = torch.rand(3)
+    torch.manual_seed(5)
+    assert torch.equal(torch.rand(3), after_eval)
+    torch.manual_seed(5)
+    layer(x.requires_grad_(True))  # a training forward draws the sampling uniforms
+    assert not torch.equal(torch.rand(3), after_eval)

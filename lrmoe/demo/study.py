@@ -1,0 +1,280 @@
+"""The quality study: does selective backward preserve model quality, and which score makes that true?
+
+Two grids, after the paper's Table 2 and Figure 5, in two regimes:
+
+* regime "scratch": train from random init on the Python sources;
+* regime "continued": start from the dense "scratch" model of the same seed and keep training on a different
+  corpus (the Python documentation's English prose), as the paper's Table 2 fine-tunes pretrained models.
+
+Grid "table2": metric lrm / grad_l2 / grad_abs / random x selection top / sample at retain 0.75, both regimes,
+against the dense backward of the same seed. Grid "figure5": regime "continued", retain 1.0 / 0.9 / 0.75 / 0.5
+for lrm-sample, lrm-top and random-top (uniform dropping). Every job of a seed sees the same batches in the same
+order (the data generator is seeded by the seed alone) and the same token budget.
+
+Each job is one ``python -m lrmoe demo`` process; jobs run as parallel processes (they share one GPU well) and
+a job whose log exists is not run again, so a grid can be completed over several calls. ``report`` turns the
+logs into tables (mean over the run of the held-out perplexity gap to dense, with the spread across seeds) and
+plots.
+
+    python -m lrmoe study run --grid table2 figure5 --seeds 0 1 2 --device cuda --parallel 12 --out runs/study
+    python -m lrmoe study report runs/study
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["Job", "grid_jobs", "run_jobs", "load_results", "delta_ppl", "report", "add_study_parser"]
+
+GRIDS = ("table2", "figure5")
+TABLE2_METRICS = ("lrm", "grad_l2", "grad_abs", "random")
+FIGURE5_METHODS = (("lrm", "sample"), ("lrm", "top"), ("random", "top"))
+FIGURE5_RETAINS = (0.9, 0.75, 0.5)
+
+
+@dataclass(frozen=True)
+class Job:
+    regime: str  # "scratch" or "continued"
+    retain: float
+    metric: str
+    selection: str
+    seed: int
+
+    @property
+    def method(self) -> str:
+        return "dense" if self.retain >= 1.0 else f"{self.metric}-{self.selection}"
+
+    @property
+    def name(self) -> str:
+        return f"{self.regime}/{self.method}-r{self.retain:g}/seed{self.seed}"
+
+    @property
+    def is_pretrain(self) -> bool:
+        """The dense scratch run of a seed: the scratch reference and the continued regime's starting point."""
+        return self.regime == "scratch" and self.retain >= 1.0
+
+
+def grid_jobs(grids: list[str], seeds: list[int]) -> list[Job]:
+    """Every job of the grids, deduplicated, pretraining runs first."""
+    jobs: list[Job] = []
+    for seed in seeds:
+        jobs.append(Job("scratch", 1.0, "lrm", "sample", seed))
+        jobs.append(Job("continued", 1.0, "lrm", "sample", seed))
+        if "table2" in grids:
+            for regime in ("scratch", "continued"):
+                for metric in TABLE2_METRICS:
+                    for selection in ("top", "sample"):
+                        jobs.append(Job(regime, 0.75, metric, selection, seed))
+        if "figure5" in grids:
+            for retain in FIGURE5_RETAINS:
+                for metric, selection in FIGURE5_METHODS:
+                    jobs.append(Job("continued", retain, metric, selection, seed))
+    unique = list(dict.fromkeys(jobs))
+    return sorted(unique, key=lambda j: not j.is_pretrain)
+
+
+def _checkpoint(out_dir: Path, seed: int) -> Path:
+    return out_dir / "checkpoints" / f"dense-scratch-seed{seed}.pt"
+
+
+def _log_file(out_dir: Path, job: Job) -> Path:
+    return out_dir / job.name / f"retain_{job.retain:g}.json"
+
+
+def job_argv(job: Job, out_dir: Path, args: argparse.Namespace) -> list[str]:
+    argv = [
+        sys.executable, "-m", "lrmoe", "demo", "--preset", args.preset, "--retain", f"{job.retain:g}",
+        "--metric", job.metric, "--selection", job.selection, "--seed", str(job.seed), "--device", args.device,
+        "--out", str(out_dir / job.name), "--no-progress", "--no-plots", "--threads", str(args.threads),
+    ]
+    if args.steps:
+        argv += ["--steps", str(args.steps)]
+    if job.regime == "continued":
+        argv += ["--corpus", "prose", "--init", str(_checkpoint(out_dir, job.seed)), "--lr", str(args.continued_lr)]
+        if args.continued_steps:
+            argv += ["--steps", str(args.continued_steps)]
+    elif job.is_pretrain:
+        argv += ["--save", str(_checkpoint(out_dir, job.seed))]
+    return argv
+
+
+def run_jobs(jobs: list[Job], out_dir: Path, args: argparse.Namespace) -> list[Job]:
+    """Run the jobs whose logs are missing, ``args.parallel`` at a time; a continued job waits for its seed's
+    pretraining. Stops starting jobs after ``args.time_limit`` seconds. Returns the jobs that failed."""
+    (out_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
+    pending = [j for j in jobs if not _log_file(out_dir, j).exists()]
+    print(f"study: {len(jobs)} jobs, {len(jobs) - len(pending)} already done, {len(pending)} to run", flush=True)
+    start = time.monotonic()
+    running: dict[Job, subprocess.Popen] = {}
+    failed: list[Job] = []
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    while pending or running:
+        for job, proc in list(running.items()):
+            if proc.poll() is not None:
+                del running[job]
+                ok = proc.returncode == 0 and _log_file(out_dir, job).exists()
+                if not ok:
+                    failed.append(job)
+                print(f"[{time.monotonic() - start:7.1f} s] {'done' if ok else 'FAILED'} {job.name}", flush=True)
+        out_of_time = args.time_limit and time.monotonic() - start > args.time_limit
+        ready = [j for j in pending if j.regime != "continued" or _checkpoint(out_dir, j.seed).exists()]
+        blocked = [j for j in pending if j not in ready and Job("scratch", 1.0, "lrm", "sample", j.seed) in failed]
+        for job in blocked:
+            pending.remove(job)
+            failed.append(job)
+        while ready and len(running) < args.parallel and not out_of_time:
+            job = ready.pop(0)
+            pending.remove(job)
+            log_path = out_dir / job.name / "stdout.log"
+            log_path.parent.mkdir(parents=True, exist_ok=True)
+            with open(log_path, "w") as log:
+                running[job] = subprocess.Popen(job_argv(job, out_dir, args), stdout=log, stderr=subprocess.STDOUT,
+                                                env=env)
+        if out_of_time and not running:
+            print(f"study: time limit reached, {len(pending)} jobs left for a later call", flush=True)
+            break
+        time.sleep(0.5)
+    return failed
+
+
+def load_results(out_dir: Path) -> dict[tuple[str, str, float], dict[int, dict]]:
+    """{(regime, method, retain): {seed: log}} for every finished job under ``out_dir``."""
+    results: dict[tuple[str, str, float], dict[int, dict]] = {}
+    for path in sorted(out_dir.glob("*/*/seed*/retain_*.json")):
+        log = json.loads(path.read_text())
+        regime, _, seed_dir = path.parent.relative_to(out_dir).parts
+        retain = float(log["retain"])
+        method = "dense" if retain >= 1.0 else f"{log['metric']}-{log['selection']}"
+        results.setdefault((regime, method, retain), {})[int(seed_dir[4:])] = log
+    return results
+
+
+def _ppl_curve(log: dict) -> dict[int, float]:
+    return {p["step"]: math.exp(p["heldout_loss"]) if p["heldout_loss"] is not None else math.inf
+            for p in log["eval_curve"]}
+
+
+def delta_ppl(log: dict, dense: dict) -> tuple[float, float]:
+    """(mean over the run, final) held-out perplexity minus the dense run's, at the shared evaluation steps
+    after step 0 (step 0 is the same model in both)."""
+    mine, ref = _ppl_curve(log), _ppl_curve(dense)
+    steps = sorted(s for s in mine if s in ref and s > 0)
+    if not steps:
+        return math.nan, math.nan
+    gaps = [mine[s] - ref[s] for s in steps]
+    return sum(gaps) / len(gaps), gaps[-1]
+
+
+def _mean_sd(values: list[float], signed: bool = True) -> str:
+    """mean ± sample standard deviation (n), over the finite values."""
+    values = [v for v in values if math.isfinite(v)]
+    if not values:
+        return "n/a"
+    sd = statistics.stdev(values) if len(values) > 1 else 0.0
+    return f"{statistics.mean(values):{'+' if signed else ''}.4f} ± {sd:.4f} (n={len(values)})"
+
+
+def report(out_dir: Path) -> str:
+    """Markdown tables of the finished jobs, and plots next to them. Returns the markdown."""
+    results = load_results(out_dir)
+    lines: list[str] = []
+    regimes = [r for r in ("scratch", "continued") if (r, "dense", 1.0) in results]
+    for regime in regimes:
+        dense = results[(regime, "dense", 1.0)]
+        final = [math.exp(log["heldout_loss"]) for log in dense.values()]
+        lines += [f"### Regime {regime}: dense backward, final held-out perplexity {_mean_sd(final, signed=False)}", ""]
+        lines += ["| retain | method | mean ΔPPL over the run | final ΔPPL | seeds |", "| --- | --- | --- | --- | --- |"]
+        keys = sorted((k for k in results if k[0] == regime and k[1] != "dense"), key=lambda k: (-k[2], k[1]))
+        for key in keys:
+            pairs = [(log, dense[seed]) for seed, log in results[key].items() if seed in dense]
+            gaps = [delta_ppl(log, ref) for log, ref in pairs]
+            lines.append(f"| {key[2]:g} | {key[1]} | {_mean_sd([g[0] for g in gaps])} | "
+                         f"{_mean_sd([g[1] for g in gaps])} | {sorted(results[key])} |")
+        lines.append("")
+    text = "\n".join(lines)
+    (out_dir / "report.md").write_text(text + "\n")
+    _plot_figure5(results, out_dir / "figure5_curves.png")
+    return text
+
+
+def _plot_figure5(results: dict, path: Path) -> None:
+    """Held-out perplexity against step in the continued regime: one panel per method, one line per retain
+    (mean over seeds, band = min..max)."""
+    from lrmoe.demo.plots import have_matplotlib
+
+    if not have_matplotlib() or ("continued", "dense", 1.0) not in results:
+        return
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    methods = [f"{m}-{s}" for m, s in FIGURE5_METHODS]
+    fig, axes = plt.subplots(1, len(methods), figsize=(5 * len(methods), 4), sharey=True)
+    for ax, method in zip(axes, methods):
+        for retain in (1.0, *FIGURE5_RETAINS):
+            key = ("continued", "dense" if retain >= 1.0 else method, retain)
+            if key not in results:
+                continue
+            curves = [_ppl_curve(log) for log in results[key].values()]
+            steps = sorted(set.intersection(*(set(c) for c in curves)))
+            mean = [statistics.mean(c[s] for c in curves) for s in steps]
+            (line,) = ax.plot(steps, mean, label=f"retain {retain:g}" + (" (dense)" if retain >= 1.0 else ""))
+            ax.fill_between(steps, [min(c[s] for c in curves) for s in steps],
+                            [max(c[s] for c in curves) for s in steps], color=line.get_color(), alpha=0.15)
+        ax.set(title=f"continued training: {method}", xlabel="step", ylabel="held-out perplexity")
+        ax.set_yscale("log")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def add_study_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("study", help="the quality study (ablation grids), run and report",
+                                   description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="study_command", required=True)
+    run = commands.add_parser("run", help="run the missing jobs of the grids")
+    run.add_argument("--grid", nargs="+", choices=GRIDS, default=list(GRIDS))
+    run.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    run.add_argument("--device", default="cpu")
+    run.add_argument("--preset", default="study", help="model and run size passed to every demo job")
+    run.add_argument("--steps", type=int, help="steps of the scratch runs (default: the preset's)")
+    run.add_argument("--continued-steps", type=int, help="steps of the continued runs (default: --steps)")
+    run.add_argument("--continued-lr", type=float, default=1e-3, help="peak learning rate of continued training")
+    run.add_argument("--parallel", type=int, default=1, help="jobs at a time")
+    run.add_argument("--threads", type=int, default=1, help="CPU threads per job")
+    run.add_argument("--time-limit", type=float, default=0, help="start no job after this many seconds (0: none)")
+    run.add_argument("--only", help="run only jobs whose name contains this text")
+    run.add_argument("--out", default="runs/study")
+    run.set_defaults(handler=_run_command)
+    rep = commands.add_parser("report", help="tables and plots of the finished jobs")
+    rep.add_argument("out", nargs="?", default="runs/study")
+    rep.set_defaults(handler=lambda args: print(report(Path(args.out))) or 0)
+
+
+def _run_command(args: argparse.Namespace) -> int:
+    out_dir = Path(args.out)
+    jobs = grid_jobs(args.grid, args.seeds)
+    if args.only:
+        selected = [j for j in jobs if args.only in j.name]
+        # a continued job needs its seed's pretraining run (its checkpoint), and every job its dense reference
+        needed = [j for j in jobs if j.retain >= 1.0 and any(
+            (c.regime == j.regime or j.is_pretrain and c.regime == "continued") and c.seed == j.seed
+            for c in selected)]
+        jobs = list(dict.fromkeys(needed + selected))
+    failed = run_jobs(jobs, out_dir, args)
+    for job in failed:
+        print(f"failed: {job.name} (see {out_dir / job.name / 'stdout.log'})")
+    print(report(out_dir))
+    return 1 if failed else 0

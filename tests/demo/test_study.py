@@ -1,0 +1,78 @@
+"""The quality-study runner: the grids, the ΔPPL arithmetic, the report, and a tiny real run."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from lrmoe.__main__ import main
+from lrmoe.demo.study import Job, delta_ppl, grid_jobs, report
+
+
+def test_grids_hold_the_planned_jobs_once_each():
+    jobs = grid_jobs(["table2", "figure5"], [0, 1])
+    names = [j.name for j in jobs]
+    assert len(names) == len(set(names))
+    per_seed = [j for j in jobs if j.seed == 0]
+    # 2 dense references + 4 metrics x 2 selections x 2 regimes + 3 retains x 3 methods, minus the three
+    # continued retain-0.75 jobs the grids share
+    assert len(per_seed) == 2 + 16 + 9 - 3
+    assert jobs[0].is_pretrain and jobs[1].is_pretrain  # pretraining (checkpoints) first
+    assert {j.retain for j in jobs} == {1.0, 0.9, 0.75, 0.5}
+    assert Job("continued", 0.5, "random", "top", 1) in jobs
+    assert Job("scratch", 0.5, "lrm", "sample", 0) not in jobs  # figure 5 is the continued regime only
+    assert len(grid_jobs(["table2"], [0])) == 18
+
+
+def _log(losses_by_step: dict[int, float], retain=0.75, metric="lrm", selection="sample") -> dict:
+    steps = sorted(losses_by_step)
+    return {"retain": retain, "metric": metric, "selection": selection,
+            "heldout_loss": losses_by_step[steps[-1]],
+            "eval_curve": [{"step": s, "heldout_loss": losses_by_step[s]} for s in steps]}
+
+
+def test_delta_ppl_is_the_mean_gap_after_step_zero():
+    dense = _log({0: 5.0, 10: math.log(4.0), 20: math.log(3.0)}, retain=1.0)
+    sparse = _log({0: 5.0, 10: math.log(4.5), 20: math.log(3.1)})
+    mean, final = delta_ppl(sparse, dense)
+    assert mean == pytest.approx((0.5 + 0.1) / 2)
+    assert final == pytest.approx(0.1)
+
+
+def test_report_tables_mean_and_spread_over_seeds(tmp_path):
+    def write(job: Job, log: dict):
+        path = tmp_path / job.name / f"retain_{job.retain:g}.json"
+        path.parent.mkdir(parents=True)
+        path.write_text(json.dumps(log))
+
+    for seed, gap in ((0, 0.2), (1, 0.4)):
+        write(Job("scratch", 1.0, "lrm", "sample", seed), _log({0: 5.0, 10: math.log(4.0)}, retain=1.0))
+        write(Job("scratch", 0.75, "lrm", "top", seed), _log({0: 5.0, 10: math.log(4.0 + gap)}, selection="top"))
+    text = report(tmp_path)
+    row = next(line for line in text.splitlines() if "lrm-top" in line)
+    assert "+0.3000 ± 0.1414 (n=2)" in row  # mean of 0.2 and 0.4, sample standard deviation
+    assert "4.0000 ± 0.0000 (n=2)" in text  # dense final perplexity
+    assert (tmp_path / "report.md").read_text().strip() == text.strip()
+
+
+def test_tiny_study_runs_resumes_and_reports(tmp_path):
+    argv = ["study", "run", "--preset", "quick", "--steps", "3", "--seeds", "0", "--parallel", "2",
+            "--only", "continued/lrm-sample-r0.75", "--out", str(tmp_path)]
+    buffer = io.StringIO()
+    with contextlib.redirect_stdout(buffer):
+        assert main(argv) == 0
+    text = buffer.getvalue()
+    assert "3 to run" in text  # the job, its seed's pretraining and the continued dense reference
+    assert (tmp_path / "checkpoints" / "dense-scratch-seed0.pt").exists()
+    log = json.loads((tmp_path / "continued/lrm-sample-r0.75/seed0/retain_0.75.json").read_text())
+    assert log["retained_fraction"] == pytest.approx(0.75, abs=0.05)
+    assert "| 0.75 | lrm-sample |" in text
+    buffer = io.StringIO()
+    with contextlib.redirect_stdout(buffer):
+        assert main(argv) == 0
+    assert "3 already done, 0 to run" in buffer.getvalue()
