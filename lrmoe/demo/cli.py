@@ -245,8 +245,11 @@ def run_demo(args: argparse.Namespace) -> int:
         out_dir.mkdir(parents=True, exist_ok=True)
 
     previous_threads = torch.get_num_threads()
+    previous_precision = torch.get_float32_matmul_precision()
     if train_cfg.device == "cpu":
         torch.set_num_threads(args.threads or _default_threads())
+    else:
+        torch.set_float32_matmul_precision("high")  # TF32 tensor cores for the fp32 model on GPUs
     try:
         start = time.perf_counter()
         corpus = load_corpus(args.corpus, max_bytes)
@@ -280,6 +283,7 @@ def run_demo(args: argparse.Namespace) -> int:
             results.append(result)
     finally:
         torch.set_num_threads(previous_threads)
+        torch.set_float32_matmul_precision(previous_precision)
 
     print()
     print(format_table(results))
