@@ -202,8 +202,73 @@ def report(out_dir: Path) -> str:
         lines.append("")
     text = "\n".join(lines)
     (out_dir / "report.md").write_text(text + "\n")
+    (out_dir / "results.json").write_text(json.dumps(_compact(results), indent=0) + "\n")
+    for regime in regimes:
+        _plot_table2_curves(results, regime, out_dir / f"table2_{regime}_curves.png")
     _plot_figure5(results, out_dir / "figure5_curves.png")
     return text
+
+
+def _compact(results: dict) -> list[dict]:
+    """Every finished job without its per-step history: what a report needs, small enough to keep in docs/."""
+    keep = ("heldout_loss", "heldout_ppl", "train_loss", "retained_fraction", "score_mass_fraction", "ms_per_step",
+            "eval_curve")
+    return [
+        {"regime": regime, "method": method, "retain": retain, "seed": seed, **{k: log.get(k) for k in keep},
+         "steps": log["train_config"]["steps"] if "train_config" in log else None}
+        for (regime, method, retain), logs in sorted(results.items())
+        for seed, log in sorted(logs.items())
+    ]
+
+
+def _mean_curve(logs: list[dict]) -> tuple[list[int], list[float], list[float], list[float]]:
+    """Steps, mean, min and max held-out perplexity over the logs, at the steps they share."""
+    curves = [_ppl_curve(log) for log in logs]
+    steps = sorted(set.intersection(*(set(c) for c in curves)))
+    return (steps, [statistics.mean(c[s] for c in curves) for s in steps],
+            [min(c[s] for c in curves) for s in steps], [max(c[s] for c in curves) for s in steps])
+
+
+def _pyplot():
+    from lrmoe.demo.plots import _pyplot as pyplot
+
+    return pyplot()
+
+
+def _plot_table2_curves(results: dict, regime: str, path: Path) -> None:
+    """Held-out perplexity minus dense against step at retain 0.75, one panel per selection rule, one line per
+    metric (mean over seeds of the per-seed gap; band = min..max over seeds)."""
+    from lrmoe.demo.plots import have_matplotlib
+
+    dense = results.get((regime, "dense", 1.0))
+    if not have_matplotlib() or dense is None:
+        return
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+    for ax, selection in zip(axes, ("top", "sample")):
+        for metric in TABLE2_METRICS:
+            runs = results.get((regime, f"{metric}-{selection}", 0.75), {})
+            gaps = []
+            for seed, log in runs.items():
+                if seed in dense:
+                    mine, ref = _ppl_curve(log), _ppl_curve(dense[seed])
+                    gaps.append({s: mine[s] - ref[s] for s in mine if s in ref and s > 0})
+            if not gaps:
+                continue
+            steps = sorted(set.intersection(*(set(g) for g in gaps)))
+            (line,) = ax.plot(steps, [statistics.mean(g[s] for g in gaps) for s in steps], label=metric)
+            ax.fill_between(steps, [min(g[s] for g in gaps) for s in steps], [max(g[s] for g in gaps) for s in steps],
+                            color=line.get_color(), alpha=0.15)
+        ax.axhline(0.0, color="black", lw=0.8)
+        ax.set(title=f"{regime}, retain 0.75, selection {selection}", xlabel="step",
+               ylabel="held-out PPL minus dense (same seed)")
+        ax.set_yscale("symlog", linthresh=0.05)
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def _plot_figure5(results: dict, path: Path) -> None:
@@ -211,13 +276,10 @@ def _plot_figure5(results: dict, path: Path) -> None:
     (mean over seeds, band = min..max)."""
     from lrmoe.demo.plots import have_matplotlib
 
-    if not have_matplotlib() or ("continued", "dense", 1.0) not in results:
+    methods_present = any(("continued", f"{m}-{s}", r) in results for m, s in FIGURE5_METHODS for r in (0.9, 0.5))
+    if not have_matplotlib() or ("continued", "dense", 1.0) not in results or not methods_present:
         return
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = _pyplot()
     methods = [f"{m}-{s}" for m, s in FIGURE5_METHODS]
     fig, axes = plt.subplots(1, len(methods), figsize=(5 * len(methods), 4), sharey=True)
     for ax, method in zip(axes, methods):
@@ -225,12 +287,9 @@ def _plot_figure5(results: dict, path: Path) -> None:
             key = ("continued", "dense" if retain >= 1.0 else method, retain)
             if key not in results:
                 continue
-            curves = [_ppl_curve(log) for log in results[key].values()]
-            steps = sorted(set.intersection(*(set(c) for c in curves)))
-            mean = [statistics.mean(c[s] for c in curves) for s in steps]
+            steps, mean, low, high = _mean_curve(list(results[key].values()))
             (line,) = ax.plot(steps, mean, label=f"retain {retain:g}" + (" (dense)" if retain >= 1.0 else ""))
-            ax.fill_between(steps, [min(c[s] for c in curves) for s in steps],
-                            [max(c[s] for c in curves) for s in steps], color=line.get_color(), alpha=0.15)
+            ax.fill_between(steps, low, high, color=line.get_color(), alpha=0.15)
         ax.set(title=f"continued training: {method}", xlabel="step", ylabel="held-out perplexity")
         ax.set_yscale("log")
         ax.grid(alpha=0.3)

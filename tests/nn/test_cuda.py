@@ -58,15 +58,24 @@ def test_cuda_bf16_grouped_mm_matches_fp32_reference(n_rows, empty):
     torch.testing.assert_close(wg.grad.float().cpu(), wr.grad, rtol=3e-2, atol=5e-2)
 
 
-def test_cuda_bf16_compile_fullgraph_matches_eager():
+@pytest.mark.parametrize(
+    "dtype, retain, tol",
+    [
+        # fp32 at retain 0.75: scores agree to round-off, so the same pairs are kept and the values match.
+        (torch.float32, 0.75, 1e-4),
+        # bf16: a different rounding order can flip which pairs sit at a quota's edge at retain < 1, so compare
+        # bf16 at retain 1 (no selection), as a relative error of the whole tensor.
+        (torch.bfloat16, 1.0, 2e-2),
+    ],
+)
+def test_cuda_compile_fullgraph_matches_eager(dtype, retain, tol):
     torch._dynamo.reset()
     torch.manual_seed(0)
-    layer = LRMoE(128, 64, 16, 4, retain=0.75, selection="top").cuda().bfloat16()
-    x = torch.randn(512, 128, device="cuda", dtype=torch.bfloat16)
+    layer = LRMoE(128, 64, 16, 4, retain=retain, selection="top").cuda().to(dtype)
+    x = torch.randn(512, 128, device="cuda", dtype=dtype)
     c = torch.randn_like(x)
     want = run(layer, x, c)
     got = run(torch.compile(layer, fullgraph=True), x, c)
     for g, w in zip(got, want):
-        # bf16: compare as a relative error of the whole tensor (fusion changes the rounding order)
         err = (g.float() - w.float()).norm() / w.float().norm()
-        assert err < 2e-2, (tuple(w.shape), float(err))
+        assert err < tol, (tuple(w.shape), float(err))
