@@ -2,13 +2,21 @@
 
 Hypothesis profiles: "ci" (the default) keeps every property test small and fast so the whole suite runs in
 minutes on two CPU cores; "dev" explores more examples. Pick one with HYPOTHESIS_PROFILE=dev.
+
+Triton: without a GPU, kernels run in Triton's interpreter, which must be switched on before any @triton.jit
+function is defined, so it is set here, before the tests import lrmoe_kernels. On a GPU machine the kernels
+compile for the device as usual.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 
-from hypothesis import HealthCheck, settings
+if not shutil.which("nvidia-smi") and "TRITON_INTERPRET" not in os.environ:
+    os.environ["TRITON_INTERPRET"] = "1"
+
+from hypothesis import HealthCheck, settings  # noqa: E402
 
 settings.register_profile(
     "ci",
