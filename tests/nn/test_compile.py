@@ -8,17 +8,8 @@ import torch
 from lrmoe.nn import LRMoE
 
 
-def run(layer, x, c):
-    for p in layer.parameters():
-        p.grad = None
-    x = x.detach().clone().requires_grad_(True)
-    out = layer(x)
-    (out * c).sum().backward()
-    return [out.detach(), x.grad] + [p.grad for p in layer.parameters()]
-
-
 @pytest.mark.parametrize("selection", ["top", "sample"])
-def test_compiled_equals_eager_at_retain_075(selection):
+def test_compiled_equals_eager_at_retain_075(selection, fwd_bwd):
     torch._dynamo.reset()
     torch.manual_seed(0)
     layer = LRMoE(32, 24, 8, 2, retain=0.75, selection=selection)
@@ -29,9 +20,9 @@ def test_compiled_equals_eager_at_retain_075(selection):
     patch = torch._inductor.config.patch(fallback_random=selection == "sample")
     with patch:
         torch.manual_seed(1)
-        got = run(compiled, x, c)
+        got = fwd_bwd(compiled, x, c)
     torch.manual_seed(1)
-    want = run(layer, x, c)
+    want = fwd_bwd(layer, x, c)
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
     stats = layer.stats()
@@ -39,14 +30,14 @@ def test_compiled_equals_eager_at_retain_075(selection):
     assert int(stats.retained_pairs) == int(0.75 * 4 * 16 * 2)
 
 
-def test_compiled_dense_has_no_graph_break_and_matches():
+def test_compiled_dense_has_no_graph_break_and_matches(fwd_bwd):
     torch._dynamo.reset()
     torch.manual_seed(0)
     layer = LRMoE(32, 24, 8, 2, retain=1.0)
     x, c = torch.randn(64, 32), torch.randn(64, 32)
     explanation = torch._dynamo.explain(layer)(x)
     assert explanation.graph_break_count == 0
-    got = run(torch.compile(layer, fullgraph=True), x, c)
-    want = run(layer, x, c)
+    got = fwd_bwd(torch.compile(layer, fullgraph=True), x, c)
+    want = fwd_bwd(layer, x, c)
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)

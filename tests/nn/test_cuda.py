@@ -11,23 +11,14 @@ from lrmoe.nn import LRMoE
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
-def run(layer, x, c):
-    for p in layer.parameters():
-        p.grad = None
-    x = x.detach().clone().requires_grad_(True)
-    out = layer(x)
-    (out * c).sum().backward()
-    return [out.detach(), x.grad] + [p.grad for p in layer.parameters()]
-
-
 @pytest.mark.parametrize("retain, selection", [(1.0, "top"), (0.75, "top")])
-def test_cuda_fp32_equals_cpu(retain, selection):
+def test_cuda_fp32_equals_cpu(retain, selection, fwd_bwd):
     torch.manual_seed(0)
     cpu = LRMoE(32, 24, 8, 2, retain=retain, selection=selection)
     gpu = LRMoE(32, 24, 8, 2, retain=retain, selection=selection).cuda()
     gpu.load_state_dict(cpu.state_dict())
     x, c = torch.randn(96, 32), torch.randn(96, 32)
-    for a, b in zip(run(gpu, x.cuda(), c.cuda()), run(cpu, x, c)):
+    for a, b in zip(fwd_bwd(gpu, x.cuda(), c.cuda()), fwd_bwd(cpu, x, c)):
         torch.testing.assert_close(a.cpu(), b, rtol=1e-4, atol=1e-5)
 
 
@@ -68,14 +59,14 @@ def test_cuda_bf16_grouped_mm_matches_fp32_reference(n_rows, empty):
         (torch.bfloat16, 1.0, 2e-2),
     ],
 )
-def test_cuda_compile_fullgraph_matches_eager(dtype, retain, tol):
+def test_cuda_compile_fullgraph_matches_eager(dtype, retain, tol, fwd_bwd):
     torch._dynamo.reset()
     torch.manual_seed(0)
     layer = LRMoE(128, 64, 16, 4, retain=retain, selection="top").cuda().to(dtype)
     x = torch.randn(512, 128, device="cuda", dtype=dtype)
     c = torch.randn_like(x)
-    want = run(layer, x, c)
-    got = run(torch.compile(layer, fullgraph=True), x, c)
+    want = fwd_bwd(layer, x, c)
+    got = fwd_bwd(torch.compile(layer, fullgraph=True), x, c)
     for g, w in zip(got, want):
         err = (g.float() - w.float()).norm() / w.float().norm()
         assert err < tol, (tuple(w.shape), float(err))
