@@ -12,6 +12,8 @@ from __future__ import annotations
 import torch
 
 from lrmoe.functional._checks import check_choice, check_tensor
+from lrmoe.ops.scoring import non_finite_mask
+from lrmoe.ops.scoring import score_pairs as score_pairs_op
 
 __all__ = ["score_pairs", "METRICS"]
 
@@ -49,23 +51,13 @@ def score_pairs(
             f"phi_sqnorm_TK must have the shape of gates_TK {tuple(gates_TK.shape)}, got {tuple(phi_sqnorm_TK.shape)}"
         )
 
-    gates_TK = gates_TK.float()
-    phi_sqnorm_TK = phi_sqnorm_TK.float()
-    g_TD = grad_out_TD.float()
-    g_sqnorm_T1 = g_TD.square().sum(-1, keepdim=True)
-    if metric == "lrm":
-        scores_TK = gates_TK.square() * g_sqnorm_T1 * phi_sqnorm_TK
-    elif metric == "grad_l2":
-        scores_TK = gates_TK.square() * g_sqnorm_T1
-    elif metric == "grad_abs":
-        scores_TK = gates_TK.abs() * g_TD.abs().sum(-1, keepdim=True)
-    else:
-        scores_TK = torch.rand(gates_TK.shape, generator=generator, device=gates_TK.device)
+    if metric != "random":
+        # One custom op (lrmoe::score_pairs): the reference on CPU, a Triton kernel on CUDA. Scores are not
+        # differentiated, so the inputs are detached: callers may pass tensors that require grad.
+        return score_pairs_op(gates_TK.detach(), grad_out_TD.detach(), phi_sqnorm_TK.detach(), metric)
 
-    bad_TK = (
-        ~torch.isfinite(scores_TK)
-        | ~torch.isfinite(gates_TK)
-        | ~torch.isfinite(phi_sqnorm_TK)
-        | ~torch.isfinite(g_sqnorm_T1)
-    )
-    return scores_TK.masked_fill(bad_TK, float("inf"))
+    gates_TK = gates_TK.detach().float()
+    phi_sqnorm_TK = phi_sqnorm_TK.detach().float()
+    g_sqnorm_T1 = grad_out_TD.detach().float().square().sum(-1, keepdim=True)
+    scores_TK = torch.rand(gates_TK.shape, generator=generator, device=gates_TK.device)
+    return scores_TK.masked_fill(non_finite_mask(gates_TK, phi_sqnorm_TK, g_sqnorm_T1, scores_TK), float("inf"))

@@ -5,5 +5,6 @@ kernel.
 """
 
 from lrmoe.ops.grouped_gemm import gather_grouped_mm, grouped_outer
+from lrmoe.ops.scoring import score_pairs
 
-__all__ = ["gather_grouped_mm", "grouped_outer"]
+__all__ = ["gather_grouped_mm", "grouped_outer", "score_pairs"]

@@ -1,0 +1,165 @@
+"""Per-pair backward scores in one pass over the output gradient (the kernel behind ``lrmoe::score_pairs``).
+
+Shapes: T tokens, K top-k, D model dim.
+
+For metric "lrm" the score of pair (t, k) is alpha_tk^2 * ||g_t||^2 * phi_sq_tk; "grad_l2" drops phi_sq;
+"grad_abs" is |alpha_tk| * ||g_t||_1 (DESIGN.md section 3). Any non-finite gate, phi_sq, token norm or product
+gives +inf, exactly like the reference in lrmoe.ops.scoring, so a diverging pair is always kept.
+
+The work is memory-bound: g [T, D] is T*D elements against T*K of everything else, so each program reads a block
+of whole token rows of g exactly once (both norms from the same loads), then its pairs' gates and phi_sq, and
+writes its pairs' fp32 scores. Everything is accumulated in fp32 whatever the input dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["METRIC_IDS", "score_pairs_triton"]
+
+# The deterministic metrics, as the kernel's constexpr METRIC ("random" never reaches a kernel).
+METRIC_IDS = {"lrm": 0, "grad_l2": 1, "grad_abs": 2}
+
+
+@triton.jit
+def _is_finite(x):
+    return tl.abs(x) < float("inf")  # false for +-inf and for NaN (every comparison with NaN is false)
+
+
+@triton.jit
+def _score_pairs_kernel(
+    gates_ptr,
+    g_ptr,
+    phi_ptr,
+    out_ptr,
+    T,
+    K,
+    D,
+    stride_gates_t,
+    stride_gates_k,
+    stride_g_t,
+    stride_g_d,
+    stride_phi_t,
+    stride_phi_k,
+    METRIC: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    t_T = pid * BLOCK_T + tl.arange(0, BLOCK_T)
+    t_ok_T = t_T < T
+    t64_T = t_T.to(tl.int64)  # row offsets in int64: T * D can pass 2^31 elements
+    d_D = tl.arange(0, BLOCK_D)
+    g_row_T = g_ptr + t64_T * stride_g_t
+
+    # One pass over g: elementwise fp32 accumulators, reduced once after the loop (fewer cross-lane reductions
+    # than reducing every chunk). Masked lanes load 0 and add nothing.
+    sq_TD = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
+    if METRIC == 2:
+        abs_TD = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
+    for d0 in range(0, D, BLOCK_D):
+        dd_D = d0 + d_D
+        mask_TD = t_ok_T[:, None] & (dd_D < D)[None, :]
+        ptr_TD = g_row_T[:, None] + dd_D[None, :] * stride_g_d  # stride_g_d == 1 specialises to vector loads
+        g_TD = tl.load(ptr_TD, mask=mask_TD, other=0.0).to(tl.float32)
+        sq_TD += g_TD * g_TD
+        if METRIC == 2:
+            abs_TD += tl.abs(g_TD)
+    g_sq_T = tl.sum(sq_TD, axis=1)  # ||g_t||^2; NaN/inf in any entry of the row makes it non-finite
+
+    k_K = tl.arange(0, BLOCK_K)
+    mask_TK = t_ok_T[:, None] & (k_K < K)[None, :]
+    a_TK = tl.load(
+        gates_ptr + t64_T[:, None] * stride_gates_t + k_K[None, :] * stride_gates_k, mask=mask_TK, other=0.0
+    ).to(tl.float32)
+    phi_TK = tl.load(
+        phi_ptr + t64_T[:, None] * stride_phi_t + k_K[None, :] * stride_phi_k, mask=mask_TK, other=0.0
+    ).to(tl.float32)
+
+    # Same operation order as the reference, so the products round the same way given the same norms.
+    if METRIC == 0:
+        s_TK = a_TK * a_TK * g_sq_T[:, None] * phi_TK
+    elif METRIC == 1:
+        s_TK = a_TK * a_TK * g_sq_T[:, None]
+    else:
+        s_TK = tl.abs(a_TK) * tl.sum(abs_TD, axis=1)[:, None]
+
+    ok_TK = _is_finite(s_TK) & _is_finite(a_TK) & _is_finite(phi_TK) & _is_finite(g_sq_T)[:, None]
+    s_TK = tl.where(ok_TK, s_TK, float("inf"))
+    tl.store(out_ptr + t64_T[:, None] * K + k_K[None, :], s_TK, mask=mask_TK)
+
+
+def _block_sizes(T: int, K: int, D: int) -> tuple[int, int, int, int]:
+    """(BLOCK_T, BLOCK_D, BLOCK_K, num_warps) for a [T, D] gradient and K pairs per token.
+
+    BLOCK_D: up to 512 columns a step, so the register tile (one or two fp32 accumulators) has the same size
+    whatever D is; Triton gives each thread 8 contiguous bf16 (or 4 fp32) of a row, i.e. 16-byte vector loads (seen
+    in the PTX for sm_90 when D and the row stride are multiples of 16, which Triton specialises on; other D give
+    narrower loads).
+    BLOCK_T: rows per program so that a step moves 2048 elements, with 4 warps 16 per thread: four 16-byte loads in
+    flight per thread in bf16, ~50 registers (no spills), so many programs fit on an SM and together keep enough
+    bytes in flight to cover HBM latency. Small D gives more rows per program (up to 32) so that short rows do not
+    make tiny programs. T = 8192 launches 2048 programs, ~15 per SM on an H200's 132 SMs.
+    Measured on one H200 (benchmarks/scoring_bandwidth.py --sweep, bf16, K = 8, T = 131072, D = 2048, metric lrm,
+    2026-11-29): (4, 512, 4 warps) moved 84% of the device copy bandwidth, (8, 512, 4) 82%; every 1024- or
+    2048-column tile 37-65%; 8 warps 38-79% (more registers per program, so likely fewer resident programs per SM;
+    not profiled). At T = 8192 the whole read is 32 MiB, ~8 us at copy speed, and launch and ramp-up dominate: the
+    same kernel then shows 30-50%, and timings of 20-40 us varied by up to 2x between runs.
+    BLOCK_K: K rounded up to a power of two (Triton tiles are powers of two); the pair part is T*K elements,
+    noise next to g.
+    """
+    block_d = min(triton.next_power_of_2(max(D, 1)), 512)
+    block_t = max(1, min(32, 2048 // block_d, triton.next_power_of_2(max(T, 1))))
+    block_k = triton.next_power_of_2(max(K, 1))
+    return block_t, block_d, block_k, 4
+
+
+def score_pairs_triton(
+    gates_TK: torch.Tensor,
+    grad_out_TD: torch.Tensor,
+    phi_sqnorm_TK: torch.Tensor,
+    metric: str,
+    *,
+    block_t: int | None = None,
+    block_d: int | None = None,
+    num_warps: int | None = None,
+) -> torch.Tensor:
+    """Launch the scoring kernel: fp32 scores_TK for metric "lrm", "grad_l2" or "grad_abs".
+
+    Inputs may be any float dtype and any strides (all three on the same device); shapes are not checked here
+    (lrmoe.functional.score_pairs does that). ``block_t``, ``block_d``, ``num_warps`` override the defaults of
+    ``_block_sizes`` (powers of two), for tuning.
+    """
+    if metric not in METRIC_IDS:
+        raise ValueError(f"metric must be one of {', '.join(map(repr, METRIC_IDS))}; got {metric!r}")
+    T, K = gates_TK.shape
+    D = grad_out_TD.shape[1]
+    scores_TK = torch.empty((T, K), dtype=torch.float32, device=gates_TK.device)
+    if T == 0 or K == 0:
+        return scores_TK
+    bt, bd, bk, nw = _block_sizes(T, K, D)
+    bt, bd, nw = block_t or bt, block_d or bd, num_warps or nw
+    _score_pairs_kernel[(triton.cdiv(T, bt),)](
+        gates_TK,
+        grad_out_TD,
+        phi_sqnorm_TK,
+        scores_TK,
+        T,
+        K,
+        D,
+        gates_TK.stride(0),
+        gates_TK.stride(1),
+        grad_out_TD.stride(0),
+        grad_out_TD.stride(1),
+        phi_sqnorm_TK.stride(0),
+        phi_sqnorm_TK.stride(1),
+        METRIC=METRIC_IDS[metric],
+        BLOCK_T=bt,
+        BLOCK_D=bd,
+        BLOCK_K=bk,
+        num_warps=nw,
+    )
+    return scores_TK
