@@ -1,0 +1,286 @@
+"""Triton kernels for lrmoe's grouped GEMMs, with the row gather fused into the operand load.
+
+Shapes: N source rows, R buffer rows, E experts (groups), O output features, I input features. A group e holds
+buffer rows [offsets[e-1], offsets[e]) (offsets are int32 cumulative ends, nondecreasing, clipped to R).
+
+``gather_grouped_mm_triton(x_NI, weight_EOI, rows_R, offsets_E) -> y_RO``
+    y[i] = weight[e(i)] @ x[rows[i]] for i < offsets[-1]; y[i] = 0 after (rows there may be -1).
+``grouped_outer_triton(a_RO, b_NI, rows_R, offsets_E) -> w_EOI``
+    w[e] = sum over i in group e of outer(a[i], b[rows[i]]) (the weight gradient); empty groups give zeros.
+
+Same contracts as the CPU reference in lrmoe/ops/grouped_gemm.py. fp32 accumulation (fp64 for fp64 inputs); the
+output has the input's dtype. Any strides (a transposed weight view is read in place).
+
+No host synchronisation: the launchers never read offsets on the host, and grid sizes come from static shapes
+only. gather_grouped_mm launches cdiv(R, BLOCK_M) + E row tiles (an upper bound on the tiles the groups plus the
+zero tail can need, whatever the group sizes) times cdiv(O, BLOCK_N) column tiles; each program finds its
+(group, tile) from the offsets in the kernel and exits when it has none. grouped_outer launches one program per
+(expert, output tile) and loops over its group's rows, a loop whose trip count is read on the device.
+
+Under the Triton interpreter (TRITON_INTERPRET=1, CPU tensors: how the tests run without a GPU) the block sizes
+are fixed and small, and loaded tiles are upcast to fp32 before tl.dot, because the interpreter's tl.dot on bf16
+operands multiplies raw bit patterns and returns garbage without an error. On a GPU the tiles stay bf16 so Hopper
+runs them on the tensor cores (wgmma), and a small autotune set keyed on (O, I, dtype) picks the blocks.
+
+What to try next on the H200 (first version is pointer loads, software-pipelined by Triton with cp.async):
+- a persistent grid (one program per SM looping over tiles) to save launch/tail cost when groups are small;
+- TMA descriptors for the weight (B) operand of gather_grouped_mm and for the stores; the gathered A operand
+  needs per-row addresses, which Hopper's TMA cannot do (Blackwell's TMA gather4 can);
+- grouped_outer under skew: a hot expert's programs loop over many more rows than the rest; split-K over the
+  rows of big groups, or launching the biggest groups first (a device-side argsort of the group sizes, no host
+  read), shortens the tail;
+- a warp-specialised producer/consumer split once Triton's Hopper warp specialisation is stable.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["gather_grouped_mm_triton", "grouped_outer_triton"]
+
+# Read once, like triton.jit itself reads it when the kernels below are defined: the interpreter is either on for
+# the whole process or off.
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+# ----------------------------------------------------------------------------------------------- launch configs
+
+
+def _interpreter_config() -> dict:
+    """Fixed blocks for the interpreter: small enough that odd test shapes cross several tiles and masked edges,
+    large enough that the (Python-speed) interpreter runs few programs."""
+    return dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32)
+
+
+def _gpu_configs() -> list[triton.Config]:
+    """Candidate blocks for Hopper (BLOCK_M x BLOCK_N output tile, BLOCK_K deep): 128-wide tiles feed wgmma with
+    8 warps; 3-4 stages keep the shared memory under the H200's 227 KiB per block ((BM + BN) * BK * 2 bytes a
+    stage in bf16). The small config serves small or fp32 problems."""
+    return [
+        triton.Config(dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64), num_warps=8, num_stages=4),
+        triton.Config(dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64), num_warps=8, num_stages=3),
+        triton.Config(dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64), num_warps=4, num_stages=4),
+        triton.Config(dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128), num_warps=8, num_stages=3),
+        triton.Config(dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32), num_warps=4, num_stages=3),
+    ]
+
+
+def _prune_small(configs, named_args, **kwargs):
+    """Problems narrower than 128 in O or I (tests, toy models) get the smallest config only: nothing to tune,
+    and every extra config is a compile. fp32 and fp64 get it too: the bf16 configs' shared memory would overflow
+    (fp32 runs on the CUDA cores anyway unless TF32 is on). The autotuner still times that one config once per
+    key."""
+    small = min(named_args["O"], named_args["I"]) < 128
+    wide_dtype = named_args["dtype_bytes"] > 2
+    if small or wide_dtype:
+        return [min(configs, key=lambda c: c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] * c.kwargs["BLOCK_K"])]
+    return configs
+
+
+def _with_config(kernel):
+    """The interpreter runs the bare kernel with _interpreter_config(); a GPU autotunes over _gpu_configs(), keyed
+    on (O, I) plus the argument dtypes (Triton's autotuner appends those), never on R, which changes per step."""
+    if _INTERPRET:
+        return kernel
+    return triton.autotune(
+        configs=_gpu_configs(), key=["O", "I"], prune_configs_by=dict(early_config_prune=_prune_small)
+    )(kernel)
+
+
+def _dot_flags(dtype: torch.dtype) -> dict:
+    """Constexprs for tl.dot: UPCAST (interpreter only, see the module docstring), the accumulator dtype, and the
+    fp32 input precision, which follows torch's own switch so the kernel rounds like torch.matmul would."""
+    fp32_tf32 = dtype == torch.float32 and not _INTERPRET and torch.backends.cuda.matmul.allow_tf32
+    return dict(
+        UPCAST=_INTERPRET and dtype in (torch.bfloat16, torch.float16),
+        ACC_FP64=dtype == torch.float64,
+        INPUT_PRECISION="tf32" if fp32_tf32 or dtype in (torch.bfloat16, torch.float16) else "ieee",
+    )
+
+
+def _check_device(*tensors: torch.Tensor) -> None:
+    if not _INTERPRET and any(t.device.type != "cuda" for t in tensors):
+        raise ValueError("the Triton grouped GEMMs need CUDA tensors (or TRITON_INTERPRET=1 for CPU tensors)")
+
+
+# ------------------------------------------------------------------------------------------- gather_grouped_mm
+
+
+@triton.heuristics(dict(EVEN_K=lambda args: args["I"] % args["BLOCK_K"] == 0))
+@triton.jit
+def _gather_grouped_mm_kernel(
+    x_ptr, w_ptr, rows_ptr, offsets_ptr, y_ptr,
+    R, O, I, E, dtype_bytes,
+    stride_xn, stride_xi, stride_we, stride_wo, stride_wi, stride_yr, stride_yo,
+    G_POW2: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+    UPCAST: tl.constexpr, ACC_FP64: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    # Column tiles vary fastest: the cdiv(O, BLOCK_N) programs of one row tile run side by side and share its
+    # gathered x rows in L2, and one expert's weight (3-11 MiB at the target shapes) stays in the 60 MB L2 while
+    # all its row tiles pass.
+    pid = tl.program_id(0)
+    num_n = tl.cdiv(O, BLOCK_N)
+    pid_m = pid // num_n
+    pid_n = pid % num_n
+
+    # Groups 0..E-1 are the experts; group E is the tail [offsets[-1], R), whose rows get zeros (so y needs no
+    # memset); groups past E are empty padding up to the power of two. Clipping to R makes offsets past the
+    # buffer harmless.
+    g = tl.arange(0, G_POW2)
+    end_g = tl.load(offsets_ptr + g, mask=g < E, other=0).to(tl.int32)
+    end_g = tl.minimum(tl.where(g < E, end_g, R), R)
+    start_g = tl.load(offsets_ptr + g - 1, mask=(g > 0) & (g <= E), other=0).to(tl.int32)
+    start_g = tl.where(g > E, R, tl.minimum(start_g, R))
+    tiles_g = tl.cdiv(tl.maximum(end_g - start_g, 0), BLOCK_M)
+    tile_end_g = tl.cumsum(tiles_g, 0)
+    # The first group whose tiles end past pid_m. The grid's cdiv(R, BLOCK_M) + E is an upper bound on the tiles:
+    # programs past the last one find group = G_POW2 > E and do nothing (a branch, not an early return, which
+    # would give the compiler unstructured control flow).
+    group = tl.sum((tile_end_g <= pid_m).to(tl.int32), 0)
+    mine = g == group
+    row_end = tl.sum(tl.where(mine, end_g, 0), 0)
+    tile = pid_m - tl.sum(tl.where(mine, tile_end_g - tiles_g, 0), 0)
+    offs_m = tl.sum(tl.where(mine, start_g, 0), 0) + tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask = offs_m < row_end
+    y_ptrs = y_ptr + offs_m[:, None].to(tl.int64) * stride_yr + offs_n[None, :] * stride_yo
+    y_mask = m_mask[:, None] & (offs_n[None, :] < O)
+
+    if group == E:
+        tl.store(y_ptrs, tl.zeros((BLOCK_M, BLOCK_N), dtype=y_ptr.dtype.element_ty), mask=y_mask)
+    elif group < E:
+        # The gather, fused: each row of the A tile is read straight from x at rows[i]. Rows past the group's end
+        # read row 0 and columns past O wrap around, so the inner loop masks only K; those rows and columns are
+        # never stored.
+        src_m = tl.load(rows_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)
+        offs_n_safe = offs_n % O
+        offs_k = tl.arange(0, BLOCK_K)
+        a_ptrs = x_ptr + src_m[:, None] * stride_xn + offs_k[None, :] * stride_xi
+        b_ptrs = (w_ptr + group.to(tl.int64) * stride_we
+                  + offs_n_safe[None, :].to(tl.int64) * stride_wo + offs_k[:, None] * stride_wi)  # fmt: skip
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float64 if ACC_FP64 else tl.float32)
+        for k in range(0, tl.cdiv(I, BLOCK_K)):
+            if EVEN_K:
+                a = tl.load(a_ptrs)
+                b = tl.load(b_ptrs)
+            else:
+                k_mask = offs_k < I - k * BLOCK_K
+                a = tl.load(a_ptrs, mask=k_mask[None, :], other=0.0)
+                b = tl.load(b_ptrs, mask=k_mask[:, None], other=0.0)
+            if UPCAST:
+                a = a.to(tl.float32)
+                b = b.to(tl.float32)
+            acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION, out_dtype=acc.dtype)
+            a_ptrs += BLOCK_K * stride_xi
+            b_ptrs += BLOCK_K * stride_wi
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=y_mask)
+
+
+_gather_grouped_mm = _with_config(_gather_grouped_mm_kernel)
+
+
+def gather_grouped_mm_triton(
+    x_NI: torch.Tensor, weight_EOI: torch.Tensor, rows_R: torch.Tensor, offsets_E: torch.Tensor
+) -> torch.Tensor:
+    """y_RO[i] = weight_EOI[e(i)] @ x_NI[rows_R[i]] for i < offsets_E[-1], 0 after; dtype of x. No host sync.
+
+    The output is allocated with torch.empty: the kernel writes every row, zeros included.
+    """
+    _check_device(x_NI, weight_EOI, rows_R, offsets_E)
+    R, (E, O, I) = rows_R.shape[0], weight_EOI.shape
+    y_RO = torch.empty((R, O), dtype=x_NI.dtype, device=x_NI.device)
+    if R == 0 or O == 0:
+        return y_RO
+    fixed = _interpreter_config() if _INTERPRET else {}
+    grid = lambda meta: ((triton.cdiv(R, meta["BLOCK_M"]) + E) * triton.cdiv(O, meta["BLOCK_N"]),)  # noqa: E731
+    _gather_grouped_mm[grid](
+        x_NI, weight_EOI, rows_R, offsets_E, y_RO,
+        R, O, I, E, x_NI.element_size(),
+        *x_NI.stride(), *weight_EOI.stride(), *y_RO.stride(),
+        G_POW2=triton.next_power_of_2(E + 1), **_dot_flags(x_NI.dtype), **fixed,
+    )  # fmt: skip
+    return y_RO
+
+
+# ----------------------------------------------------------------------------------------------- grouped_outer
+
+
+@triton.jit
+def _grouped_outer_kernel(
+    a_ptr, b_ptr, rows_ptr, offsets_ptr, w_ptr,
+    R, O, I, E, dtype_bytes,
+    stride_ar, stride_ao, stride_bn, stride_bi, stride_we, stride_wo, stride_wi,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    UPCAST: tl.constexpr, ACC_FP64: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    # One program per (expert, BLOCK_M x BLOCK_N tile of w[e]), expert slowest: the programs of one expert run
+    # together and read its rows of a and b through L2. The reduction runs over the group's rows, BLOCK_K at a
+    # time; its length is read on the device, so an empty group stores zeros and no atomics or memset are needed.
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(O, BLOCK_M)
+    num_n = tl.cdiv(I, BLOCK_N)
+    e = pid // (num_m * num_n)
+    pid_m = (pid % (num_m * num_n)) // num_n
+    pid_n = pid % num_n
+
+    start = tl.minimum(tl.load(offsets_ptr + e - 1, mask=e > 0, other=0).to(tl.int32), R)
+    end = tl.minimum(tl.load(offsets_ptr + e).to(tl.int32), R)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m_safe = offs_m % O  # wrapped columns are computed but never stored: no mask on O or I in the loop
+    offs_n_safe = offs_n % I
+    offs_k = tl.arange(0, BLOCK_K)
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float64 if ACC_FP64 else tl.float32)
+    for r0 in range(start, end, BLOCK_K):
+        offs_r = r0 + offs_k
+        r_mask = offs_r < end
+        src_r = tl.load(rows_ptr + offs_r, mask=r_mask, other=0).to(tl.int64)
+        # a^T tile [BLOCK_M, BLOCK_K] and gathered b tile [BLOCK_K, BLOCK_N]. Both are masked on the group's end:
+        # zero in a alone would still turn an inf or NaN in a row of b outside the group into NaN.
+        a = tl.load(
+            a_ptr + offs_m_safe[:, None] * stride_ao + offs_r[None, :].to(tl.int64) * stride_ar,
+            mask=r_mask[None, :], other=0.0,
+        )  # fmt: skip
+        b = tl.load(
+            b_ptr + src_r[:, None] * stride_bn + offs_n_safe[None, :] * stride_bi, mask=r_mask[:, None], other=0.0
+        )
+        if UPCAST:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION, out_dtype=acc.dtype)
+
+    w_ptrs = (w_ptr + e.to(tl.int64) * stride_we
+              + offs_m[:, None].to(tl.int64) * stride_wo + offs_n[None, :] * stride_wi)  # fmt: skip
+    tl.store(w_ptrs, acc.to(w_ptr.dtype.element_ty), mask=(offs_m[:, None] < O) & (offs_n[None, :] < I))
+
+
+_grouped_outer = _with_config(_grouped_outer_kernel)
+
+
+def grouped_outer_triton(
+    a_RO: torch.Tensor, b_NI: torch.Tensor, rows_R: torch.Tensor, offsets_E: torch.Tensor
+) -> torch.Tensor:
+    """w_EOI[e] = sum over i in group e of outer(a_RO[i], b_NI[rows_R[i]]); dtype of a. No host sync.
+
+    The output is allocated with torch.empty: every program stores its whole tile, zeros for empty groups.
+    """
+    _check_device(a_RO, b_NI, rows_R, offsets_E)
+    R, O, I, E = rows_R.shape[0], a_RO.shape[1], b_NI.shape[1], offsets_E.shape[0]
+    w_EOI = torch.empty((E, O, I), dtype=a_RO.dtype, device=a_RO.device)
+    if w_EOI.numel() == 0:
+        return w_EOI
+    fixed = _interpreter_config() if _INTERPRET else {}
+    grid = lambda meta: (E * triton.cdiv(O, meta["BLOCK_M"]) * triton.cdiv(I, meta["BLOCK_N"]),)  # noqa: E731
+    _grouped_outer[grid](
+        a_RO, b_NI, rows_R, offsets_E, w_EOI,
+        R, O, I, E, a_RO.element_size(),
+        *a_RO.stride(), *b_NI.stride(), *w_EOI.stride(),
+        **_dot_flags(a_RO.dtype), **fixed,
+    )  # fmt: skip
+    return w_EOI

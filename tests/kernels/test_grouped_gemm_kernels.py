@@ -1,0 +1,154 @@
+"""lrmoe_kernels.grouped_gemm: the Triton launchers equal the reference ops lrmoe::gather_grouped_mm and
+lrmoe::grouped_outer (their CPU kernels) on tiny odd shapes: one or three experts, empty groups, padding rows
+(-1) after the last group, offsets past the buffer, a transposed (non-contiguous) weight, fp32 and bf16.
+
+Without a GPU the kernels run in Triton's interpreter (tests/conftest.py switches it on) on CPU tensors, at
+Python speed: shapes stay tiny and Hypothesis draws few examples. On a GPU the same tests run on CUDA tensors.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import lrmoe  # noqa: F401  (registers torch.ops.lrmoe.*)
+from lrmoe_kernels.grouped_gemm import gather_grouped_mm_triton, grouped_outer_triton
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+DEVICE = "cpu" if INTERPRET else "cuda"
+pytestmark = pytest.mark.skipif(
+    not INTERPRET and not torch.cuda.is_available(), reason="needs a CUDA device or TRITON_INTERPRET=1"
+)
+
+# (N source rows, I, O, group sizes, padding rows, cut): the buffer holds sum(sizes) + pad - cut rows, so a cut
+# makes offsets[-1] exceed R (the last groups are clipped to the buffer).
+CASES = [
+    (5, 8, 24, [9], 2, 0),  # one expert, padding rows
+    (4, 40, 8, [0], 3, 0),  # one empty expert: every row is padding
+    (6, 24, 40, [20], 0, 3),  # one expert clipped by the buffer, several row tiles
+    (7, 40, 24, [3, 0, 18], 2, 0),  # an empty expert in the middle, I crosses two K blocks
+    (9, 24, 40, [0, 17, 4], 0, 5),  # offsets past R: the last group is cut off entirely
+    (3, 8, 8, [0, 0, 0], 4, 0),  # every expert empty
+    (8, 40, 40, [5, 6, 0], 1, 0),  # an empty last expert
+]
+
+
+def make_case(N, I, O, sizes, pad, cut, dtype=torch.float32, transposed=True, seed=0):
+    """CPU tensors: x_NI, weight_EOI (a transposed [E, I, O] view when `transposed`), a_RO, rows_R, offsets_E."""
+    g = torch.Generator().manual_seed(seed)
+    E, S = len(sizes), sum(sizes)
+    R = S + pad - cut
+    rows_R = torch.cat([torch.randint(0, N, (S,), generator=g), torch.full((pad,), -1)])[:R]
+    offsets_E = torch.cumsum(torch.tensor(sizes), 0).int()
+    x_NI = torch.randn(N, I, generator=g).to(dtype)
+    if transposed:
+        weight_EOI = torch.randn(E, I, O, generator=g).to(dtype).transpose(1, 2)
+    else:
+        weight_EOI = torch.randn(E, O, I, generator=g).to(dtype)
+    a_RO = torch.randn(R, O, generator=g).to(dtype)
+    return x_NI, weight_EOI, a_RO, rows_R, offsets_E
+
+
+def on_device(*tensors):
+    return [t.to(DEVICE) for t in tensors]
+
+
+def assert_close(got, want, dtype, k):
+    """bf16: the interpreter truncates fp32 -> bf16 and the reference rounds, so allow a couple of ulps
+    (2^-8 relative each) of values that grow like sqrt(k)."""
+    assert got.dtype == want.dtype and got.shape == want.shape
+    got = got.cpu()
+    if dtype == torch.bfloat16:
+        torch.testing.assert_close(got.double(), want.double(), rtol=2e-2, atol=2e-2 * k**0.5)
+    else:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * k**0.5)
+
+
+def check_gather(x_NI, weight_EOI, rows_R, offsets_E):
+    want = torch.ops.lrmoe.gather_grouped_mm(x_NI, weight_EOI, rows_R, offsets_E)
+    got = gather_grouped_mm_triton(*on_device(x_NI, weight_EOI, rows_R, offsets_E))
+    assert_close(got, want, x_NI.dtype, x_NI.shape[1])
+    end = min(int(offsets_E[-1]), rows_R.shape[0]) if offsets_E.numel() else 0
+    assert (got[end:] == 0).all(), "rows past offsets[-1] must be zero"
+
+
+def check_outer(a_RO, b_NI, rows_R, offsets_E):
+    want = torch.ops.lrmoe.grouped_outer(a_RO, b_NI, rows_R, offsets_E)
+    got = grouped_outer_triton(*on_device(a_RO, b_NI, rows_R, offsets_E))
+    assert_close(got, want, a_RO.dtype, max(1, rows_R.shape[0]))
+    starts = [0] + offsets_E.tolist()[:-1]
+    for e, (s, t) in enumerate(zip(starts, offsets_E.tolist())):
+        if min(t, rows_R.shape[0]) <= s:
+            assert (got[e] == 0).all(), f"empty group {e} must give zeros"
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gather_grouped_mm_equals_reference(case, dtype):
+    x_NI, weight_EOI, _, rows_R, offsets_E = make_case(*case, dtype=dtype)
+    assert not weight_EOI.is_contiguous()
+    check_gather(x_NI, weight_EOI, rows_R, offsets_E)
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_outer_equals_reference(case, dtype):
+    x_NI, _, a_RO, rows_R, offsets_E = make_case(*case, dtype=dtype)
+    check_outer(a_RO, x_NI, rows_R, offsets_E)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_contiguous_weight_and_other_dtypes(dtype):
+    x_NI, weight_EOI, a_RO, rows_R, offsets_E = make_case(7, 40, 24, [3, 0, 18], 2, 0, dtype, transposed=False)
+    check_gather(x_NI, weight_EOI, rows_R, offsets_E)
+    check_outer(a_RO, x_NI, rows_R, offsets_E)
+
+
+def test_values_outside_the_groups_never_leak():
+    """inf/NaN in source rows that no grouped row gathers, and in a rows past offsets[-1], stay out of the output
+    (masking, not multiplying by zero)."""
+    x_NI, weight_EOI, a_RO, rows_R, offsets_E = make_case(8, 24, 40, [5, 0, 6], 3, 0)
+    x_NI = torch.cat([x_NI, torch.full((2, 24), float("nan"))])  # rows 8, 9: never gathered
+    x_NI[9, 0] = float("inf")
+    a_RO[11:] = float("nan")  # the padding rows
+    y_RO = gather_grouped_mm_triton(*on_device(x_NI, weight_EOI, rows_R, offsets_E))
+    w_EOI = grouped_outer_triton(*on_device(a_RO, x_NI, rows_R, offsets_E))
+    assert y_RO.isfinite().all() and w_EOI.isfinite().all()
+    check_gather(x_NI, weight_EOI, rows_R, offsets_E)
+    check_outer(a_RO, x_NI, rows_R, offsets_E)
+
+
+@settings()  # the profile's count (tests/conftest.py): 40 in CI, ~1 s in the interpreter
+@given(
+    sizes=st.sampled_from([1, 3]).flatmap(lambda E: st.lists(st.integers(0, 20), min_size=E, max_size=E)),
+    pad=st.integers(0, 3),
+    cut=st.integers(0, 4),
+    I=st.sampled_from([8, 24, 40]),
+    O=st.sampled_from([8, 24, 40]),
+    N=st.integers(1, 9),
+    transposed=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_property_both_kernels_equal_reference(sizes, pad, cut, I, O, N, transposed, seed):
+    cut = min(cut, sum(sizes) + pad)
+    x_NI, weight_EOI, a_RO, rows_R, offsets_E = make_case(N, I, O, sizes, pad, cut, transposed=transposed, seed=seed)
+    check_gather(x_NI, weight_EOI, rows_R, offsets_E)
+    check_outer(a_RO, x_NI, rows_R, offsets_E)
+
+
+@pytest.mark.skipif(INTERPRET, reason="host syncs exist only on a GPU")
+def test_no_host_sync():
+    x_NI, weight_EOI, a_RO, rows_R, offsets_E = on_device(*make_case(7, 40, 24, [3, 0, 18], 2, 0, torch.bfloat16))
+    gather_grouped_mm_triton(x_NI, weight_EOI, rows_R, offsets_E)  # first calls autotune, which synchronises
+    grouped_outer_triton(a_RO, x_NI, rows_R, offsets_E)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        gather_grouped_mm_triton(x_NI, weight_EOI, rows_R, offsets_E)
+        grouped_outer_triton(a_RO, x_NI, rows_R, offsets_E)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
