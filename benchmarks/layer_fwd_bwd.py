@@ -1,9 +1,12 @@
-"""LRMoE layer forward+backward time at a model's MoE shape, per retain, eager and compiled (GPU, bf16).
+"""MoE layer forward+backward on one GPU (bf16): LRMoE per retain against transformers' Qwen3-MoE block and a plain
+torch._grouped_mm layer, eager and compiled, all in the same run.
 
     python benchmarks/layer_fwd_bwd.py --shape qwen3-30b-a3b
+    python benchmarks/layer_fwd_bwd.py --shape glm-4.5-air
 
-Prints one table: medians of CUDA-event timings (triton.testing.do_bench), peak memory, and host syncs seen
-under torch.cuda.set_sync_debug_mode("warn") in one eager step.
+Prints one table: medians of CUDA-event timings (triton.testing.do_bench), peak memory over the timed steps, and
+the host synchronisations torch.cuda.set_sync_debug_mode("warn") reported in one eager step (-1: not measured).
+The GEMM floor is 6·T·k·3·d·f FLOP forward+backward (2× for forward alone) at the measured matmul rate.
 """
 
 from __future__ import annotations
@@ -12,6 +15,8 @@ import argparse
 import warnings
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 from lrmoe.nn import LRMoE
 
@@ -19,6 +24,45 @@ SHAPES = {
     "qwen3-30b-a3b": dict(dim=2048, hidden_dim=768, num_experts=128, top_k=8),
     "glm-4.5-air": dict(dim=4096, hidden_dim=1408, num_experts=128, top_k=8),
 }
+
+
+class GroupedMMLayer(nn.Module):
+    """The plainest fast MoE layer: softmax top-k, sort by expert, gather, two torch._grouped_mm calls, scatter."""
+
+    def __init__(self, dim, hidden_dim, num_experts, top_k):
+        super().__init__()
+        self.top_k = top_k
+        self.gate = nn.Linear(dim, num_experts, bias=False)
+        self.gate_up = nn.Parameter(torch.randn(num_experts, 2 * hidden_dim, dim) / dim**0.5)
+        self.down = nn.Parameter(torch.randn(num_experts, dim, hidden_dim) / hidden_dim**0.5)
+
+    def forward(self, x_TD):
+        probs = self.gate(x_TD).float().softmax(-1)
+        w_TK, e_TK = probs.topk(self.top_k, dim=-1)
+        w_TK = (w_TK / w_TK.sum(-1, keepdim=True)).to(x_TD.dtype)
+        order = e_TK.flatten().argsort(stable=True)
+        counts = torch.zeros(self.gate_up.shape[0], dtype=torch.int32, device=x_TD.device).scatter_add_(
+            0, e_TK.flatten(), torch.ones_like(order, dtype=torch.int32))
+        offs = counts.cumsum(0).int()
+        x_PD = x_TD.index_select(0, order // self.top_k)
+        gate, up = torch._grouped_mm(x_PD, self.gate_up.transpose(-2, -1), offs=offs).chunk(2, -1)
+        y_PD = torch._grouped_mm(F.silu(gate) * up, self.down.transpose(-2, -1), offs=offs)
+        y_PD = y_PD * w_TK.flatten()[order].unsqueeze(-1)
+        return torch.zeros_like(x_TD).index_add(0, order // self.top_k, y_PD)
+
+
+def hf_block(dim, hidden_dim, num_experts, top_k):
+    import transformers
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+    config = transformers.Qwen3MoeConfig(hidden_size=dim, moe_intermediate_size=hidden_dim, num_experts=num_experts,
+                                         num_experts_per_tok=top_k, norm_topk_prob=True)
+    config._experts_implementation = "grouped_mm"
+    block = Qwen3MoeSparseMoeBlock(config)
+    with torch.no_grad():
+        for p in block.parameters():
+            p.normal_(0, 0.02)
+    return block
 
 
 def count_syncs(step) -> int:
@@ -35,23 +79,33 @@ def count_syncs(step) -> int:
 
 
 def main() -> None:
-    from triton.testing import do_bench
-
     parser = argparse.ArgumentParser()
     parser.add_argument("--shape", default="qwen3-30b-a3b", choices=sorted(SHAPES))
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--retain", type=float, nargs="+", default=[1.0, 0.75, 0.5])
     parser.add_argument("--selection", default="sample")
+    parser.add_argument("--skip-baselines", action="store_true")
     args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("benchmarks/layer_fwd_bwd.py needs a CUDA GPU")
+    from triton.testing import do_bench
+
     shape = SHAPES[args.shape]
-    print(f"# {args.shape} {shape}, tokens={args.tokens}, bf16, {torch.cuda.get_device_name()}, torch {torch.__version__}")
-    print(f"{'retain':>6} {'mode':>8} {'fwd ms':>8} {'fwd+bwd ms':>10} {'peak GiB':>8} {'syncs':>5}")
-    for retain in args.retain:
+    d, f, k, T = shape["dim"], shape["hidden_dim"], shape["top_k"], args.tokens
+    print(f"# {args.shape} {shape}, tokens={T}, bf16, {torch.cuda.get_device_name()}, torch {torch.__version__}")
+    flop_step = 6 * T * k * 3 * d * f
+    print(f"# GEMM FLOP: forward {flop_step / 3 / 1e12:.3f} TFLOP, forward+backward {flop_step / 1e12:.3f} TFLOP")
+    print(f"{'layer':>22} {'mode':>8} {'fwd ms':>8} {'fwd+bwd ms':>10} {'TFLOP/s':>8} {'peak GiB':>8} {'syncs':>5}")
+
+    layers = [(f"lrmoe r={r:g}", lambda r=r: LRMoE(**shape, retain=r, selection=args.selection)) for r in args.retain]
+    if not args.skip_baselines:
+        layers += [("grouped_mm layer", lambda: GroupedMMLayer(**shape)), ("transformers qwen3", lambda: hf_block(**shape))]
+    for name, make in layers:
         torch.manual_seed(0)
-        layer = LRMoE(**shape, retain=retain, selection=args.selection).cuda().bfloat16()
-        x = torch.randn(args.tokens, shape["dim"], device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        layer = make().cuda().bfloat16()
+        x = torch.randn(T, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         for mode in ("eager", "compiled"):
-            fn = layer if mode == "eager" else torch.compile(layer, fullgraph=True)
+            fn = layer if mode == "eager" else torch.compile(layer, fullgraph=name.startswith("lrmoe"))
 
             def fwd():
                 with torch.no_grad():
@@ -66,7 +120,8 @@ def main() -> None:
             torch.cuda.reset_peak_memory_stats()
             step_ms = do_bench(step, warmup=5, rep=40, return_mode="median", grad_to_none=[x, *layer.parameters()])
             peak = torch.cuda.max_memory_allocated() / 2**30
-            print(f"{retain:>6} {mode:>8} {fwd_ms:>8.3f} {step_ms:>10.3f} {peak:>8.2f} {syncs:>5}")
+            print(f"{name:>22} {mode:>8} {fwd_ms:>8.3f} {step_ms:>10.3f} {flop_step / step_ms / 1e9:>8.0f} "
+                  f"{peak:>8.2f} {syncs:>5}", flush=True)
 
 
 if __name__ == "__main__":

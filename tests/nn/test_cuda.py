@@ -70,3 +70,20 @@ def test_cuda_compile_fullgraph_matches_eager(dtype, retain, tol, fwd_bwd):
     for g, w in zip(got, want):
         err = (g.float() - w.float()).norm() / w.float().norm()
         assert err < tol, (tuple(w.shape), float(err))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("retain, selection", [(1.0, "sample"), (0.75, "sample"), (0.5, "top")])
+def test_no_host_sync_in_forward_backward(dtype, retain, selection):
+    torch.manual_seed(0)
+    layer = LRMoE(128, 64, 16, 4, retain=retain, selection=selection).cuda().to(dtype)
+    x = torch.randn(512, 128, device="cuda", dtype=dtype, requires_grad=True)
+    layer(x).sum().backward()  # first call: lazy initialisation and kernel compilation may synchronise
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = layer(x)
+        out.sum().backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.isfinite(x.grad).all()
