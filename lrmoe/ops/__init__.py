@@ -6,5 +6,6 @@ kernel.
 
 from lrmoe.ops.grouped_gemm import gather_grouped_mm, grouped_outer
 from lrmoe.ops.scoring import score_pairs
+from lrmoe.ops.selection import select_within_quota
 
-__all__ = ["gather_grouped_mm", "grouped_outer", "score_pairs"]
+__all__ = ["gather_grouped_mm", "grouped_outer", "score_pairs", "select_within_quota"]

@@ -1,0 +1,96 @@
+"""How fast is select_within_quota on the GPU, reference against Triton? (target: P = 65,536, G = 128, <= 60 us)
+
+    PYTHONPATH=. python3 benchmarks/selection.py [--pairs 65536] [--groups 128] [--retain 0.75] [--skew 0]
+
+Times, with triton.testing.do_bench (median, us), for modes "top" and "sample":
+- reference: lrmoe.ops.selection.select_within_quota_reference (pure PyTorch, the op's CPU kernel) on CUDA;
+- triton: lrmoe.ops.selection.select_within_quota_triton (the op's CUDA kernel);
+- and, for "top", the pieces of the Triton path: keys + torch.sort (lrmoe_kernels.selection.group_order), the
+  one-program plan, the compaction.
+Before timing, each Triton result must equal the reference exactly, and one call runs under
+torch.cuda.set_sync_debug_mode("error") to show that it never synchronises with the host.
+
+Inputs: P pairs in G groups (uniform group ids, or with --skew s > 0 a Zipf-like skew: weight of group g is
+(g + 1)^-s), fp32 scores (squared normals, a few +inf), quota floor(retain * group size) per group, buffer
+max_rows = ceil(retain * P) + G. Importable on a machine without CUDA; main() then says so and returns.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+import torch
+
+from lrmoe.ops._kernels import kernel_module
+from lrmoe.ops.selection import select_within_quota_reference, select_within_quota_triton
+
+
+def make_inputs(P: int, G: int, retain: float, skew: float, device: str = "cuda", seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    if skew > 0:
+        w = torch.arange(1, G + 1, dtype=torch.float64) ** -skew
+        gids = torch.multinomial(w, P, replacement=True, generator=gen)
+    else:
+        gids = torch.randint(0, G, (P,), generator=gen)
+    scores = torch.randn(P, generator=gen).square()
+    scores[torch.randint(0, P, (max(1, P // 1000),), generator=gen)] = float("inf")
+    sizes = torch.bincount(gids, minlength=G)
+    quotas = torch.floor(retain * sizes.double()).long()
+    uniform = torch.rand(G, generator=gen, dtype=torch.float64)
+    max_rows = math.ceil(retain * P) + G
+    return scores.to(device), gids.to(device), quotas.to(device), max_rows, uniform.to(device)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--pairs", type=int, default=65536)
+    parser.add_argument("--groups", type=int, default=128)
+    parser.add_argument("--retain", type=float, default=0.75)
+    parser.add_argument("--skew", type=float, default=0.0)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("selection.py measures CUDA kernels: no CUDA device is visible here, nothing to do.")
+        return
+    from triton.testing import do_bench
+
+    kernels = kernel_module("selection")
+    if kernels is None:
+        raise SystemExit("Triton is not installed: the selection kernels cannot run.")
+    P, G = args.pairs, args.groups
+    scores, gids, quotas, R, uniform = make_inputs(P, G, args.retain, args.skew)
+    print(f"# select_within_quota, P={P}, G={G}, retain={args.retain}, skew={args.skew}, R={R}, "
+          f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
+    print(f"{'mode':>7} {'impl':>26} {'us':>9}")
+
+    def row(mode, impl, fn):
+        ms = do_bench(fn, warmup=25, rep=200, return_mode="median")
+        print(f"{mode:>7} {impl:>26} {ms * 1e3:>9.1f}")
+
+    for mode in ("top", "sample"):
+        want = select_within_quota_reference(scores, gids, quotas, R, mode, uniform)
+        got = select_within_quota_triton(scores, gids, quotas, R, mode, uniform)
+        for name, w, g in zip(("pair_ids", "weights", "counts", "offsets"), want, got):
+            if not torch.equal(w, g):  # never time a wrong kernel
+                raise SystemExit(f"{mode}: Triton {name} differs from the reference")
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            select_within_quota_triton(scores, gids, quotas, R, mode, uniform)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        row(mode, "reference", lambda: select_within_quota_reference(scores, gids, quotas, R, mode, uniform))
+        row(mode, "triton", lambda: select_within_quota_triton(scores, gids, quotas, R, mode, uniform))
+
+    # Pieces of the "top" path.
+    sorted_P, order_P, ids_R, w_R = kernels.group_order(scores, gids, R)
+    plan = kernels.plan_groups(sorted_P, quotas, R)
+    keys = torch.empty(P, dtype=torch.int64, device="cuda")
+    row("top", "  keys + torch.sort", lambda: kernels.group_order(scores, gids, R))
+    row("top", "  torch.sort alone", lambda: torch.sort(keys, stable=True))
+    row("top", "  plan (1 program)", lambda: kernels.plan_groups(sorted_P, quotas, R))
+    row("top", "  compact", lambda: kernels.compact(order_P, sorted_P, plan, ids_R, w_R))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,199 @@
+"""Selection within quotas: the Triton kernels behind ``lrmoe::select_within_quota``.
+
+Shapes: P pairs, G groups, R = max_rows (the static size of the compact buffer).
+
+The selection is a group sort plus a compaction (DESIGN.md section 4, item 3). Three kernels and one sort:
+
+1. ``_group_keys_kernel`` (grid over max(P, R)): one int64 sort key per pair, ``group << 32 | descending score
+   bits`` ("top") or ``group << 32`` ("sample"), and the output buffers filled with padding (-1, 0) in the same
+   launch, so the compaction only writes kept rows.
+2. ``torch.sort(keys, stable=True)``: one radix sort (CUB on CUDA) gives group ascending, score descending, ties
+   to the lower pair id: exactly the order of the reference's two stable argsorts, in one sort. A Triton sort of
+   a segmented, data-dependent layout is where the time would go; this first version leaves it to CUB.
+3. ``_plan_kernel`` (one program): per group, start and size by binary search in the sorted keys, take =
+   min(max(quota, 0), size), the cumulative ends, and the counts/offsets clipped to R.
+4. ``_compact_kernel`` (grid over P): every sorted position computes its slot in its group and, when kept and
+   inside the buffer, writes its pair id and weight at ``group base + slot``. "top": slot = rank in the group.
+   "sample": slot and keep test from the group's cumulative inclusion probabilities (systematic sampling), with
+   the reference's fp64 arithmetic so the result is bit-identical.
+
+Score keys: NaN counts as +inf (as in the reference), -0.0 as +0.0 (equal floats must tie, to go to the lower pair
+id), then the usual monotone map of the fp32 bit pattern to a signed int (flip the magnitude bits of negatives),
+negated for descending order and shifted into [0, 2^32).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["compact", "group_order", "plan_groups"]
+
+BLOCK = 1024  # elements per program of the elementwise kernels: memory-bound, 4 warps, 8 elements a thread
+BLOCK_G = 256  # groups per step of the one-program plan kernel (it loops over larger G)
+
+
+@triton.jit
+def _group_keys_kernel(
+    scores_ptr, gids_ptr, keys_ptr, pair_ids_ptr, weights_ptr, P, R, BY_SCORE: tl.constexpr, BLOCK: tl.constexpr
+):
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    in_p = i < P
+    key = tl.load(gids_ptr + i, mask=in_p, other=0).to(tl.int64) << 32
+    if BY_SCORE:
+        s = tl.load(scores_ptr + i, mask=in_p, other=0.0).to(tl.float32)
+        s = tl.where(s != s, float("inf"), s)  # NaN -> +inf
+        s = tl.where(s == 0.0, 0.0, s)  # -0.0 -> +0.0: equal scores must give equal keys
+        bits = s.to(tl.int32, bitcast=True)
+        asc = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # signed int order == float order
+        desc = -asc - 1  # == ~asc: descending, no overflow
+        key = key + (desc.to(tl.int64) + 2147483647 + 1)  # into [0, 2^32), below the group bits
+    tl.store(keys_ptr + i, key, mask=in_p)
+    in_r = i < R
+    tl.store(pair_ids_ptr + i, tl.full((BLOCK,), -1, tl.int64), mask=in_r)
+    tl.store(weights_ptr + i, tl.zeros((BLOCK,), tl.float32), mask=in_r)
+
+
+@triton.jit
+def _lower_bound(keys_ptr, n, target, n_steps):
+    """First index in sorted keys[0:n] with keys[index] >= target, for a vector of targets."""
+    lo = tl.zeros_like(target)
+    hi = tl.zeros_like(target) + n
+    for _ in range(n_steps):
+        active = lo < hi
+        mid = (lo + hi) >> 1
+        k = tl.load(keys_ptr + mid, mask=active, other=0)
+        right = active & (k < target)
+        lo = tl.where(right, mid + 1, lo)
+        hi = tl.where(active & ~right, mid, hi)
+    return lo
+
+
+@triton.jit
+def _plan_kernel(
+    keys_ptr, quotas_ptr, starts_ptr, sizes_ptr, takes_ptr, bases_ptr, counts_ptr, offsets_ptr,
+    P, G, R, n_steps, BLOCK_G: tl.constexpr,
+):
+    # One program: G is small (experts or instances) and every group's end needs the takes of all before it.
+    # The binary searches run G lanes wide, ~log2(P) dependent loads each (L2-resident keys).
+    carry = tl.zeros((1,), tl.int64)
+    for g0 in range(0, G, BLOCK_G):
+        g = g0 + tl.arange(0, BLOCK_G)
+        in_g = g < G
+        g64 = g.to(tl.int64)
+        start = _lower_bound(keys_ptr, P, g64 << 32, n_steps)
+        end = _lower_bound(keys_ptr, P, (g64 + 1) << 32, n_steps)
+        size = end - start
+        quota = tl.load(quotas_ptr + g, mask=in_g, other=0).to(tl.int64)
+        take = tl.where(in_g, tl.minimum(tl.maximum(quota, 0), size), 0)
+        ends = tl.cumsum(take, 0) + carry
+        base = ends - take
+        offsets = tl.minimum(ends, R)
+        tl.store(starts_ptr + g, start, mask=in_g)
+        tl.store(sizes_ptr + g, size, mask=in_g)
+        tl.store(takes_ptr + g, take, mask=in_g)
+        tl.store(bases_ptr + g, base, mask=in_g)
+        tl.store(counts_ptr + g, (offsets - tl.minimum(base, R)).to(tl.int32), mask=in_g)
+        tl.store(offsets_ptr + g, offsets.to(tl.int32), mask=in_g)
+        carry += tl.sum(take, 0)
+
+
+@triton.jit
+def _compact_kernel(
+    order_ptr, keys_ptr, starts_ptr, sizes_ptr, takes_ptr, bases_ptr, p_ptr, cum_ptr, u_ptr,
+    pair_ids_ptr, weights_ptr, P, R, SAMPLE: tl.constexpr, BLOCK: tl.constexpr,
+):
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    in_p = i < P
+    g = tl.load(keys_ptr + i, mask=in_p, other=0) >> 32
+    start = tl.load(starts_ptr + g, mask=in_p, other=0)
+    take = tl.load(takes_ptr + g, mask=in_p, other=0)
+    rank = i - start
+    if SAMPLE:
+        # The reference's arithmetic, op for op in fp64: pin the group's last cumulative value to its quota,
+        # clamp the others, then point m = slot hits the pair iff ceil(lo - u) < ceil(hi - u).
+        size = tl.load(sizes_ptr + g, mask=in_p, other=0)
+        p = tl.load(p_ptr + i, mask=in_p, other=1.0)
+        cum_hi = tl.load(cum_ptr + i, mask=in_p, other=0.0)
+        u = tl.load(u_ptr + g, mask=in_p, other=0.0)
+        take_d = take.to(tl.float64)
+        cum_lo = tl.minimum(tl.maximum(cum_hi - p, 0.0), take_d)  # >= 0: a slot can never be -1
+        cum_hi = tl.where(rank == size - 1, take_d, tl.minimum(cum_hi, take_d))
+        slot = tl.math.ceil(cum_lo - u).to(tl.int64)
+        kept = (tl.math.ceil(cum_hi - u).to(tl.int64) > slot) & (slot < take)
+        w = (1.0 / p).to(tl.float32)
+    else:
+        slot = rank
+        kept = slot < take
+        w = tl.full((BLOCK,), 1.0, tl.float32)
+    dest = tl.load(bases_ptr + g, mask=in_p, other=0) + slot
+    kept = in_p & kept & (dest < R)
+    ids = tl.load(order_ptr + i, mask=kept, other=-1)
+    tl.store(pair_ids_ptr + dest, ids, mask=kept)
+    tl.store(weights_ptr + dest, w, mask=kept)
+
+
+def group_order(
+    scores_P: torch.Tensor | None, group_ids_P: torch.Tensor, max_rows: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(sorted keys [P] int64, order [P] int64, pair_ids [R] int64 of -1, weights [R] fp32 of 0).
+
+    With scores the order is group ascending, score descending (NaN as +inf), ties to the lower pair id; without,
+    group ascending then pair id.
+    """
+    device = group_ids_P.device
+    P = group_ids_P.shape[0]
+    keys_P = torch.empty(P, dtype=torch.int64, device=device)
+    pair_ids_R = torch.empty(max_rows, dtype=torch.int64, device=device)
+    weights_R = torch.empty(max_rows, dtype=torch.float32, device=device)
+    n = max(P, max_rows)
+    if n > 0:
+        by_score = scores_P is not None
+        _group_keys_kernel[(triton.cdiv(n, BLOCK),)](
+            scores_P if by_score else keys_P, group_ids_P, keys_P, pair_ids_R, weights_R, P, max_rows,
+            BY_SCORE=by_score, BLOCK=BLOCK, num_warps=4,
+        )
+    sorted_P, order_P = torch.sort(keys_P, stable=True)
+    return sorted_P, order_P, pair_ids_R, weights_R
+
+
+def plan_groups(sorted_keys_P: torch.Tensor, quotas_G: torch.Tensor, max_rows: int) -> dict[str, torch.Tensor]:
+    """Per group: starts, sizes, takes, bases (int64: sorted position, members, kept, first buffer row) and
+    counts, offsets (int32, clipped to max_rows) from the sorted keys of ``group_order``."""
+    device = sorted_keys_P.device
+    G, P = quotas_G.shape[0], sorted_keys_P.shape[0]
+    plan = {name: torch.empty(G, dtype=torch.int64, device=device) for name in ("starts", "sizes", "takes", "bases")}
+    plan |= {name: torch.empty(G, dtype=torch.int32, device=device) for name in ("counts", "offsets")}
+    if G > 0:
+        _plan_kernel[(1,)](
+            sorted_keys_P, quotas_G, plan["starts"], plan["sizes"], plan["takes"], plan["bases"], plan["counts"],
+            plan["offsets"], P, G, max_rows, P.bit_length() + 1,
+            BLOCK_G=min(BLOCK_G, triton.next_power_of_2(G)), num_warps=4,
+        )
+    return plan
+
+
+def compact(
+    order_P: torch.Tensor,
+    sorted_keys_P: torch.Tensor,
+    plan: dict[str, torch.Tensor],
+    pair_ids_R: torch.Tensor,
+    weights_R: torch.Tensor,
+    *,
+    p_sorted_P: torch.Tensor | None = None,
+    cum_hi_P: torch.Tensor | None = None,
+    uniform_G: torch.Tensor | None = None,
+) -> None:
+    """Write the kept pairs into pair_ids_R / weights_R (in place). "top" without the sample tensors; "sample"
+    with fp64 p and inclusive per-group cumulative p in sorted order and fp64 uniforms per group."""
+    P = order_P.shape[0]
+    if P == 0:
+        return
+    sample = p_sorted_P is not None
+    dummy = sorted_keys_P
+    _compact_kernel[(triton.cdiv(P, BLOCK),)](
+        order_P, sorted_keys_P, plan["starts"], plan["sizes"], plan["takes"], plan["bases"],
+        p_sorted_P if sample else dummy, cum_hi_P if sample else dummy, uniform_G if sample else dummy,
+        pair_ids_R, weights_R, P, pair_ids_R.shape[0], SAMPLE=sample, BLOCK=BLOCK, num_warps=4,
+    )

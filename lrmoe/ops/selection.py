@@ -1,0 +1,280 @@
+"""Selection within quotas as a custom op.
+
+Shapes: P pairs, G groups, R = max_rows.
+
+``lrmoe::select_within_quota(scores, group_ids, quotas, max_rows, mode, uniform) -> (pair_ids, weights, counts,
+offsets)``
+    pair_ids [R] int64, weights [R] fp32, counts [G] int32, offsets [G] int32: the contract of
+    lrmoe.functional.select_within_quota (its docstring and the Selection dataclass describe the layout), which
+    checks the arguments and draws ``uniform`` for mode "sample" when the caller gave none, so the op itself is
+    deterministic: mode "sample" requires ``uniform`` [G]; mode "top" ignores it.
+
+The CPU kernel is the reference below, pure PyTorch (it runs on any device): sorts, cumulative sums and scatters
+into buffers of static size, no host synchronisation. The CUDA kernel is ``select_within_quota_triton`` (Triton
+kernels in lrmoe_kernels.selection around one torch.sort); without Triton it falls back to the reference.
+
+What runs where on CUDA, per mode:
+- "top": Triton computes the sort keys, the per-group plan and the compaction; the one sort is torch.sort (CUB).
+- "sample": the sort and the plan as for "top"; the inclusion probabilities (``probabilities``) and their
+  per-group cumulative sum stay in PyTorch, shared with the reference so the result is bit-identical (the
+  systematic sampling depends on the exact fp64 rounding of that sum); Triton does the sampling and compaction.
+
+No gradient formula: the selection only decides which pairs the backward keeps. The autograd registration marks
+every output non-differentiable, as for lrmoe::score_pairs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lrmoe.ops._kernels import kernel_module
+
+__all__ = [
+    "MODES",
+    "group_sizes",
+    "nan_as_inf",
+    "probabilities",
+    "select_within_quota",
+    "select_within_quota_reference",
+    "select_within_quota_triton",
+]
+
+MODES = ("top", "sample")
+
+
+def _check_mode(mode: str, uniform_G: torch.Tensor | None) -> None:
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {', '.join(map(repr, MODES))} for lrmoe::select_within_quota; "
+                         f"got {mode!r}")
+    if mode == "sample" and uniform_G is None:
+        raise ValueError("lrmoe::select_within_quota with mode 'sample' needs uniform [G] (the op draws nothing)")
+
+
+# ------------------------------------------------------------------------------------------------ reference
+
+
+def nan_as_inf(scores_P: torch.Tensor) -> torch.Tensor:
+    """fp32 scores with NaN as +inf. (Not nan_to_num: it would also turn +-inf into the largest finite floats.)"""
+    scores_P = scores_P.float()
+    return torch.where(torch.isnan(scores_P), float("inf"), scores_P)
+
+
+def group_sizes(gid_P: torch.Tensor, quotas_G: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(sizes_G, starts_G, take_G), int64: members, first sorted position and pairs kept of every group."""
+    sizes_G = torch.zeros(quotas_G.shape[0], dtype=torch.int64, device=gid_P.device).scatter_add_(
+        0, gid_P, torch.ones_like(gid_P)
+    )
+    starts_G = torch.cumsum(sizes_G, 0) - sizes_G
+    take_G = torch.minimum(quotas_G.long().clamp(min=0), sizes_G)
+    return sizes_G, starts_G, take_G
+
+
+def select_within_quota_reference(
+    scores_P: torch.Tensor,
+    group_ids_P: torch.Tensor,
+    quotas_G: torch.Tensor,
+    max_rows: int,
+    mode: str,
+    uniform_G: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The op's contract in plain PyTorch: (pair_ids_R, weights_R, counts_G, offsets_G)."""
+    _check_mode(mode, uniform_G)
+    device = scores_P.device
+    gid_P = group_ids_P.long()
+    scores_P = nan_as_inf(scores_P)
+    sizes_G, starts_G, take_G = group_sizes(gid_P, quotas_G)
+
+    if mode == "top":
+        order_P = _group_sort(gid_P, scores_P, descending=True)
+        g_P = gid_P[order_P]
+        slot_P = torch.arange(gid_P.shape[0], device=device) - starts_G[g_P]
+        kept_P = slot_P < take_G[g_P]
+        weights_P = torch.ones_like(scores_P)
+    else:
+        p_P = probabilities(scores_P, gid_P, take_G, sizes_G, starts_G)
+        order_P = torch.argsort(gid_P, stable=True)  # by group, then pair id
+        g_P = gid_P[order_P]
+        p_sorted = p_P[order_P]
+        cum_hi = _segment_cumsum(p_sorted, g_P, starts_G)
+        cum_lo = cum_hi - p_sorted
+        # Pin each group's last cumulative value to its quota so rounding can neither add nor lose a point.
+        rank_P = torch.arange(gid_P.shape[0], device=device) - starts_G[g_P]
+        is_last = rank_P == sizes_G[g_P] - 1
+        cum_hi = torch.where(is_last, take_G[g_P].double(), cum_hi.clamp(max=take_G[g_P].double()))
+        # Clamped at 0 too: a difference rounded below 0 with u near 1 would give slot -1, i.e. the previous
+        # group's last row.
+        cum_lo = torch.minimum(cum_lo.clamp(min=0.0), take_G[g_P].double())
+        # Points u, u+1, ..., u+take-1; pair i is hit by point m iff cum_lo <= u + m < cum_hi. Its slot is m.
+        u_P = uniform_G.double()[g_P]
+        slot_P = torch.ceil(cum_lo - u_P).long()
+        kept_P = (torch.ceil(cum_hi - u_P).long() > slot_P) & (slot_P < take_G[g_P])
+        weights_P = (1.0 / p_sorted).float()
+
+    return _compact(order_P, g_P, slot_P, kept_P, weights_P, take_G, max_rows)
+
+
+def _group_sort(gid_P: torch.Tensor, key_P: torch.Tensor, *, descending: bool) -> torch.Tensor:
+    """Permutation sorting by group ascending, then key, ties to the lower pair id (two stable sorts)."""
+    by_key = torch.argsort(key_P, descending=descending, stable=True)
+    return by_key[torch.argsort(gid_P[by_key], stable=True)]
+
+
+def _segment_cumsum(v_P: torch.Tensor, g_P: torch.Tensor, starts_G: torch.Tensor) -> torch.Tensor:
+    """Inclusive cumulative sum restarting at every group, for values already sorted by group (fp64)."""
+    cum_P = torch.cumsum(v_P.double(), 0)
+    excl_P = cum_P - v_P.double()
+    base_G = excl_P.new_zeros(starts_G.shape[0] + 1)
+    if v_P.shape[0] > 0:
+        base_G = excl_P[starts_G.clamp(max=v_P.shape[0] - 1)]
+    return cum_P - base_G[g_P]
+
+
+def _segment_suffix_sum(v_S: torch.Tensor, g_S: torch.Tensor) -> torch.Tensor:
+    """Sum from every position to the end of its group, for values sorted by group (fp64).
+
+    A segmented Hillis-Steele scan: ceil(log2 P) shifted adds, each taking the partial sum d places ahead when
+    it lies in the same group. Unlike a group total minus a prefix sum it never subtracts, so a tail of tiny
+    weights after huge ones (or after another group) keeps its precision and a tail of zeros is exactly zero.
+    """
+    out_S = v_S.double()
+    n, d = v_S.shape[0], 1
+    while d < n:  # static: depends on the shape only
+        same_S = torch.cat([g_S[d:] == g_S[:-d], g_S.new_zeros(d, dtype=torch.bool)])
+        out_S = out_S + torch.where(same_S, torch.cat([out_S[d:], out_S.new_zeros(d)]), 0.0)
+        d *= 2
+    return out_S
+
+
+def probabilities(scores_P, gid_P, take_G, sizes_G, starts_G) -> torch.Tensor:
+    """[P] fp64 inclusion probabilities of mode "sample" (see lrmoe.functional.inclusion_probabilities), from
+    scores with NaN already +inf and the int64 group sizes, starts and takes of ``group_sizes``."""
+    w_P = scores_P.double().clamp(min=0).sqrt()
+    order_P = _group_sort(gid_P, w_P, descending=True)  # +inf first, then by weight
+    g_S = gid_P[order_P]
+    w_S = w_P[order_P]
+    rank_S = torch.arange(gid_P.shape[0], device=gid_P.device) - starts_G[g_S]
+    inf_S = torch.isinf(w_S)
+    n_inf_G = torch.zeros_like(take_G).scatter_add_(0, g_S, inf_S.long())
+
+    # Finite part: quota q after the infinite pairs, ranks rf among finite pairs, tails t(r) = sum_{j >= r} w_j.
+    q_G = (take_G - n_inf_G).clamp(min=0)
+    wf_S = torch.where(inf_S, 0.0, w_S)
+    rf_S = rank_S - n_inf_G[g_S]
+    tail_S = _segment_suffix_sum(wf_S, g_S)
+    # The largest m pairs are capped at 1, m the first rank with (q - r) w_r <= t(r) (monotone in r). A quota
+    # covering every finite pair caps them all, so p is exactly 1 there (retain = 1 must give weights of 1).
+    room_G = q_G < sizes_G - n_inf_G
+    fits_S = room_G[g_S] & ((q_G[g_S] - rf_S).double() * wf_S <= tail_S)
+    in_quota_S = (~inf_S) & (rf_S < q_G[g_S])
+    m_G = torch.zeros_like(q_G).scatter_add_(0, g_S, (in_quota_S & ~fits_S).long())
+    at_m_S = (~inf_S) & (rf_S == m_G[g_S])
+    tail_m_G = wf_S.new_zeros(take_G.shape[0]).scatter_add_(0, g_S, torch.where(at_m_S, tail_S, 0.0))
+    left_G = (q_G - m_G).double()
+    scale_G = left_G / tail_m_G.clamp(min=torch.finfo(torch.float64).tiny)
+    uniform_G = left_G / (sizes_G - n_inf_G - m_G).clamp(min=1).double()
+    free_S = torch.where(tail_m_G[g_S] > 0, (scale_G[g_S] * wf_S).clamp(max=1.0), uniform_G[g_S])
+
+    p_S = torch.where(
+        inf_S,
+        (rank_S < take_G[g_S]).double(),
+        torch.where(rf_S < m_G[g_S], 1.0, free_S),
+    )
+    return torch.empty_like(p_S).scatter_(0, order_P, p_S)
+
+
+def _compact(order_P, g_P, slot_P, kept_P, weights_P, take_G, max_rows: int):
+    """Write kept pair ids at group start + slot; everything else goes to a trash slot at index max_rows."""
+    ends_G = torch.cumsum(take_G, 0)
+    dest_P = ends_G[g_P] - take_G[g_P] + slot_P
+    kept_P = kept_P & (dest_P < max_rows)
+    dest_P = torch.where(kept_P, dest_P, max_rows)
+    pair_ids_R = torch.full((max_rows + 1,), -1, dtype=torch.int64, device=order_P.device)
+    pair_ids_R = pair_ids_R.scatter(0, dest_P, torch.where(kept_P, order_P, -1))
+    weights_R = torch.zeros(max_rows + 1, dtype=torch.float32, device=order_P.device)
+    weights_R = weights_R.scatter(0, dest_P, torch.where(kept_P, weights_P, 0.0))
+    offsets_G = ends_G.clamp(max=max_rows)
+    counts_G = offsets_G - torch.cat([offsets_G.new_zeros(1), offsets_G[:-1]])
+    return pair_ids_R[:max_rows], weights_R[:max_rows], counts_G.int(), offsets_G.int()
+
+
+# ------------------------------------------------------------------------------------------------ Triton path
+
+
+def select_within_quota_triton(
+    scores_P: torch.Tensor,
+    group_ids_P: torch.Tensor,
+    quotas_G: torch.Tensor,
+    max_rows: int,
+    mode: str,
+    uniform_G: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The CUDA kernel of the op (runs on CPU tensors too, in Triton's interpreter): same outputs, bit for bit.
+
+    No host synchronisation: every size below is a shape; counts and offsets stay on the device.
+    """
+    _check_mode(mode, uniform_G)
+    kernels = kernel_module("selection")
+    top = mode == "top"
+    scores_P = scores_P.contiguous()
+    gids_P = group_ids_P.contiguous()
+    sorted_P, order_P, pair_ids_R, weights_R = kernels.group_order(scores_P if top else None, gids_P, max_rows)
+    plan = kernels.plan_groups(sorted_P, quotas_G.contiguous(), max_rows)
+    if top:
+        kernels.compact(order_P, sorted_P, plan, pair_ids_R, weights_R)
+    else:
+        # The probabilities and their cumulative sum in PyTorch, op for op as in the reference (see the module
+        # docstring); sorted_P >> 32 is the group of each sorted position, order_P the reference's stable order.
+        gid_P = gids_P.long()
+        p_P = probabilities(nan_as_inf(scores_P), gid_P, plan["takes"], plan["sizes"], plan["starts"])
+        p_sorted = p_P[order_P]
+        cum_hi = _segment_cumsum(p_sorted, sorted_P >> 32, plan["starts"])
+        kernels.compact(
+            order_P, sorted_P, plan, pair_ids_R, weights_R,
+            p_sorted_P=p_sorted, cum_hi_P=cum_hi, uniform_G=uniform_G.double().contiguous(),
+        )
+    return pair_ids_R, weights_R, plan["counts"], plan["offsets"]
+
+
+# ------------------------------------------------------------------------------------------------ the op
+
+
+@torch.library.custom_op("lrmoe::select_within_quota", mutates_args=())
+def select_within_quota(
+    scores: torch.Tensor,
+    group_ids: torch.Tensor,
+    quotas: torch.Tensor,
+    max_rows: int,
+    mode: str,
+    uniform: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return select_within_quota_reference(scores, group_ids, quotas, max_rows, mode, uniform)
+
+
+@select_within_quota.register_kernel("cuda")
+def _(scores, group_ids, quotas, max_rows, mode, uniform):
+    if kernel_module("selection") is None:  # no Triton on this machine
+        return select_within_quota_reference(scores, group_ids, quotas, max_rows, mode, uniform)
+    return select_within_quota_triton(scores, group_ids, quotas, max_rows, mode, uniform)
+
+
+@select_within_quota.register_fake
+def _(scores, group_ids, quotas, max_rows, mode, uniform):
+    _check_mode(mode, uniform)
+    G = quotas.shape[0]
+    return (
+        scores.new_empty((max_rows,), dtype=torch.int64),
+        scores.new_empty((max_rows,), dtype=torch.float32),
+        scores.new_empty((G,), dtype=torch.int32),
+        scores.new_empty((G,), dtype=torch.int32),
+    )
+
+
+def _select_setup(ctx, inputs, output):
+    ctx.mark_non_differentiable(*output)
+
+
+def _select_backward(ctx, *grads):
+    return None, None, None, None, None, None  # never called: the outputs are non-differentiable
+
+
+select_within_quota.register_autograd(_select_backward, setup_context=_select_setup)

@@ -1,0 +1,112 @@
+"""lrmoe_kernels.selection through its launcher (lrmoe.ops.selection.select_within_quota_triton, the CUDA kernel of
+lrmoe::select_within_quota) equals the reference (the op's CPU kernel) exactly: pair_ids, weights, counts and
+offsets, in both modes, on tiny odd cases: empty groups, quota 0, negative and above the group size, ties, +-inf,
+NaN and -0.0 scores, a buffer too small for the quotas, fewer pairs than groups.
+
+Without a GPU the kernels run in Triton's interpreter (tests/conftest.py switches it on) on CPU tensors, at Python
+speed: shapes stay tiny. On a GPU the same tests run on CUDA tensors.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from hypothesis import example, given
+from hypothesis import strategies as st
+
+from lrmoe.ops.selection import select_within_quota_reference, select_within_quota_triton
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+DEVICE = "cpu" if INTERPRET else "cuda"
+pytestmark = [
+    pytest.mark.skipif(
+        not INTERPRET and not torch.cuda.is_available(), reason="needs a CUDA device or TRITON_INTERPRET=1"
+    ),
+    # The interpreter evaluates with NumPy, which warns on 1/p for the p = 0 pairs (never kept, as in the reference).
+    pytest.mark.filterwarnings("ignore:.*encountered in:RuntimeWarning"),
+]
+pytest.importorskip("triton")
+
+INF, NAN = float("inf"), float("nan")
+
+
+def assert_same(scores, gids, quotas, max_rows, uniform=None, gid_dtype=torch.int64):
+    t = (
+        torch.tensor(scores, dtype=torch.float32, device=DEVICE),
+        torch.tensor(gids, dtype=gid_dtype, device=DEVICE),
+        torch.tensor(quotas, dtype=torch.int64, device=DEVICE),
+    )
+    if uniform is None:
+        uniform = [(0.37 + 0.29 * g) % 1.0 for g in range(len(quotas))]
+    u = torch.tensor(uniform, dtype=torch.float64, device=DEVICE)
+    for mode in ("top", "sample"):
+        want = select_within_quota_reference(*t, max_rows, mode, u)
+        got = select_within_quota_triton(*t, max_rows, mode, u)
+        for name, w, g in zip(("pair_ids", "weights", "counts", "offsets"), want, got):
+            assert g.dtype == w.dtype and g.shape == w.shape, (mode, name)
+            assert torch.equal(g, w), (mode, name, g.tolist(), w.tolist())
+
+
+CASES = {
+    "one pair": ([1.0], [0], [1], 1),
+    "no pairs": ([], [], [3, 0], 2),
+    "no pairs, no rows": ([], [], [1], 0),
+    "empty groups": ([3.0, 1.0, 2.0, 5.0], [1, 1, 3, 3], [2, 1, 4, 1], 8),
+    "quota above size and zero": ([2.0, 1.0, 4.0, 3.0, 0.5], [0, 0, 1, 1, 1], [9, 0], 5),
+    "negative quota": ([1.0, 2.0, 3.0], [0, 1, 1], [-2, 1], 3),
+    "ties to lower id": ([1.0, 2.0, 1.0, 2.0, 1.0, 1.0], [0, 0, 0, 0, 0, 0], [3], 6),
+    "+-0 tie": ([0.0, -0.0, 0.0, -0.0, 1.0], [0, 0, 0, 0, 0], [3], 5),
+    "inf and nan": ([INF, NAN, 3.0, -INF, -1.0, NAN], [0, 0, 0, 0, 0, 0], [4], 6),
+    "more inf than quota": ([INF, INF, INF, 1.0], [0, 0, 0, 1], [2, 0], 4),
+    "buffer too small": ([5.0, 1.0, 4.0, 2.0, 3.0, 6.0], [0, 1, 0, 1, 2, 2], [2, 2, 2], 3),
+    "buffer cuts mid group": ([5.0, 1.0, 4.0, 2.0, 3.0, 6.0], [0, 1, 0, 1, 1, 1], [1, 4], 3),
+    "fewer pairs than groups": ([2.0, 7.0], [4, 1], [1, 1, 1, 1, 1, 1], 3),
+    "zero scores fill in": ([9.0, 0.0, 0.0, 1.0], [0, 0, 0, 0], [3], 4),
+    "group ids unsorted": ([1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0], [2, 0, 2, 1, 0, 2, 1], [2, 1, 3], 7),
+    "buffer bigger than pairs": ([1.0, 3.0, 2.0], [0, 0, 0], [2], 9),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_cases_equal_reference(name):
+    assert_same(*CASES[name])
+
+
+def test_int32_group_ids_and_extreme_uniforms():
+    scores = [4.0, 1.0, 0.25, 0.0, 9.0, 100.0, 0.5, 2.0]
+    for u in (0.0, 0.5, 1.0 - 2.0**-53):
+        assert_same(scores, [0] * 8, [3], 8, uniform=[u], gid_dtype=torch.int32)
+
+
+def test_many_groups_loop_the_plan_kernel():
+    # More groups than one step of the one-program plan kernel (BLOCK_G = 256) takes: the running end carries over.
+    G = 300
+    gids = [g for g in range(0, G, 7) for _ in range(2)] + [G - 1]
+    scores = [float((i * 37) % 11) for i in range(len(gids))]
+    assert_same(scores, gids, [1] * G, len(gids), uniform=[0.5] * G)
+
+
+_score = st.one_of(
+    st.sampled_from([0.0, -0.0, 0.25, 1.0, 1.0, 4.0, INF, NAN, -1.0, -INF]),
+    st.floats(0.0, 100.0, width=32),
+)
+
+
+@st.composite
+def cases(draw):
+    G = draw(st.integers(1, 5))
+    P = draw(st.integers(0, 12))
+    gids = draw(st.lists(st.integers(0, G - 1), min_size=P, max_size=P))
+    scores = draw(st.lists(_score, min_size=P, max_size=P))
+    quotas = draw(st.lists(st.integers(-1, P + 2), min_size=G, max_size=G))
+    max_rows = draw(st.integers(0, P + 3))
+    uniform = draw(st.lists(st.floats(0.0, 1.0, exclude_max=True), min_size=G, max_size=G))
+    return scores, gids, quotas, max_rows, uniform
+
+
+@given(cases())
+@example(([1.0, 1.0, 1.0], [0, 0, 0], [2], 3, [0.999]))
+def test_random_cases_equal_reference(case):
+    assert_same(*case)

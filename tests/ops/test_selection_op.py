@@ -1,0 +1,138 @@
+"""lrmoe::select_within_quota: torch.library.opcheck in both modes, the op's argument checks, non-differentiable
+outputs, the CUDA op against the CPU reference (on a GPU), and torch.compile(fullgraph=True) of the functional
+entry point (one op in the graph, same result as eager).
+"""
+
+from __future__ import annotations
+
+import operator
+
+import pytest
+import torch
+
+from lrmoe.functional import select_within_quota as select_fn
+from lrmoe.ops import select_within_quota
+from lrmoe.ops.selection import select_within_quota_reference
+
+INF, NAN = float("inf"), float("nan")
+
+
+def _inputs(seed=0, P=11, G=4, gid_dtype=torch.int64):
+    g = torch.Generator().manual_seed(seed)
+    scores = torch.rand(P, generator=g) * 4
+    scores[[2, 7]] = torch.tensor([INF, NAN])
+    scores[5] = scores[3]  # a tie
+    gids = torch.randint(0, G - 1, (P,), generator=g).to(gid_dtype)  # group G - 1 stays empty
+    quotas = torch.tensor([2, 9, 0, 1])[:G]
+    uniform = torch.rand(G, generator=g, dtype=torch.float64)
+    return scores, gids, quotas, uniform
+
+
+# ------------------------------------------------------------------------------------------------------- opcheck
+
+
+@pytest.mark.parametrize("max_rows", [0, 5, 14])
+@pytest.mark.parametrize("mode", ["top", "sample"])
+def test_opcheck(mode, max_rows):
+    scores, gids, quotas, uniform = _inputs()
+    torch.library.opcheck(select_within_quota, (scores, gids, quotas, max_rows, mode, uniform))
+
+
+def test_opcheck_top_without_uniform_int32_ids_and_no_pairs():
+    scores, gids, quotas, _ = _inputs(gid_dtype=torch.int32)
+    torch.library.opcheck(select_within_quota, (scores, gids, quotas, 6, "top", None))
+    torch.library.opcheck(select_within_quota, (scores[:0], gids[:0], quotas, 3, "top", None))
+
+
+def test_opcheck_scores_requiring_grad():
+    scores, gids, quotas, uniform = _inputs()
+    scores.requires_grad_()
+    torch.library.opcheck(select_within_quota, (scores, gids, quotas, 8, "sample", uniform))
+    outs = select_within_quota(scores, gids, quotas, 8, "sample", uniform)
+    assert not any(t.requires_grad for t in outs)  # the selection is not differentiated
+
+
+def test_op_checks_mode_and_uniform():
+    scores, gids, quotas, _ = _inputs()
+    with pytest.raises(ValueError, match="mode"):
+        select_within_quota(scores, gids, quotas, 4, "best", None)
+    with pytest.raises(ValueError, match="uniform"):
+        select_within_quota(scores, gids, quotas, 4, "sample", None)  # the op draws nothing
+
+
+@pytest.mark.parametrize("mode", ["top", "sample"])
+def test_op_equals_functional(mode):
+    scores, gids, quotas, uniform = _inputs(seed=3)
+    sel = select_fn(scores, gids, quotas, max_rows=7, mode=mode, uniform_G=uniform)
+    outs = select_within_quota(scores, gids, quotas, 7, mode, uniform)
+    for got, want in zip(outs, (sel.pair_ids, sel.weights, sel.counts, sel.offsets)):
+        assert torch.equal(got, want)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("mode", ["top", "sample"])
+def test_cuda_op_equals_cpu_reference(mode):
+    g = torch.Generator().manual_seed(1)
+    P, G = 5000, 37
+    scores = torch.randn(P, generator=g).square()
+    scores[torch.randint(0, P, (20,), generator=g)] = INF
+    scores[torch.randint(0, P, (20,), generator=g)] = NAN
+    scores[torch.randint(0, P, (200,), generator=g)] = 1.0  # ties
+    gids = torch.randint(0, G, (P,), generator=g)
+    quotas = torch.randint(-2, 200, (G,), generator=g)
+    uniform = torch.rand(G, generator=g, dtype=torch.float64)
+    dev = [t.cuda() for t in (scores, gids, quotas, uniform)]
+    for max_rows in (0, 1000, 6000):
+        got = select_within_quota(*dev[:3], max_rows, mode, dev[3])
+        # Exact against the reference on the same device. "sample" rounds the fp64 cumulative sums of torch.cumsum,
+        # whose association differs between devices, so only "top" is compared with the CPU too.
+        want_cuda = select_within_quota_reference(*dev[:3], max_rows, mode, dev[3])
+        want_cpu = select_within_quota_reference(scores, gids, quotas, max_rows, mode, uniform)
+        for x, w, wc in zip(got, want_cuda, want_cpu):
+            assert torch.equal(x, w)
+            if mode == "top":
+                assert torch.equal(x.cpu(), wc)
+
+
+# ------------------------------------------------------------------------------------------------ torch.compile
+
+
+@pytest.mark.parametrize("mode", ["top", "sample"])
+def test_compiled_functional_is_one_op_and_equals_eager(mode):
+    torch._dynamo.reset()
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return gm
+
+    scores, gids, quotas, uniform = _inputs(seed=2)
+    scores.requires_grad_()  # the functional wrapper detaches: the selection is not differentiated
+
+    def f(s, g, q, u):
+        sel = select_fn(s, g, q, max_rows=6, mode=mode, uniform_G=u)
+        return sel.pair_ids, sel.weights, sel.counts, sel.offsets
+
+    want = f(scores, gids, quotas, uniform)
+    for got in (
+        torch.compile(f, fullgraph=True)(scores, gids, quotas, uniform),
+        torch.compile(f, fullgraph=True, backend=capture)(scores, gids, quotas, uniform),
+    ):
+        for x, w in zip(got, want):
+            assert torch.equal(x, w)
+    (gm,) = graphs
+    skip = (torch.Tensor.detach, operator.getitem)  # the op's outputs are one tuple
+    calls = [n.target for n in gm.graph.nodes if n.op == "call_function" and n.target not in skip]
+    assert calls == [torch.ops.lrmoe.select_within_quota.default], calls
+
+
+def test_compiled_sample_drawing_its_own_uniforms_is_one_graph():
+    torch._dynamo.reset()
+    scores, gids, quotas, _ = _inputs(seed=4)
+
+    def f(s, g, q):
+        return select_fn(s, g, q, max_rows=6, mode="sample").counts
+
+    # The draw is random, the counts are not: min(quota, size) clipped to the buffer.
+    want = select_fn(scores, gids, quotas, max_rows=6, mode="sample").counts
+    assert torch.equal(torch.compile(f, fullgraph=True)(scores, gids, quotas), want)
