@@ -309,7 +309,8 @@ def add_study_parser(subparsers: argparse._SubParsersAction) -> None:
     run.add_argument("--device", default="cpu")
     run.add_argument("--preset", default="study", help="model and run size passed to every demo job")
     run.add_argument("--steps", type=int, help="steps of the scratch runs (default: the preset's)")
-    run.add_argument("--continued-steps", type=int, help="steps of the continued runs (default: --steps)")
+    run.add_argument("--continued-steps", type=int, default=300,
+                     help="steps of the continued runs (default 300: ~1 pass over the 2.1 MB prose corpus)")
     run.add_argument("--continued-lr", type=float, default=1e-3, help="peak learning rate of continued training")
     run.add_argument("--parallel", type=int, default=1, help="jobs at a time")
     run.add_argument("--threads", type=int, default=1, help="CPU threads per job")
