@@ -35,14 +35,23 @@ N_BACKWARD_STATS = 3  # score-mass fraction kept, retained pairs, backward calls
 class ExpertPlan:
     """What the forward pass plans for backward (all tensors, no host sync).
 
-    loads:   [E] int64, pairs routed to each expert.
-    quotas:  [E] int64, pairs of each expert that backward keeps.
-    uniform: [E] fp32 uniforms for systematic sampling (drawn in forward so backward is reproducible), or None.
+    Pairs are grouped for selection either by expert (``group_ids`` None: loads, quotas, uniform are [E]) or by
+    (source, expert) (loads, quotas, uniform are [S, E]; ``group_ids`` [T, K] holds g = expert * S + source for
+    every pair, expert-major so the kept rows of one expert stay contiguous for the grouped GEMMs). The second
+    form is what expert parallelism does: every source rank keeps exactly quotas[s, e] of its own pairs of
+    expert e, so a single-device run with these groups reproduces the multi-rank computation.
+
+    loads:     [E] or [S, E] int64, pairs routed to each expert (from each source).
+    quotas:    same shape, pairs backward keeps.
+    uniform:   same shape fp32 uniforms for systematic sampling (drawn in forward so backward is reproducible),
+               or None.
+    group_ids: [T, K] int64 group of every pair when grouping by (source, expert), else None.
     """
 
     loads: torch.Tensor
     quotas: torch.Tensor
     uniform: torch.Tensor | None
+    group_ids: torch.Tensor | None = None
 
 
 torch.utils._pytree.register_dataclass(ExpertPlan)
@@ -70,18 +79,41 @@ def plan_experts(
     selection: str = "sample",
     generator: torch.Generator | None = None,
     draw_uniform: bool = True,
+    source_ids_T: torch.Tensor | None = None,
+    num_sources: int = 1,
 ) -> ExpertPlan:
     """Loads, quotas and sampling uniforms for one single-device MoE layer step.
 
     ``draw_uniform=False`` skips the sampling draw (no backward will run, e.g. evaluation), so a forward-only
     call leaves the RNG stream untouched.
+
+    ``source_ids_T`` ([T] integer in [0, num_sources), not checked: that would need a sync) groups the pairs by
+    (source, expert) instead of by expert: loads and quotas become [S, E] (``plan_quotas`` of the [S, E] loads,
+    so each expert's quota is split over the sources in proportion to their loads), the uniforms [S, E] (drawn
+    as one [S * E] draw in source-major order), and ``group_ids`` = expert * S + source. This is the plan
+    expert parallelism uses when source s is EP rank s.
     """
-    loads_E = expert_loads(expert_ids_TK, num_experts)
-    quotas_E = plan_quotas(loads_E, retain, min_retain=min_retain, policy=policy)
-    uniform_E = None
+    uniform = None
+    if source_ids_T is None:
+        loads = expert_loads(expert_ids_TK, num_experts)
+        group_ids_TK = None
+    else:
+        check_tensor("source_ids_T", source_ids_T, ndim=1, kind="int")
+        if source_ids_T.shape[0] != expert_ids_TK.shape[0]:
+            raise ValueError(
+                f"source_ids_T must have T={expert_ids_TK.shape[0]} entries like expert_ids_TK, got "
+                f"{tuple(source_ids_T.shape)}"
+            )
+        if not isinstance(num_sources, int) or isinstance(num_sources, bool) or num_sources < 1:
+            raise ValueError(f"num_sources must be a positive Python int, got {num_sources!r}")
+        src_T1 = source_ids_T.long().unsqueeze(1)
+        loads = expert_loads(src_T1 * num_experts + expert_ids_TK.long(), num_sources * num_experts)
+        loads = loads.view(num_sources, num_experts)
+        group_ids_TK = expert_ids_TK.long() * num_sources + src_T1
+    quotas = plan_quotas(loads, retain, min_retain=min_retain, policy=policy)
     if draw_uniform and selection == "sample" and retain < 1.0:
-        uniform_E = torch.rand(num_experts, generator=generator, device=expert_ids_TK.device)
-    return ExpertPlan(loads=loads_E, quotas=quotas_E, uniform=uniform_E)
+        uniform = torch.rand(loads.shape, generator=generator, device=expert_ids_TK.device)
+    return ExpertPlan(loads=loads, quotas=quotas, uniform=uniform, group_ids=group_ids_TK)
 
 
 def selective_swiglu_experts(
@@ -99,6 +131,8 @@ def selective_swiglu_experts(
     plan: ExpertPlan | None = None,
     generator: torch.Generator | None = None,
     stats_probe: torch.Tensor | None = None,
+    source_ids_T: torch.Tensor | None = None,
+    num_sources: int = 1,
 ) -> torch.Tensor:
     """out_TD = sum_k gates[t, k] * SwiGLU_{expert_ids[t, k]}(x_t), with the selective backward.
 
@@ -108,7 +142,9 @@ def selective_swiglu_experts(
         down_EDF: [E, D, F] (``experts.down_proj``).
         expert_ids_TK: [T, K] integer expert of each pair; gates_TK: [T, K] float combine weights.
         retain, metric, selection, policy, min_retain: see plan_quotas, score_pairs, select_within_quota.
-        plan: loads/quotas/uniforms from :func:`plan_experts`; planned here when None.
+        plan: loads/quotas/uniforms from :func:`plan_experts`; planned here when None. A plan grouped by
+            (source, expert) (``plan.group_ids`` set) makes every (source, expert) group keep its own quota.
+        source_ids_T, num_sources: when planning here, group the pairs by (source, expert) (see plan_experts).
         generator: RNG for sampling uniforms and the "random" metric (global RNG when None).
         stats_probe: optional [3] fp32 leaf requiring grad; backward adds (fraction of score mass kept,
             retained pairs, 1) to its ``.grad``, which is how backward statistics leave without a sync.
@@ -142,12 +178,33 @@ def selective_swiglu_experts(
     if plan is None:
         plan = plan_experts(
             expert_ids_TK, n_exp, retain=retain, min_retain=min_retain, policy=policy, selection=selection,
-            generator=generator,
+            generator=generator, source_ids_T=source_ids_T, num_sources=num_sources,
         )
+    quotas_G, uniform_G, group_ids_P = _flat_groups(plan, n_exp, expert_ids_TK.shape)
     cfg = _Config(retain=retain, metric=metric, selection=selection, generator=generator)
     return _SelectiveSwiGLU.apply(
-        x_TD, gate_up_EFD, down_EDF, gates_TK, expert_ids_TK, plan.quotas, plan.uniform, stats_probe, cfg
+        x_TD, gate_up_EFD, down_EDF, gates_TK, expert_ids_TK, quotas_G, uniform_G, stats_probe, cfg, group_ids_P
     )
+
+
+def _flat_groups(plan: ExpertPlan, n_exp: int, pairs_shape: torch.Size):
+    """Quotas and uniforms as [G] in group-id order (g = expert * S + source), and the [P] group ids or None."""
+    if plan.group_ids is None:
+        if plan.quotas.shape != (n_exp,):
+            raise ValueError(f"plan.quotas must be [E={n_exp}] for a plan grouped by expert, got "
+                             f"{tuple(plan.quotas.shape)}")
+        return plan.quotas, plan.uniform, None
+    if plan.quotas.dim() != 2 or plan.quotas.shape[1] != n_exp:
+        raise ValueError(f"plan.quotas must be [S, E={n_exp}] for a plan grouped by (source, expert), got "
+                         f"{tuple(plan.quotas.shape)}")
+    if plan.group_ids.shape != pairs_shape:
+        raise ValueError(f"plan.group_ids must have the shape of expert_ids_TK {tuple(pairs_shape)}, got "
+                         f"{tuple(plan.group_ids.shape)}")
+    if plan.uniform is not None and plan.uniform.shape != plan.quotas.shape:
+        raise ValueError(f"plan.uniform must have the shape of plan.quotas {tuple(plan.quotas.shape)}, got "
+                         f"{tuple(plan.uniform.shape)}")
+    uniform_G = None if plan.uniform is None else plan.uniform.t().reshape(-1)
+    return plan.quotas.t().reshape(-1), uniform_G, plan.group_ids.reshape(-1)
 
 
 @dataclass(frozen=True)
@@ -175,7 +232,8 @@ def _swiglu_backward(h_RF2: torch.Tensor, dphi_RF: torch.Tensor) -> torch.Tensor
 
 class _SelectiveSwiGLU(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_TD, gate_up_EFD, down_EDF, gates_TK, expert_ids_TK, quotas_E, uniform_E, stats_probe, cfg):
+    def forward(ctx, x_TD, gate_up_EFD, down_EDF, gates_TK, expert_ids_TK, quotas_G, uniform_G, stats_probe, cfg,
+                group_ids_P=None):
         n_tok, top_k = expert_ids_TK.shape
         n_exp = gate_up_EFD.shape[0]
         flat_P = expert_ids_TK.reshape(-1).long()
@@ -195,14 +253,14 @@ class _SelectiveSwiGLU(torch.autograd.Function):
 
         ctx.cfg = cfg
         ctx.has_probe = stats_probe is not None
-        ctx.save_for_backward(x_TD, gate_up_EFD, down_EDF, gates_TK, expert_ids_TK, quotas_E, uniform_E,
-                              h_PF2, y_TKD, phi_sq_TK, order_P, inv_P, offsets_E)
+        ctx.save_for_backward(x_TD, gate_up_EFD, down_EDF, gates_TK, expert_ids_TK, quotas_G, uniform_G,
+                              h_PF2, y_TKD, phi_sq_TK, order_P, inv_P, offsets_E, group_ids_P)
         return out_TD
 
     @staticmethod
     def backward(ctx, grad_out_TD):
-        (x_TD, gate_up_EFD, down_EDF, gates_TK, expert_ids_TK, quotas_E, uniform_E,
-         h_PF2, y_TKD, phi_sq_TK, order_P, inv_P, offsets_E) = ctx.saved_tensors
+        (x_TD, gate_up_EFD, down_EDF, gates_TK, expert_ids_TK, quotas_G, uniform_G,
+         h_PF2, y_TKD, phi_sq_TK, order_P, inv_P, offsets_E, group_ids_P) = ctx.saved_tensors
         cfg: _Config = ctx.cfg
         n_tok, top_k = expert_ids_TK.shape
         n_pairs = n_tok * top_k
@@ -219,12 +277,16 @@ class _SelectiveSwiGLU(torch.autograd.Function):
             mass_kept = torch.ones((), device=g_TD.device)
         else:
             scores_TK = score_pairs(gates_TK.detach(), g_TD, phi_sq_TK, metric=cfg.metric, generator=cfg.generator)
+            # Groups are experts, or (source, expert) pairs g = e * S + s: expert-major, so one expert's kept rows
+            # stay contiguous and its grouped-GEMM offset is the end of its last source group.
+            groups_P = expert_ids_TK.reshape(-1) if group_ids_P is None else group_ids_P
             sel = select_within_quota(
-                scores_TK.reshape(-1), expert_ids_TK.reshape(-1), quotas_E,
+                scores_TK.reshape(-1), groups_P, quotas_G,
                 max_rows=retained_rows_bound(n_pairs, n_exp, cfg.retain), mode=cfg.selection,
-                generator=cfg.generator, uniform_G=uniform_E,
+                generator=cfg.generator, uniform_G=uniform_G,
             )
-            pair_R, off_E, weight_R = sel.pair_ids, sel.offsets, sel.weights
+            pair_R, weight_R = sel.pair_ids, sel.weights
+            off_E = sel.offsets.view(n_exp, -1)[:, -1]
             finite_P = torch.where(torch.isfinite(scores_TK.reshape(-1)), scores_TK.reshape(-1), 0.0)
             kept_mass = finite_P.index_select(0, pair_R.clamp(min=0)).mul(pair_R >= 0).sum()
             mass_kept = kept_mass / finite_P.sum().clamp(min=torch.finfo(torch.float32).tiny)
@@ -252,4 +314,4 @@ class _SelectiveSwiGLU(torch.autograd.Function):
         grad_probe = None
         if ctx.has_probe:
             grad_probe = torch.stack([mass_kept.float(), off_E[-1].float(), torch.ones_like(mass_kept)])
-        return grad_x, grad_gu, grad_down, grad_gates_TK, None, None, None, grad_probe, None
+        return grad_x, grad_gu, grad_down, grad_gates_TK, None, None, None, grad_probe, None, None

@@ -1,5 +1,14 @@
-"""Modules (and, later, parallel styles): the only place with module state, collectives and DTensor."""
+"""Modules and parallel styles: the only place with module state, collectives and DTensor."""
 
+from lrmoe.nn.expert_parallel import ExpertParallel, ExpertParallelPlan, ExpertParallelStats, plan_expert_parallel
 from lrmoe.nn.lrmoe import LRMoE, LRMoEStats, SwiGLUExperts
 
-__all__ = ["LRMoE", "LRMoEStats", "SwiGLUExperts"]
+__all__ = [
+    "ExpertParallel",
+    "ExpertParallelPlan",
+    "ExpertParallelStats",
+    "LRMoE",
+    "LRMoEStats",
+    "SwiGLUExperts",
+    "plan_expert_parallel",
+]

@@ -1,0 +1,338 @@
+"""ExpertParallel (lrmoe/nn/expert_parallel.py) on gloo CPU process groups of 2 and 4 ranks.
+
+The contract: an expert-parallel step equals the single-device LRMoE step on the gathered batch whose plan groups
+pairs by (source rank, expert) with the same quotas (plan_experts(..., source_ids_T=...)): forward output, input
+gradient, router gradient (summed over ranks: each rank's router sees its own tokens) and every expert shard's
+gradient; the backward all-to-all carries exactly the retained rows; bad configurations raise before any
+communication.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+import os
+import sys
+import tempfile
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor.parallel import parallelize_module
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from lrmoe.functional import plan_experts, plan_quotas, route_topk, selective_swiglu_experts
+from lrmoe.nn import ExpertParallel, LRMoE
+from lrmoe.nn.expert_parallel import expert_major_order, split_sizes
+
+D, FF, E, K = 8, 6, 8, 2
+
+
+def tokens_of(rank: int) -> int:
+    """Uneven local batches, so the all-to-all splits differ per rank."""
+    return 10 + 3 * rank
+
+
+# ------------------------------------------------------------------------------------------- process harness
+
+
+def _worker(rank, world_size, store, fn, args):
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{store}", rank=rank, world_size=world_size, timeout=timedelta(seconds=60)
+    )
+    fn(rank, world_size, *args)  # an exception here reaches mp.spawn, which reports it and stops the others
+    # Success: leave together, then skip interpreter teardown. A rank that exits while a peer still tears down its
+    # gloo connections (or Python finalisation destroying gloo's threads in an arbitrary order) occasionally
+    # aborts with "terminate called without an active exception" after every check has passed.
+    dist.barrier()
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def run_ranks(world_size, fn, *args):
+    os.environ["OMP_NUM_THREADS"] = "1"
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_worker, args=(world_size, os.path.join(tmp, "store"), fn, args), nprocs=world_size, join=True)
+
+
+# ------------------------------------------------------------------------------------------------ reference
+
+
+def reference_forward(layer: LRMoE, x_TD, token_counts, uniform_SE=None):
+    """The single-device LRMoE step on the gathered batch, pairs grouped by (source rank, expert)."""
+    n_src = len(token_counts)
+    source_ids_T = torch.repeat_interleave(torch.arange(n_src), torch.tensor(token_counts))
+    routing = route_topk(layer.gate(x_TD), layer.top_k, score_func=layer.score_func,
+                         norm_topk_prob=layer.norm_topk_prob)
+    plan = plan_experts(routing.expert_ids, layer.num_experts, retain=layer.retain, min_retain=layer.min_retain,
+                        policy=layer.policy, selection=layer.selection, draw_uniform=False,
+                        source_ids_T=source_ids_T, num_sources=n_src)
+    plan = dataclasses.replace(plan, uniform=uniform_SE)
+    return selective_swiglu_experts(
+        x_TD, layer.experts.gate_up_proj, layer.experts.down_proj, routing.expert_ids, routing.gates.to(x_TD.dtype),
+        retain=layer.retain, metric=layer.metric, selection=layer.selection, policy=layer.policy,
+        min_retain=layer.min_retain, plan=plan,
+    )
+
+
+def _matches_reference(rank, world, configs):
+    mesh = init_device_mesh("cpu", (world,))
+    counts = [tokens_of(r) for r in range(world)]
+    start = sum(counts[:rank])
+    rows = slice(start, start + counts[rank])
+    n_local = E // world
+    for retain, selection, seed in configs:
+        torch.manual_seed(seed)
+        ref = LRMoE(D, FF, E, K, retain=retain, selection=selection)
+        x_all, c_all = torch.randn(sum(counts), D), torch.randn(sum(counts), D)
+        layer = parallelize_module(copy.deepcopy(ref), mesh, ExpertParallel())
+        layer.generator = torch.Generator().manual_seed(1000 + rank)
+
+        x = x_all[rows].clone().requires_grad_(True)
+        out = layer(x)
+        (out * c_all[rows]).sum().backward()
+
+        uniform_SE = None
+        if selection == "sample" and retain < 1.0:  # rank s draws its [E] uniforms once from its generator
+            uniform_SE = torch.stack([torch.rand(E, generator=torch.Generator().manual_seed(1000 + s))
+                                      for s in range(world)])
+        xr = x_all.clone().requires_grad_(True)
+        ref_out = reference_forward(ref, xr, counts, uniform_SE)
+        (ref_out * c_all).sum().backward()
+
+        tol = dict(rtol=1e-5, atol=1e-6, msg=lambda m: f"rank {rank} retain {retain} {selection}: {m}")
+        torch.testing.assert_close(out, ref_out[rows], **tol)
+        torch.testing.assert_close(x.grad, xr.grad[rows], **tol)
+        router = layer.gate.weight.grad.clone()
+        dist.all_reduce(router)
+        torch.testing.assert_close(router, ref.gate.weight.grad, **tol)
+        experts = slice(rank * n_local, (rank + 1) * n_local)
+        for name in ("gate_up_proj", "down_proj"):
+            grad = getattr(layer.experts, name).grad
+            assert grad.placements[0].is_shard(0)
+            torch.testing.assert_close(grad.to_local(), getattr(ref.experts, name).grad[experts], **tol)
+        # The plan is the reference's, on every rank.
+        stats = layer.stats()
+        assert int(stats.total_pairs) == sum(counts) * K
+        assert int(stats.retained_pairs) == math.floor(retain * sum(counts) * K)
+        assert float(stats.backward_calls) == 1.0
+
+
+CONFIGS = [(1.0, "top", 0), (0.75, "top", 2), (0.75, "sample", 2), (0.5, "sample", 3), (0.5, "top", 4)]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_matches_single_device_with_source_expert_quotas(world):
+    run_ranks(world, _matches_reference, CONFIGS)
+
+
+# ---------------------------------------------------------------------------------------- backward payloads
+
+
+class RecordAllToAll(TorchDispatchMode):
+    """Rows and bytes entering every all-to-all (the functional collective op)."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops._c10d_functional.all_to_all_single.default:
+            payload, recv, send = args[0], args[1], args[2]
+            self.calls.append((list(send), list(recv), payload.shape[1] * payload.element_size()))
+        return func(*args, **(kwargs or {}))
+
+
+def _backward_sends_retained_rows(rank, world, retain):
+    mesh = init_device_mesh("cpu", (world,))
+    n_local = E // world
+    torch.manual_seed(0)
+    layer = parallelize_module(LRMoE(D, FF, E, K, retain=retain, selection="top"), mesh, ExpertParallel())
+    torch.manual_seed(10 + rank)
+    x = torch.randn(64, D, requires_grad=True)
+    with RecordAllToAll() as fwd:
+        out = layer(x)
+    with RecordAllToAll() as bwd:
+        out.square().sum().backward()
+    stats = layer.stats()
+    loads, quotas = stats.loads, stats.quotas
+    mine = slice(rank * n_local, (rank + 1) * n_local)
+    row = D * 4  # fp32 rows
+
+    # Forward: every pair goes out, and comes back with its fp32 ||phi||^2.
+    (d_send, d_recv, d_bytes), (c_send, c_recv, c_bytes) = fwd.calls
+    assert d_send == loads[rank].view(world, n_local).sum(1).tolist() and d_bytes == row
+    assert d_recv == loads[:, mine].sum(1).tolist()
+    assert (c_send, c_recv, c_bytes) == (d_recv, d_send, row + 4)
+    # Backward: exactly quotas[rank, e] rows per expert leave (plus a 4-byte row index below retain 1), and the
+    # input-gradient rows of exactly those pairs come back.
+    (b_send, b_recv, b_bytes), (r_send, r_recv, r_bytes) = bwd.calls
+    assert b_send == quotas[rank].view(world, n_local).sum(1).tolist()
+    assert b_recv == quotas[:, mine].sum(1).tolist()
+    assert b_bytes == (row if retain == 1.0 else row + 4)
+    assert (r_send, r_recv, r_bytes) == (b_recv, b_send, row)
+
+    # The statistics report the same bytes (to peers: the chunk a rank sends itself is a local copy).
+    def peer(rows, nbytes):
+        return nbytes * (sum(rows) - rows[rank])
+
+    assert int(stats.dispatch_bytes) == peer(d_send, d_bytes)
+    assert int(stats.combine_bytes) == peer(c_send, c_bytes)
+    assert float(stats.backward_dispatch_bytes) == peer(b_send, b_bytes)
+    assert float(stats.backward_combine_bytes) == peer(r_send, r_bytes)
+    assert float(stats.local_retained_pairs) == sum(b_send) == int(quotas[rank].sum())
+    # Bytes fall in proportion to retain: globally, backward rows are floor(retain * P) of the P forward rows.
+    sent = torch.tensor([sum(d_send), sum(b_send)], dtype=torch.float64)
+    dist.all_reduce(sent)
+    assert sent[1] == math.floor(retain * sent[0])
+
+
+@pytest.mark.parametrize("world, retain", [(2, 0.5), (4, 0.5), (2, 1.0)])
+def test_backward_all_to_all_sends_exactly_the_retained_rows(world, retain):
+    run_ranks(world, _backward_sends_retained_rows, retain)
+
+
+# ---------------------------------------------------------------------------------- meshes and bad configs
+
+
+def _configurations(rank, world):
+    mesh = init_device_mesh("cpu", (world,))
+    with pytest.raises(ValueError, match="divisible"):
+        parallelize_module(LRMoE(D, FF, world + 1, K), mesh, ExpertParallel())
+    with pytest.raises(TypeError, match="LRMoE"):
+        parallelize_module(torch.nn.Linear(D, D), mesh, ExpertParallel())
+    twice = parallelize_module(LRMoE(D, FF, E, K), mesh, ExpertParallel())
+    with pytest.raises(ValueError, match="already"):
+        parallelize_module(twice, mesh, ExpertParallel())
+
+    mesh_2d = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp", "ep"))
+    with pytest.raises(ValueError, match="1-D"):
+        parallelize_module(LRMoE(D, FF, E, K), mesh_2d, ExpertParallel())
+    with pytest.raises(ValueError, match="mesh_dim_name"):
+        parallelize_module(LRMoE(D, FF, E, K), mesh_2d, ExpertParallel(mesh_dim_name="tp"))
+
+    # A named dimension of a larger mesh gives the same layer as the equivalent 1-D mesh.
+    torch.manual_seed(0)
+    base = LRMoE(D, FF, E, K, retain=0.5, selection="top")
+    torch.manual_seed(1 + rank)
+    x, c = torch.randn(16, D), torch.randn(16, D)
+    results = []
+    for m, style in ((mesh, ExpertParallel()), (mesh_2d, ExpertParallel(mesh_dim_name="ep"))):
+        layer = parallelize_module(copy.deepcopy(base), m, style)
+        assert layer.experts.down_proj.to_local().shape[0] == E // world
+        assert isinstance(layer, LRMoE) and not hasattr(layer.gate.weight, "placements")  # router: plain tensor
+        xi = x.clone().requires_grad_(True)
+        out = layer(xi)
+        (out * c).sum().backward()
+        results.append([out, xi.grad, layer.gate.weight.grad, layer.experts.down_proj.grad.to_local()])
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    # state_dict keeps the names; expert entries are DTensors with the global shape.
+    state = parallelize_module(copy.deepcopy(base), mesh, ExpertParallel()).state_dict()
+    assert set(state) == set(base.state_dict())
+    assert state["experts.gate_up_proj"].shape == base.experts.gate_up_proj.shape
+
+    # A rank without tokens still takes part in every all-to-all (its peers' rows still reach its experts).
+    layer = parallelize_module(copy.deepcopy(base), mesh, ExpertParallel())
+    x = torch.randn(0 if rank == 1 else 5, D, requires_grad=True)
+    out = layer(x)
+    out.square().sum().backward()
+    assert out.shape == x.shape and x.grad.shape == x.shape
+    assert torch.isfinite(layer.experts.down_proj.grad.to_local()).all()
+
+
+def test_configurations_and_named_mesh_dimension():
+    run_ranks(2, _configurations)
+
+
+# ------------------------------------------------------------------------------------ single-process pieces
+
+
+def test_split_sizes_and_expert_major_order():
+    counts_WE = torch.tensor([[1, 0, 2, 3], [4, 1, 0, 2]])  # W = 2 ranks, E = 4, L = 2
+    send, recv = split_sizes(counts_WE, 0, 2)
+    assert send.tolist() == [1, 5] and recv.tolist() == [1, 5]
+    send, recv = split_sizes(counts_WE, 1, 2)
+    assert send.tolist() == [5, 2] and recv.tolist() == [5, 2]
+    # Rank 1 receives source-major blocks (s0,e2) (s0,e3) (s1,e2) (s1,e3) of sizes 2, 3, 0, 2.
+    counts_SL = counts_WE[:, 2:]
+    perm = expert_major_order(counts_SL, 7)
+    # expert-major: e2 from s0 (rows 0, 1), e2 from s1 (none), e3 from s0 (2, 3, 4), e3 from s1 (5, 6)
+    assert perm.tolist() == [0, 1, 2, 3, 4, 5, 6]
+    perm = expert_major_order(torch.tensor([[1, 2], [3, 1]]), 7)
+    # blocks: (s0,l0)=[0] (s0,l1)=[1,2] (s1,l0)=[3,4,5] (s1,l1)=[6] -> l0: 0, 3, 4, 5; l1: 1, 2, 6
+    assert perm.tolist() == [0, 3, 4, 5, 1, 2, 6]
+
+
+@pytest.mark.parametrize("selection", ["top", "sample"])
+def test_source_grouped_plan_equals_per_source_runs(selection):
+    """The single-device reference the EP tests compare with: pairs grouped by (source, expert) with quotas
+    plan_quotas(loads_SE) make the expert gradients the sum of independent per-source selective steps, each
+    keeping quotas[s] of its own pairs. That is exactly the decomposition expert parallelism computes."""
+    torch.manual_seed(3)
+    counts = [9, 14, 5]
+    layer = LRMoE(D, FF, E, K, retain=0.6, selection=selection)
+    x, c = torch.randn(sum(counts), D), torch.randn(sum(counts), D)
+    uniform_SE = torch.rand(len(counts), E) if selection == "sample" else None
+    xr = x.clone().requires_grad_(True)
+    (reference_forward(layer, xr, counts, uniform_SE) * c).sum().backward()
+    want = [xr.grad] + [p.grad.clone() for p in layer.parameters()]
+
+    layer.zero_grad()
+    routing = route_topk(layer.gate(x), K)
+    source_ids_T = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts))
+    loads_SE = torch.zeros(len(counts), E, dtype=torch.int64).index_put_(
+        (source_ids_T.repeat_interleave(K), routing.expert_ids.reshape(-1)),
+        torch.ones(sum(counts) * K, dtype=torch.int64), accumulate=True,
+    )
+    quotas_SE = plan_quotas(loads_SE, 0.6)
+    grads_x = []
+    for s, (xs, cs) in enumerate(zip(x.split(counts), c.split(counts))):
+        xs = xs.clone().requires_grad_(True)
+        r = route_topk(layer.gate(xs), K)
+        plan = plan_experts(r.expert_ids, E, retain=0.6, selection=selection, draw_uniform=False)
+        plan = dataclasses.replace(plan, quotas=quotas_SE[s], uniform=None if uniform_SE is None else uniform_SE[s])
+        out = selective_swiglu_experts(xs, layer.experts.gate_up_proj, layer.experts.down_proj, r.expert_ids,
+                                       r.gates, retain=0.6, selection=selection, plan=plan)
+        (out * cs).sum().backward()
+        grads_x.append(xs.grad)
+    got = [torch.cat(grads_x)] + [p.grad for p in layer.parameters()]
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+    # and the grouping matters: the plain per-expert plan keeps other pairs
+    layer.zero_grad()
+    (layer(x) * c).sum().backward()
+    assert not torch.allclose(layer.experts.down_proj.grad, want[-1], rtol=1e-3, atol=1e-4)
+
+
+def test_source_grouped_plan_shapes_and_retain_one():
+    torch.manual_seed(0)
+    ids = torch.randint(0, E, (20, K))
+    src = torch.arange(20) % 3
+    plan = plan_experts(ids, E, retain=0.5, selection="sample", source_ids_T=src, num_sources=3)
+    assert plan.loads.shape == plan.quotas.shape == plan.uniform.shape == (3, E)
+    assert torch.equal(plan.group_ids, ids * 3 + src.unsqueeze(1))
+    assert torch.equal(plan.quotas.sum(0), plan_quotas(plan.loads.sum(0), 0.5))  # same per-expert quotas
+    assert int(plan.loads.sum()) == 20 * K
+    with pytest.raises(ValueError, match="source_ids_T"):
+        plan_experts(ids, E, source_ids_T=src[:5], num_sources=3)
+    with pytest.raises(ValueError, match="num_sources"):
+        plan_experts(ids, E, source_ids_T=src, num_sources=0)
+    # retain 1 with source groups is the dense step
+    layer = LRMoE(D, FF, E, K)
+    x, c = torch.randn(20, D), torch.randn(20, D)
+    xr = x.clone().requires_grad_(True)
+    (reference_forward(layer, xr, [7, 13]) * c).sum().backward()
+    want = [xr.grad] + [p.grad.clone() for p in layer.parameters()]
+    layer.zero_grad()
+    xd = x.clone().requires_grad_(True)
+    (layer(xd) * c).sum().backward()
+    for g, w in zip([xd.grad] + [p.grad for p in layer.parameters()], want):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
