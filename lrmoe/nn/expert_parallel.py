@@ -425,7 +425,7 @@ class ExpertParallel(ParallelStyle):
                                persistent=False)
         module.register_buffer("ep_forward_bytes", torch.zeros(2, dtype=torch.int64, device=device),
                                persistent=False)
-        module._stats_probe = torch.zeros(N_EP_BACKWARD_STATS, dtype=torch.float64, device=device,
+        module._stats_probe = torch.zeros(module._probe_size, dtype=module._probe_dtype, device=device,
                                           requires_grad=True)
         return module
 
@@ -459,15 +459,12 @@ class _ExpertParallelMixin:
 
     ep_mesh: DeviceMesh
     _ep: _EPGroup
+    _probe_size = N_EP_BACKWARD_STATS
+    _probe_dtype = torch.float64  # byte counts stay exact past 2**24
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up, down = self.experts.gate_up_proj, self.experts.down_proj
-        if x.shape[-1] != self.dim:
-            raise ValueError(f"x must have last dimension dim={self.dim}, got shape {tuple(x.shape)}")
-        if x.dtype != gate_up.dtype:
-            raise TypeError(
-                f"x has dtype {x.dtype} but the layer's parameters are {gate_up.dtype}; cast one of them"
-            )
+        self._check_input(x)
         ep = self._ep
         x_TD = x.reshape(-1, self.dim)
         routing = route_topk(
@@ -501,15 +498,6 @@ class _ExpertParallelMixin:
             uniform_E, probe, loads_WE, cfg, splits, ep,
         )
         return out_TD.view(x.shape)
-
-    def _probe_for(self, x: torch.Tensor) -> torch.Tensor | None:
-        needs_grad = x.requires_grad or any(p.requires_grad for p in self.parameters())
-        if not (torch.is_grad_enabled() and needs_grad):
-            return None
-        if self._stats_probe.device != x.device:
-            self._stats_probe = torch.zeros(N_EP_BACKWARD_STATS, dtype=torch.float64, device=x.device,
-                                            requires_grad=True)
-        return self._stats_probe
 
     def stats(self) -> ExpertParallelStats:
         """This step's statistics as tensors (see :class:`ExpertParallelStats`)."""

@@ -114,7 +114,7 @@ class LRMoE(nn.Module):
         self.register_buffer("last_loads", torch.zeros(num_experts, dtype=torch.int64), persistent=False)
         self.register_buffer("last_quotas", torch.zeros(num_experts, dtype=torch.int64), persistent=False)
         # Backward statistics leave as the gradient of this probe (see selective_swiglu_experts).
-        self._stats_probe = torch.zeros(N_BACKWARD_STATS, requires_grad=True)
+        self._stats_probe = torch.zeros(self._probe_size, dtype=self._probe_dtype, requires_grad=True)
 
     def extra_repr(self) -> str:
         return (
@@ -122,7 +122,11 @@ class LRMoE(nn.Module):
             f"retain={self.retain}, metric={self.metric!r}, selection={self.selection!r}, policy={self.policy!r}"
         )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    # Backward statistics probe: how many entries and in which dtype (a subclass may need more, or exact counts).
+    _probe_size = N_BACKWARD_STATS
+    _probe_dtype = torch.float32
+
+    def _check_input(self, x: torch.Tensor) -> None:
         if x.shape[-1] != self.dim:
             raise ValueError(f"x must have last dimension dim={self.dim}, got shape {tuple(x.shape)}")
         if x.dtype != self.experts.gate_up_proj.dtype:
@@ -130,6 +134,9 @@ class LRMoE(nn.Module):
                 f"x has dtype {x.dtype} but the layer's parameters are {self.experts.gate_up_proj.dtype}; "
                 "cast one of them (e.g. layer.to(x.dtype))"
             )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self._check_input(x)
         x_TD = x.reshape(-1, self.dim)
         routing = route_topk(
             self.gate(x_TD), self.top_k, score_func=self.score_func, norm_topk_prob=self.norm_topk_prob
@@ -156,7 +163,8 @@ class LRMoE(nn.Module):
         if not (torch.is_grad_enabled() and needs_grad):
             return None
         if self._stats_probe.device != x.device:
-            self._stats_probe = torch.zeros(N_BACKWARD_STATS, device=x.device, requires_grad=True)
+            self._stats_probe = torch.zeros(self._probe_size, dtype=self._probe_dtype, device=x.device,
+                                            requires_grad=True)
         return self._stats_probe
 
     def stats(self) -> LRMoEStats:
