@@ -78,23 +78,30 @@ def _to_tensor(data: bytes) -> torch.Tensor:
     return torch.frombuffer(bytearray(data), dtype=torch.uint8)
 
 
-def load_stdlib_corpus(max_bytes: int = 4_000_000) -> Corpus:
-    """Stdlib sources, every 10th file (of the sorted list) held out, reading at most about ``max_bytes``.
-
-    Files are read in sorted order until the cap is reached, so the corpus only depends on the interpreter and
-    the cap, and startup stays fast.
-    """
-    train_parts: list[bytes] = []
-    heldout_parts: list[bytes] = []
-    total = 0
+def _split_stdlib(extract, max_bytes: int) -> tuple[list, list]:
+    """Items ``extract(file bytes)`` of the stdlib sources in sorted file order, as (train, held-out) lists: the
+    items of every 10th file are held out. Stops once about ``max_bytes`` (by item length) have been taken; the
+    file index, and so the split, is the same whatever is extracted."""
+    train, heldout, total = [], [], 0
     for index, path in enumerate(stdlib_source_files()):
         if total >= max_bytes:
             break
         data = _read_utf8(path)
         if data is None:
             continue
-        (heldout_parts if index % _HELDOUT_EVERY == _HELDOUT_EVERY - 1 else train_parts).append(data)
-        total += len(data)
+        items = extract(data)
+        (heldout if index % _HELDOUT_EVERY == _HELDOUT_EVERY - 1 else train).extend(items)
+        total += sum(len(item) for item in items)
+    return train, heldout
+
+
+def load_stdlib_corpus(max_bytes: int = 4_000_000) -> Corpus:
+    """Stdlib sources, every 10th file (of the sorted list) held out, reading at most about ``max_bytes``.
+
+    Files are read in sorted order until the cap is reached, so the corpus only depends on the interpreter and
+    the cap, and startup stays fast.
+    """
+    train_parts, heldout_parts = _split_stdlib(lambda data: [data], max_bytes)
     if not train_parts or not heldout_parts:
         raise RuntimeError(f"found too little Python source under {sysconfig.get_paths()['stdlib']}")
     return Corpus(
@@ -134,17 +141,9 @@ def load_prose_corpus(max_bytes: int = 4_000_000) -> Corpus:
     from pydoc_data.topics import topics
 
     train_parts = [topics[name] for name in sorted(topics)]
-    heldout_parts: list[str] = []
-    total = sum(len(t) for t in train_parts)
-    for index, path in enumerate(stdlib_source_files()):
-        if total >= max_bytes:
-            break
-        data = _read_utf8(path)
-        if data is None:
-            continue
-        docs = _docstrings(data)
-        (heldout_parts if index % _HELDOUT_EVERY == _HELDOUT_EVERY - 1 else train_parts).extend(docs)
-        total += sum(len(d) for d in docs)
+    budget = max_bytes - sum(len(t) for t in train_parts)
+    train_docs, heldout_parts = _split_stdlib(_docstrings, budget)
+    train_parts += train_docs
     return Corpus(
         train_N=_to_tensor("\n\n".join(train_parts).encode("utf-8")),
         heldout_N=_to_tensor("\n\n".join(heldout_parts).encode("utf-8")),
