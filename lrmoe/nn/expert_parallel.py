@@ -25,8 +25,11 @@ pairs of every expert; only those rows (alpha * g / p, plus a 4-byte row index) 
 owner runs the compact backward (grouped GEMMs over the retained rows only) and returns the input-gradient rows in
 a second all-to-all. The router gradient <g_t, y_u> is exact and local.
 
-Not yet here (later increments): replicas and capacity-aware routing (``route_to_replicas``), DCP checkpoints of
-the sharded experts, torch.compile of the EP path, a padded static-capacity mode without host synchronisation.
+Checkpoints: the sharded experts save and load with torch.distributed.checkpoint (get_state_dict/set_state_dict,
+optimiser state included; tests/nn/test_expert_parallel_checkpoint.py).
+
+Not yet here (later increments): replicas and capacity-aware routing (``route_to_replicas``), torch.compile of the
+EP path, a padded static-capacity mode without host synchronisation.
 """
 
 from __future__ import annotations
