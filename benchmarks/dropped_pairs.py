@@ -1,0 +1,133 @@
+"""Which token-expert pairs does each selection rule drop? (CPU; the demo model, dense-trained)
+
+    python benchmarks/dropped_pairs.py [--steps 300] [--retain 0.75]
+
+Trains the demo's default model with the dense backward for --steps (the same run as `python -m lrmoe demo
+--retain 1.0 --steps N`), then on 8 fixed training batches captures every LRMoE layer's input and output gradient,
+recomputes what its backward would see (gates α, ‖φ‖², g) and asks, per metric and rule, which pairs are kept:
+
+* kept fraction of first-choice pairs (the token's highest gate) and of lower-ranked choices: for "top" the share
+  actually kept, for "sample" the expected share (mean inclusion probability);
+* mean gate of the kept and of the dropped pairs;
+* tokens that lose every one of their pairs.
+
+Prints one table. The question it answers (docs/quality.md): does top-quota selection systematically drop the same
+kind of pair (small gate, secondary choice) while sampling spreads its drops?
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from lrmoe.demo.cli import _PRESETS
+from lrmoe.demo.data import load_corpus, sample_batch
+from lrmoe.demo.model import MoELM, lrmoe_layers
+from lrmoe.demo.train import train
+from lrmoe.functional import inclusion_probabilities, plan_quotas, route_topk, score_pairs, select_within_quota
+
+
+def capture(model: MoELM, batch_BL1: torch.Tensor) -> list[dict]:
+    """Per LRMoE layer: its input x_TD and the gradient g_TD at its output for this batch's loss."""
+    records: list[dict] = []
+    handles = []
+
+    def hook(layer, inputs, output):
+        record = {"layer": layer, "x": inputs[0].detach().reshape(-1, layer.dim)}
+        output.register_hook(lambda g: record.__setitem__("g", g.detach().reshape(-1, layer.dim)))
+        records.append(record)
+
+    for layer in lrmoe_layers(model):
+        handles.append(layer.register_forward_hook(hook))
+    logits = model(batch_BL1[:, :-1])
+    torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch_BL1[:, 1:].flatten()).backward()
+    for h in handles:
+        h.remove()
+    model.zero_grad(set_to_none=True)
+    return records
+
+
+@torch.no_grad()
+def pair_view(record: dict) -> dict:
+    """Gates, expert ids, choice rank and ‖φ‖² of every pair of one layer's batch."""
+    layer, x_TD = record["layer"], record["x"]
+    routing = route_topk(layer.gate(x_TD), layer.top_k, score_func=layer.score_func,
+                         norm_topk_prob=layer.norm_topk_prob)
+    gate, up = torch.einsum("td,tkfd->tkf", x_TD, layer.experts.gate_up_proj[routing.expert_ids]).chunk(2, -1)
+    phi_sq_TK = (torch.nn.functional.silu(gate) * up).square().sum(-1)
+    return {"gates": routing.gates, "experts": routing.expert_ids, "phi_sq": phi_sq_TK, "g": record["g"],
+            "num_experts": layer.num_experts}
+
+
+def kept_share(view: dict, metric: str, rule: str, retain: float) -> torch.Tensor:
+    """[T, K] probability that each pair is kept (0/1 for "top", the inclusion probability for "sample")."""
+    scores_TK = score_pairs(view["gates"], view["g"], view["phi_sq"], metric=metric)
+    flat_e = view["experts"].reshape(-1)
+    loads = torch.zeros(view["num_experts"], dtype=torch.int64).scatter_add_(0, flat_e, torch.ones_like(flat_e))
+    quotas = plan_quotas(loads, retain)
+    if rule == "sample":
+        return inclusion_probabilities(scores_TK.reshape(-1), flat_e, quotas).float().view_as(scores_TK)
+    sel = select_within_quota(scores_TK.reshape(-1), flat_e, quotas, max_rows=flat_e.numel(), mode="top")
+    kept = torch.zeros(flat_e.numel())
+    kept[sel.pair_ids[sel.pair_ids >= 0]] = 1.0
+    return kept.view_as(scores_TK)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--retain", type=float, default=0.75)
+    parser.add_argument("--batches", type=int, default=8)
+    args = parser.parse_args()
+
+    model_cfg, train_cfg, max_bytes = _PRESETS["default"]
+    corpus = load_corpus("python", max_bytes)
+    with tempfile.TemporaryDirectory() as tmp:
+        ckpt = Path(tmp) / "dense.pt"
+        train(replace(model_cfg, retain=1.0), replace(train_cfg, steps=args.steps, save_checkpoint=str(ckpt),
+                                                       eval_every=0), corpus)
+        model = MoELM(replace(model_cfg, retain=1.0))
+        model.load_state_dict(torch.load(ckpt, weights_only=True))
+
+    gen = torch.Generator().manual_seed(1234)
+    views = []
+    for _ in range(args.batches):
+        batch = sample_batch(corpus.train_N, train_cfg.batch_size, train_cfg.seq_len, gen)
+        views += [pair_view(r) for r in capture(model, batch)]
+
+    print(f"# demo default model, dense-trained {args.steps} steps, {len(views)} layer-batches, "
+          f"retain {args.retain}, k = {model_cfg.top_k}")
+    print(f"{'metric':>9} {'rule':>7} {'kept 1st':>9} {'kept 2nd+':>9} {'gate kept':>9} {'gate drop':>9} "
+          f"{'tokens all dropped':>18}")
+    for metric in ("lrm", "grad_l2", "grad_abs", "random"):
+        for rule in ("top", "sample"):
+            if metric == "random" and rule == "sample":
+                continue
+            first = rest = gate_kept = gate_drop = none = n_tok = 0.0
+            n_first = n_rest = mass_kept = mass_drop = 0.0
+            for view in views:
+                torch.manual_seed(0)
+                share = kept_share(view, metric, rule, args.retain)
+                gates = view["gates"]
+                order = gates.argsort(dim=-1, descending=True)
+                is_first = torch.zeros_like(share, dtype=torch.bool).scatter_(1, order[:, :1], True)
+                first += share[is_first].sum().item()
+                n_first += is_first.sum().item()
+                rest += share[~is_first].sum().item()
+                n_rest += (~is_first).sum().item()
+                gate_kept += (share * gates).sum().item()
+                mass_kept += share.sum().item()
+                gate_drop += ((1 - share) * gates).sum().item()
+                mass_drop += (1 - share).sum().item()
+                none += (1 - share).prod(dim=-1).sum().item()  # expected, for sample; exact for top
+                n_tok += share.shape[0]
+            print(f"{metric:>9} {rule:>7} {first / n_first:>9.3f} {rest / n_rest:>9.3f} "
+                  f"{gate_kept / mass_kept:>9.3f} {gate_drop / max(mass_drop, 1e-9):>9.3f} {none / n_tok:>18.3f}")
+
+
+if __name__ == "__main__":
+    main()
