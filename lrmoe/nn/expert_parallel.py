@@ -28,8 +28,13 @@ a second all-to-all. The router gradient <g_t, y_u> is exact and local.
 Checkpoints: the sharded experts save and load with torch.distributed.checkpoint (get_state_dict/set_state_dict,
 optimiser state included; tests/nn/test_expert_parallel_checkpoint.py).
 
-Not yet here (later increments): replicas and capacity-aware routing (``route_to_replicas``), torch.compile of the
-EP path, a padded static-capacity mode without host synchronisation.
+torch.compile: the layer compiles with ``fullgraph=True``, forward and backward (tested with
+``torch._dynamo.config.capture_scalar_outputs = True``; torch 2.13 also traces it without). The host read of the
+split sizes becomes unbacked SymInts, so one graph serves every step's loads without recompiling
+(tests/nn/test_expert_parallel_compile.py).
+
+Not yet here (later increments): replicas and capacity-aware routing (``route_to_replicas``), a padded
+static-capacity mode without host synchronisation.
 """
 
 from __future__ import annotations
@@ -152,6 +157,12 @@ def _host_splits(plan: ExpertParallelPlan, ep: _EPGroup) -> _Splits:
     fwd_send, fwd_recv = split_sizes(plan.loads, ep.rank, ep.size)
     bwd_send, bwd_recv = split_sizes(plan.quotas, ep.rank, ep.size)
     host = torch.stack([fwd_send, fwd_recv, bwd_send, bwd_recv]).tolist()
+    # Under torch.compile this .tolist() gives unbacked SymInts (unknown at trace time): tell the compiler they are
+    # row counts (>= 0), else checks such as select_within_quota's `max_rows < 0` cannot be decided while tracing
+    # ("Could not guard on data-dependent expression"). In eager they are plain ints and the checks are no-ops.
+    for counts in host:
+        for n in counts:
+            torch._check(n >= 0)
     return _Splits(*host)
 
 
