@@ -12,19 +12,15 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
-import os
-import sys
-import tempfile
-from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import parallelize_module
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ep_harness import run_ranks
 from lrmoe.functional import plan_experts, plan_quotas, route_topk, selective_swiglu_experts
 from lrmoe.nn import ExpertParallel, LRMoE
 from lrmoe.nn.expert_parallel import expert_major_order, split_sizes
@@ -35,31 +31,6 @@ D, FF, E, K = 8, 6, 8, 2
 def tokens_of(rank: int) -> int:
     """Uneven local batches, so the all-to-all splits differ per rank."""
     return 10 + 3 * rank
-
-
-# ------------------------------------------------------------------------------------------- process harness
-
-
-def _worker(rank, world_size, store, fn, args):
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"file://{store}", rank=rank, world_size=world_size, timeout=timedelta(seconds=60)
-    )
-    fn(rank, world_size, *args)  # an exception here reaches mp.spawn, which reports it and stops the others
-    # Success: leave together, then skip interpreter teardown. A rank that exits while a peer still tears down its
-    # gloo connections (or Python finalisation destroying gloo's threads in an arbitrary order) occasionally
-    # aborts with "terminate called without an active exception" after every check has passed.
-    dist.barrier()
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
-
-
-def run_ranks(world_size, fn, *args):
-    os.environ["OMP_NUM_THREADS"] = "1"
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_worker, args=(world_size, os.path.join(tmp, "store"), fn, args), nprocs=world_size, join=True)
 
 
 # ------------------------------------------------------------------------------------------------ reference

@@ -10,20 +10,17 @@ of the original run (model state), and the weights after the third update and th
 from __future__ import annotations
 
 import os
-import sys
-import tempfile
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
 
+from ep_harness import run_ranks
 from lrmoe.demo.model import ModelConfig, MoELM, lrmoe_layers
 from lrmoe.nn import ExpertParallel
 
@@ -33,30 +30,6 @@ CFG = ModelConfig(
 )
 BATCH, SEQ = 4, 12
 EXPERT_PARAMS = ("experts.gate_up_proj", "experts.down_proj")
-
-
-# ------------------------------------------------------------------------------------------- process harness
-# The same harness as tests/nn/test_expert_parallel.py (copied: spawned children import this module by name).
-
-
-def _worker(rank, world_size, store, fn, args):
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"file://{store}", rank=rank, world_size=world_size, timeout=timedelta(seconds=60)
-    )
-    fn(rank, world_size, *args)  # an exception here reaches mp.spawn, which reports it and stops the others
-    # Success: leave together, then skip interpreter teardown (gloo occasionally aborts at teardown otherwise).
-    dist.barrier()
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
-
-
-def run_ranks(world_size, fn, *args):
-    os.environ["OMP_NUM_THREADS"] = "1"
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_worker, args=(world_size, os.path.join(tmp, "store"), fn, args), nprocs=world_size, join=True)
 
 
 # -------------------------------------------------------------------------------------------- training step

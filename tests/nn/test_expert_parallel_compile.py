@@ -8,17 +8,12 @@ and a step with other loads (other split sizes) reuses it without recompiling.
 from __future__ import annotations
 
 import copy
-import os
-import sys
-import tempfile
-from datetime import timedelta
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import parallelize_module
 
+from ep_harness import run_ranks
 from lrmoe.nn import ExpertParallel, LRMoE
 
 D, FF, E, K = 8, 6, 8, 2
@@ -27,29 +22,6 @@ D, FF, E, K = 8, 6, 8, 2
 def tokens_of(rank: int) -> int:
     """Uneven local batches, so the all-to-all splits differ per rank."""
     return 10 + 3 * rank
-
-
-# The same harness as tests/nn/test_expert_parallel.py (copied: spawned children import this module by name).
-
-
-def _worker(rank, world_size, store, fn, args):
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"file://{store}", rank=rank, world_size=world_size, timeout=timedelta(seconds=120)
-    )
-    fn(rank, world_size, *args)  # an exception here reaches mp.spawn, which reports it and stops the others
-    # Success: leave together, then skip interpreter teardown (see tests/nn/test_expert_parallel.py).
-    dist.barrier()
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
-
-
-def run_ranks(world_size, fn, *args):
-    os.environ["OMP_NUM_THREADS"] = "1"
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_worker, args=(world_size, os.path.join(tmp, "store"), fn, args), nprocs=world_size, join=True)
 
 
 def _forward_backward(layer, x, c):

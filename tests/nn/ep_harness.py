@@ -1,0 +1,39 @@
+"""Multi-process harness for the expert-parallel tests: gloo CPU process groups of W ranks.
+
+Importable by name from the tests in this folder (pytest puts the folder on sys.path, and spawned children
+inherit the parent's sys.path, so they find both this module and the test module whose function they run).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _worker(rank, world_size, store, fn, args):
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{store}", rank=rank, world_size=world_size, timeout=timedelta(seconds=120)
+    )
+    fn(rank, world_size, *args)  # an exception here reaches mp.spawn, which reports it and stops the others
+    # Success: leave together, then skip interpreter teardown. A rank that exits while a peer still tears down its
+    # gloo connections (or Python finalisation destroying gloo's threads in an arbitrary order) occasionally
+    # aborts with "terminate called without an active exception" after every check has passed.
+    dist.barrier()
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def run_ranks(world_size, fn, *args):
+    """Run fn(rank, world_size, *args) in world_size spawned processes joined in one gloo process group."""
+    os.environ["OMP_NUM_THREADS"] = "1"
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_worker, args=(world_size, os.path.join(tmp, "store"), fn, args), nprocs=world_size, join=True)
