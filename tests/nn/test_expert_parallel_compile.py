@@ -14,6 +14,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import parallelize_module
 
 from ep_harness import run_ranks
+from layer_step import forward_backward
 from lrmoe.nn import ExpertParallel, LRMoE
 
 D, FF, E, K = 8, 6, 8, 2
@@ -22,17 +23,6 @@ D, FF, E, K = 8, 6, 8, 2
 def tokens_of(rank: int) -> int:
     """Uneven local batches, so the all-to-all splits differ per rank."""
     return 10 + 3 * rank
-
-
-def _forward_backward(layer, x, c):
-    """[output, dx, router grad, local expert shard grads] of sum(layer(x) * c) from fresh gradients."""
-    for p in layer.parameters():
-        p.grad = None
-    x = x.detach().clone().requires_grad_(True)
-    out = layer(x)
-    (out * c).sum().backward()
-    experts = [getattr(layer.experts, name).grad.to_local() for name in ("gate_up_proj", "down_proj")]
-    return [out.detach(), x.grad, layer.gate.weight.grad] + experts
 
 
 def _compiled_matches_eager(rank, world):
@@ -50,8 +40,8 @@ def _compiled_matches_eager(rank, world):
         for step in range(2):
             torch.manual_seed(100 * step + rank)
             x, c = torch.randn(tokens_of(rank), D), torch.randn(tokens_of(rank), D)
-            got = _forward_backward(compiled, x, c)
-            want = _forward_backward(eager, x, c)
+            got = forward_backward(compiled, x, c)
+            want = forward_backward(eager, x, c)
             names = ["output", "input grad", "router grad", "gate_up_proj grad", "down_proj grad"]
             for name, g, w in zip(names, got, want):
                 torch.testing.assert_close(
