@@ -114,7 +114,7 @@ class LRMoE(nn.Module):
         self.register_buffer("last_loads", torch.zeros(num_experts, dtype=torch.int64), persistent=False)
         self.register_buffer("last_quotas", torch.zeros(num_experts, dtype=torch.int64), persistent=False)
         # Backward statistics leave as the gradient of this probe (see selective_swiglu_experts).
-        self._stats_probe = torch.zeros(self._probe_size, dtype=self._probe_dtype, requires_grad=True)
+        self._stats_probe = self._new_probe(self.last_loads.device)
 
     def extra_repr(self) -> str:
         return (
@@ -162,10 +162,21 @@ class LRMoE(nn.Module):
         needs_grad = x.requires_grad or any(p.requires_grad for p in self.parameters())
         if not (torch.is_grad_enabled() and needs_grad):
             return None
-        if self._stats_probe.device != x.device:
-            self._stats_probe = torch.zeros(self._probe_size, dtype=self._probe_dtype, device=x.device,
-                                            requires_grad=True)
+        if self._stats_probe.device != x.device:  # only when x is not where the module is (eager use)
+            self._stats_probe = self._new_probe(x.device)
         return self._stats_probe
+
+    def _new_probe(self, device: torch.device) -> torch.Tensor:
+        return torch.zeros(self._probe_size, dtype=self._probe_dtype, device=device, requires_grad=True)
+
+    def _apply(self, fn, recurse=True):
+        # The probe is a leaf that is neither parameter nor buffer (its .grad carries the statistics and must not
+        # reach optimisers or state_dicts), so follow .to()/.cuda() here: a probe created inside forward would be a
+        # tensor created with requires_grad=True, which breaks torch.compile's graph on a freshly moved module.
+        module = super()._apply(fn, recurse)
+        if self._stats_probe.device != self.last_loads.device:
+            self._stats_probe = self._new_probe(self.last_loads.device)
+        return module
 
     def stats(self) -> LRMoEStats:
         """This step's statistics as tensors (see :class:`LRMoEStats`)."""

@@ -233,6 +233,14 @@ def test_stats():
     assert float(dense.stats().retained_fraction) == 1.0
 
 
+def test_stats_probe_moves_with_the_module():
+    # Moving the module moves the probe, so forward never creates it (that would break torch.compile's graph).
+    layer, _, _ = make(retain=0.75)
+    moved = layer.to("meta")
+    assert moved._stats_probe.device.type == "meta" and moved._stats_probe.requires_grad
+    assert moved._stats_probe.is_leaf and moved._stats_probe.dtype == torch.float32
+
+
 def test_sample_is_reproducible_with_seed_and_generator():
     layer, x, c = make(retain=0.5, selection="sample")
     torch.manual_seed(7)
