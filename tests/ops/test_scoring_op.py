@@ -32,7 +32,7 @@ def _poison(gates, grad, phi, seed):
         flat = t.view(-1)
         n = max(1, flat.numel() // 5)
         idx = torch.randint(0, flat.numel(), (n,), generator=g)
-        flat[idx] = bad[torch.randint(0, 3, (n,), generator=g)].to(t.dtype)
+        flat[idx.to(t.device)] = bad[torch.randint(0, 3, (n,), generator=g)].to(t.device, t.dtype)
 
 
 # ------------------------------------------------------------------------------------------------------- opcheck
