@@ -4,7 +4,7 @@ Exact forward for every routed token-expert pair; a backward that keeps, per exp
 largest contribution to the expert's weight update, within planned quotas. See docs/overview.md.
 """
 
-from lrmoe import functional, nn, ops
+from lrmoe import functional, memory, nn, ops
 
 __version__ = "0.1.0"
-__all__ = ["functional", "nn", "ops", "__version__"]
+__all__ = ["__version__", "functional", "memory", "nn", "ops"]

@@ -1,0 +1,296 @@
+"""Tests of lrmoe/memory.py: the byte model against an actual LRMoE on CPU, and the planner's guarantees.
+
+Byte counts are computed here from the module's tensors (numel * element_size), from what autograd actually
+saves (saved_tensors_hooks, unique storages) and from a dispatch-mode tracker of live storages, never copied from
+the model's output.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+import weakref
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from lrmoe.functional import plan_quotas
+from lrmoe.memory import (
+    ADAMW_FP32,
+    ADAMW_FP32_MASTER,
+    MemoryConfig,
+    layer_memory,
+    plan_memory,
+    rows_from_plan,
+)
+from lrmoe.nn import LRMoE
+
+SHAPES = [(5, 8, 6, 4, 2), (17, 12, 10, 6, 3), (9, 16, 8, 8, 8), (1, 4, 4, 3, 1)]  # T, D, F, E, K
+
+
+def _layer(T, D, F, E, K, dtype, seed=0, **kw):
+    torch.manual_seed(seed)
+    layer = LRMoE(D, F, E, K, **kw).to(dtype)
+    x = torch.randn(T, D, dtype=dtype, requires_grad=True)
+    return layer, x
+
+
+# ------------------------------------------------------------------------------------------- static bytes
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("opt", [0, ADAMW_FP32, ADAMW_FP32_MASTER])
+def test_parameter_and_gradient_bytes_match_the_module(shape, dtype, opt):
+    T, D, F, E, K = shape
+    layer, x = _layer(T, D, F, E, K, dtype)
+    layer(x).float().square().sum().backward()
+    experts = list(layer.experts.parameters())
+    weights = sum(p.numel() * p.element_size() for p in experts)
+    grads = sum(p.grad.numel() * p.grad.element_size() for p in experts)
+    w = layer.gate.weight
+    mem = layer_memory(MemoryConfig(D, F, E, K, T, param_dtype=dtype, optimizer_bytes_per_param=opt))
+    assert mem.expert_weights == weights
+    assert mem.expert_grads == grads
+    assert mem.expert_optimizer == opt * sum(p.numel() for p in experts)
+    assert mem.router == w.numel() * (w.element_size() + w.grad.element_size() + opt)
+    assert mem.replica_weights == mem.replica_grads == 0
+
+
+def test_expert_parallel_rank_holds_its_share_and_replicas_cost_weights_and_grads_only():
+    D, F, E, K, W = 16, 8, 8, 2, 4
+    one_expert = LRMoE(D, F, 1, 1).experts  # one expert's parameters, fp32
+    per_expert = sum(p.numel() for p in one_expert.parameters())
+    cfg = MemoryConfig(D, F, E, K, tokens=32, world_size=W, param_dtype=torch.bfloat16,
+                       grad_dtype=torch.float32, optimizer_bytes_per_param=ADAMW_FP32_MASTER)
+    base = layer_memory(cfg)
+    assert base.expert_weights == (E // W) * per_expert * 2
+    assert base.expert_grads == (E // W) * per_expert * 4
+    assert base.expert_optimizer == (E // W) * per_expert * 12
+    for r in (1, 3):
+        rep = layer_memory(cfg, replicas=r)
+        # weights (bf16) + gradient buffers (fp32), no optimiser state: replica gradients go to the owner.
+        assert rep.static - base.static == r * per_expert * (2 + 4)
+        assert rep.token_buffers == base.token_buffers
+    with pytest.raises(ValueError, match="world_size"):
+        layer_memory(MemoryConfig(D, F, E, K, tokens=32), replicas=1)
+
+
+# ------------------------------------------------------------------------------------- saved activations
+
+
+def _saved_bytes(layer: LRMoE, x: torch.Tensor) -> int:
+    """Bytes of the unique storages autograd saves in one forward, parameters excluded."""
+    storages = {}
+
+    def pack(t):
+        s = t.untyped_storage()
+        storages[s.data_ptr()] = s.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        layer(x)
+    for p in layer.parameters():
+        storages.pop(p.untyped_storage().data_ptr(), None)
+    return sum(storages.values())
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("retain,selection", [(1.0, "sample"), (0.5, "sample"), (0.5, "top")])
+@pytest.mark.parametrize("norm,score_func", [(True, "softmax"), (False, "softmax"), (True, "sigmoid")])
+def test_saved_bytes_match_autograd(shape, dtype, retain, selection, norm, score_func):
+    T, D, F, E, K = shape
+    layer, x = _layer(T, D, F, E, K, dtype, retain=retain, selection=selection, norm_topk_prob=norm,
+                      score_func=score_func)
+    cfg = MemoryConfig(D, F, E, K, T, param_dtype=dtype, norm_topk_prob=norm, selection=selection)
+    assert layer_memory(cfg, retain=retain).saved_activations == _saved_bytes(layer, x)
+
+
+def test_saved_bytes_grow_with_tokens_as_the_per_pair_formula_says():
+    # An independent derivation for "save": per token, x (D*b), scores (E*4), gate sums (4); per pair, expert
+    # id (8), raw gate (4), gate (b), h (2F*b), y (D*b), ||phi||^2 (4), order + inverse (16).
+    D, F, E, K, b = 12, 10, 6, 3, 2
+    cfg = {"dim": D, "hidden_dim": F, "num_experts": E, "top_k": K, "param_dtype": torch.bfloat16}
+    per_token = D * b + E * 4 + 4 + K * (8 + 4 + b + 2 * F * b + D * b + 4 + 16)
+    m1 = layer_memory(MemoryConfig(tokens=10, **cfg)).saved_activations
+    m2 = layer_memory(MemoryConfig(tokens=11, **cfg)).saved_activations
+    assert m2 - m1 == per_token
+
+
+@pytest.mark.parametrize("policy", ["recompute", "offload"])
+def test_recompute_and_offload_keep_h_off_the_device(policy):
+    T, D, F, E, K = 32, 16, 24, 8, 2
+    cfg = MemoryConfig(D, F, E, K, T, param_dtype=torch.bfloat16)
+    save = layer_memory(cfg, retain=0.75)
+    other = layer_memory(cfg, retain=0.75, policy=policy)
+    h_bytes = T * K * 2 * F * 2
+    assert save.saved_activations - other.saved_activations == h_bytes
+    assert other.offloaded == (h_bytes if policy == "offload" else 0)
+    assert other.backward_transient == save.backward_transient
+
+
+# ---------------------------------------------------------------------------------------- peak on CPU
+
+
+class _LiveStorages(TorchDispatchMode):
+    """Records allocation and release of every storage an op creates (views of a known storage are not new)."""
+
+    _token = itertools.count()
+
+    def __init__(self, exclude):
+        super().__init__()
+        self.live = {t.untyped_storage()._cdata: (-1, 0) for t in exclude}
+        self.refs, self.events = {}, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                self._add(t.untyped_storage())
+        return out
+
+    def _add(self, s):
+        key = s._cdata
+        if s.nbytes() == 0:
+            return
+        if key in self.live:
+            if self.live[key][0] == -1 or self.refs[key]() is s:
+                return
+            self._free(key, self.live[key][0])  # a dead storage whose address was reused
+        tok = next(self._token)
+        self.live[key], self.refs[key] = (tok, s.nbytes()), weakref.ref(s)
+        self.events.append((key, s.nbytes()))
+        weakref.finalize(s, self._free, key, tok)
+
+    def _free(self, key, tok):
+        if self.live.get(key, (None,))[0] == tok:
+            self.events.append((key, -self.live.pop(key)[1]))
+
+    def mark(self):
+        self.events.append((None, 0))
+
+    def peaks(self, skip):
+        cur, out = 0, [0]
+        for key, n in self.events:
+            if key is None:
+                out.append(cur)
+            elif key not in skip:
+                cur += n
+                out[-1] = max(out[-1], cur)
+        return out
+
+
+@pytest.mark.parametrize("shape", [(64, 64, 32, 8, 2), (100, 48, 80, 6, 3), (40, 128, 96, 4, 1)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("retain", [1.0, 0.5])
+def test_modelled_forward_and_backward_peaks_track_a_cpu_measurement(shape, dtype, retain):
+    # Saved + transient, measured as the most bytes of storages live at once (parameters, their gradients
+    # and the caller's x and g excluded; the model counts gradients as static). The model leaves out small
+    # index buffers and over-counts a little where temporaries die early, so: within -5% / +25%.
+    T, D, F, E, K = shape
+    layer, x = _layer(T, D, F, E, K, dtype, retain=retain)
+    g = torch.randn(T, D, dtype=dtype)
+    mode = _LiveStorages([*layer.parameters(), *layer.buffers(), layer._stats_probe, x, g])
+    with mode:
+        out = layer(x)
+        mode.mark()
+        out.backward(g)
+    fwd, bwd = mode.peaks({p.grad.untyped_storage()._cdata for p in layer.parameters()})
+    mem = layer_memory(MemoryConfig(D, F, E, K, T, param_dtype=dtype), retain=retain)
+    measured_fwd = fwd + x.nbytes  # x is saved (counted by the model) but was allocated before
+    measured_bwd = bwd + x.nbytes + g.nbytes - out.nbytes  # the test, not the layer, keeps out alive
+    assert 0.95 <= (mem.saved_activations + mem.forward_transient) / measured_fwd <= 1.25
+    assert 0.95 <= (mem.saved_activations + mem.backward_transient) / measured_bwd <= 1.25
+
+
+def test_backward_buffers_shrink_with_retain():
+    cfg = MemoryConfig(2048, 768, 128, 8, 8192)  # Qwen3-30B-A3B layer, bf16
+    transients = [layer_memory(cfg, retain=r).backward_transient for r in (1.0, 0.75, 0.5, 0.25)]
+    assert transients == sorted(transients, reverse=True) and transients[-1] < transients[0] / 2
+
+
+# ------------------------------------------------------------------------------------------------- rows
+
+
+def test_rows_from_plan_counts_this_ranks_rows():
+    loads = torch.tensor([[5, 0, 3, 2], [1, 4, 0, 6]])
+    quotas = plan_quotas(loads, 0.5)
+    rows = rows_from_plan(loads, quotas, rank=1)
+    assert (rows.pairs, rows.recv) == (1 + 4 + 0 + 6, 3 + 2 + 0 + 6)
+    assert rows.sent_retained == int(quotas[1].sum())
+    assert rows.recv_retained == int(quotas[:, 2:].sum())
+
+
+# ---------------------------------------------------------------------------------------------- planner
+
+configs = st.builds(
+    lambda world, per_rank, k, d, f, t, dtype, opt: MemoryConfig(
+        dim=d, hidden_dim=f, num_experts=world * per_rank, top_k=min(k, world * per_rank), tokens=t,
+        world_size=world, param_dtype=dtype, optimizer_bytes_per_param=opt),
+    world=st.integers(1, 4), per_rank=st.integers(1, 4), k=st.integers(1, 4), d=st.integers(1, 64),
+    f=st.integers(1, 64), t=st.integers(1, 256), dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    opt=st.sampled_from([0, ADAMW_FP32, ADAMW_FP32_MASTER]),
+)
+choices = st.lists(st.sampled_from([1.0, 0.9, 0.75, 0.6, 0.5, 0.3, 0.125]), min_size=1, max_size=4, unique=True)
+
+
+def _candidates(cfg, max_replicas, retain_choices, prefer):
+    """Every (retain, replicas) in the documented preference order, with its modelled peak."""
+    reps = range(max_replicas + 1) if cfg.world_size > 1 else [0]
+    out = [(r, n, layer_memory(cfg, retain=r, replicas=n).peak) for r in retain_choices for n in reps]
+    key = (lambda c: (-c[0], -c[1])) if prefer == "retain" else (lambda c: (-c[1], -c[0]))
+    return sorted(out, key=key)
+
+
+@given(cfg=configs, max_replicas=st.integers(0, 3), retain_choices=choices,
+       prefer=st.sampled_from(["retain", "replicas"]), data=st.data())
+def test_planner_picks_the_first_fitting_candidate_and_is_monotone(cfg, max_replicas, retain_choices, prefer,
+                                                                   data):
+    max_replicas = max_replicas if cfg.world_size > 1 else 0
+    cands = _candidates(cfg, max_replicas, retain_choices, prefer)
+    lo, hi = min(c[2] for c in cands), max(c[2] for c in cands)
+    budgets = sorted(data.draw(st.lists(st.integers(lo, hi + 100), min_size=2, max_size=2)))
+    plans = [plan_memory(cfg, b, max_replicas=max_replicas, retain_choices=retain_choices, prefer=prefer)
+             for b in budgets]
+    for b, plan in zip(budgets, plans):
+        # Fits, per a fresh evaluation of the model.
+        assert layer_memory(cfg, retain=plan.retain, replicas=plan.replicas).peak <= b
+        assert plan.memory.peak <= b and plan.headroom >= 0
+        # Nothing earlier in the preference order fits.
+        first = next(c for c in cands if c[2] <= b)
+        assert (plan.retain, plan.replicas) == first[:2]
+    # Monotone: the larger budget's plan is never later in the order.
+    rank = [next(i for i, c in enumerate(cands) if c[:2] == (p.retain, p.replicas)) for p in plans]
+    assert rank[1] <= rank[0]
+
+
+@given(cfg=configs, max_replicas=st.integers(0, 3), retain_choices=choices, short=st.integers(1, 10**6))
+def test_planner_error_states_the_exact_shortfall(cfg, max_replicas, retain_choices, short):
+    max_replicas = max_replicas if cfg.world_size > 1 else 0
+    cheapest = min(c[2] for c in _candidates(cfg, max_replicas, retain_choices, "retain"))
+    plan_memory(cfg, cheapest, max_replicas=max_replicas, retain_choices=retain_choices)  # fits exactly
+    with pytest.raises(ValueError) as err:
+        plan_memory(cfg, cheapest - short, max_replicas=max_replicas, retain_choices=retain_choices)
+    msg = str(err.value)
+    assert f"budget_bytes={cheapest - short}" in msg
+    assert int(re.search(r"is (\d+) bytes short", msg).group(1)) == short
+
+
+def test_planner_trades_replicas_for_retain_at_the_qwen3_shape():
+    # 8 EP ranks, 16 experts each, bf16 with fp32 master AdamW: more budget buys backward rows first, then
+    # replicas (prefer="retain").
+    cfg = MemoryConfig(2048, 768, 128, 8, 8192, world_size=8, optimizer_bytes_per_param=ADAMW_FP32_MASTER)
+    per_replica = 3 * 768 * 2048 * (2 + 2)
+    full = layer_memory(cfg, retain=1.0).peak
+    assert plan_memory(cfg, full, max_replicas=4).replicas == 0
+    assert plan_memory(cfg, full + 2 * per_replica, max_replicas=4).replicas == 2
+    one_short = plan_memory(cfg, full + 2 * per_replica - 1, max_replicas=4)
+    assert (one_short.retain, one_short.replicas) == (1.0, 1)
+    assert plan_memory(cfg, full - 1, max_replicas=4).retain < 1.0
+    by_replicas = plan_memory(cfg, full + 2 * per_replica - 1, max_replicas=4, prefer="replicas")
+    assert by_replicas.replicas == 4 and by_replicas.retain < 1.0
