@@ -1,9 +1,11 @@
 """Which token-expert pairs does each selection rule drop? (CPU; the demo model, dense-trained)
 
-    python benchmarks/dropped_pairs.py [--steps 300] [--retain 0.75]
+    python benchmarks/dropped_pairs.py [--steps 300] [--retain 0.75] [--preset default]
+    python benchmarks/dropped_pairs.py --preset study --init runs/study/checkpoints/dense-scratch-seed0.pt
 
-Trains the demo's default model with the dense backward for --steps (the same run as `python -m lrmoe demo
---retain 1.0 --steps N`), then on 8 fixed training batches captures every LRMoE layer's input and output gradient,
+Trains the demo model of --preset with the dense backward for --steps (the same run as `python -m lrmoe demo
+--retain 1.0 --steps N`), or loads a dense-trained checkpoint of that preset (--init, e.g. the quality study's
+pretraining run), then on 8 fixed training batches captures every LRMoE layer's input and output gradient,
 recomputes what its backward would see (gates α, ‖φ‖², g) and asks, per metric and rule, which pairs are kept:
 
 * kept fraction of first-choice pairs (the token's highest gate) and of lower-ranked choices: for "top" the share
@@ -82,16 +84,21 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--retain", type=float, default=0.75)
     parser.add_argument("--batches", type=int, default=8)
+    parser.add_argument("--preset", default="default", choices=sorted(_PRESETS))
+    parser.add_argument("--init", help="a dense-trained checkpoint of --preset's model (skips the training run)")
+    parser.add_argument("--device", default="cpu", help="device of the training run (the analysis runs on CPU)")
     args = parser.parse_args()
 
-    model_cfg, train_cfg, max_bytes = _PRESETS["default"]
+    model_cfg, train_cfg, max_bytes = _PRESETS[args.preset]
     corpus = load_corpus("python", max_bytes)
+    model = MoELM(replace(model_cfg, retain=1.0))
     with tempfile.TemporaryDirectory() as tmp:
-        ckpt = Path(tmp) / "dense.pt"
-        train(replace(model_cfg, retain=1.0), replace(train_cfg, steps=args.steps, save_checkpoint=str(ckpt),
-                                                       eval_every=0), corpus)
-        model = MoELM(replace(model_cfg, retain=1.0))
-        model.load_state_dict(torch.load(ckpt, weights_only=True))
+        ckpt = args.init
+        if ckpt is None:
+            ckpt = str(Path(tmp) / "dense.pt")
+            train(replace(model_cfg, retain=1.0), replace(train_cfg, steps=args.steps, save_checkpoint=ckpt,
+                                                           eval_every=0, device=args.device), corpus)
+        model.load_state_dict(torch.load(ckpt, weights_only=True, map_location="cpu"))
 
     gen = torch.Generator().manual_seed(1234)
     views = []
@@ -99,7 +106,8 @@ def main() -> None:
         batch = sample_batch(corpus.train_N, train_cfg.batch_size, train_cfg.seq_len, gen)
         views += [pair_view(r) for r in capture(model, batch)]
 
-    print(f"# demo default model, dense-trained {args.steps} steps, {len(views)} layer-batches, "
+    source = args.init or f"dense-trained {args.steps} steps"
+    print(f"# demo {args.preset} model ({source}), E = {model_cfg.num_experts}, {len(views)} layer-batches, "
           f"retain {args.retain}, k = {model_cfg.top_k}")
     print(f"{'metric':>9} {'rule':>7} {'kept 1st':>9} {'kept 2nd+':>9} {'gate kept':>9} {'gate drop':>9} "
           f"{'tokens all dropped':>18}")

@@ -62,7 +62,19 @@ def hf_block(dim, hidden_dim, num_experts, top_k):
     with torch.no_grad():
         for p in block.parameters():
             p.normal_(0, 0.02)
-    return block
+    return _Tokens3D(block)
+
+
+class _Tokens3D(nn.Module):
+    """[T, d] in and out around a block that wants [batch, seq, d] (and may also return router logits)."""
+
+    def __init__(self, block):
+        super().__init__()
+        self.block = block
+
+    def forward(self, x_TD):
+        out = self.block(x_TD.unsqueeze(0))
+        return (out[0] if isinstance(out, tuple) else out).reshape(x_TD.shape)
 
 
 def count_syncs(step) -> int:

@@ -1,0 +1,65 @@
+"""Where the LRMoE layer's forward+backward time goes on one GPU (bf16): torch.profiler, top kernels by GPU time.
+
+    python benchmarks/profile_layer.py --shape qwen3-30b-a3b --retain 0.75 [--compiled]
+
+Prints one table per run: the operators (eager) or generated kernels (--compiled) with the largest self GPU time
+over --steps forward+backward steps, as a share of the total, so the next kernel to fuse or speed up is the one
+at the top.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+from layer_fwd_bwd import SHAPES
+from torch.profiler import ProfilerActivity, profile
+
+from lrmoe.nn import LRMoE
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--shape", default="qwen3-30b-a3b", choices=sorted(SHAPES))
+    parser.add_argument("--tokens", type=int, default=8192)
+    parser.add_argument("--retain", type=float, default=0.75)
+    parser.add_argument("--selection", default="sample")
+    parser.add_argument("--compiled", action="store_true")
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--rows", type=int, default=25)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("benchmarks/profile_layer.py needs a CUDA GPU")
+
+    shape = SHAPES[args.shape]
+    torch.manual_seed(0)
+    layer = LRMoE(**shape, retain=args.retain, selection=args.selection).cuda().bfloat16()
+    fn = torch.compile(layer, fullgraph=True) if args.compiled else layer
+    x = torch.randn(args.tokens, shape["dim"], device="cuda", dtype=torch.bfloat16, requires_grad=True)
+
+    def step():
+        fn(x).sum().backward()
+        x.grad = None
+        for p in layer.parameters():
+            p.grad = None
+
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(args.steps):
+            step()
+        torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.self_device_time_total > 0]
+    total = sum(e.self_device_time_total for e in events)
+    mode = "compiled" if args.compiled else "eager"
+    print(f"# {args.shape}, tokens={args.tokens}, retain={args.retain:g}, {mode}: "
+          f"{total / args.steps / 1e3:.3f} ms GPU time per step")
+    print(f"{'share':>6} {'ms/step':>8} {'calls/step':>10}  kernel")
+    for e in sorted(events, key=lambda e: -e.self_device_time_total)[: args.rows]:
+        print(f"{e.self_device_time_total / total:>6.1%} {e.self_device_time_total / args.steps / 1e3:>8.3f} "
+              f"{e.count / args.steps:>10.1f}  {e.key[:110]}")
+
+
+if __name__ == "__main__":
+    main()
