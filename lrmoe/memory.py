@@ -29,8 +29,9 @@ saved activations (forward to backward), "save" = what the code keeps today:
              sampling uniforms E*4 (retain < 1, selection "sample").
     W > 1:   gates P*b, y P*D*b, ||phi||^2 P*4, order and inverse 2*P*8, received rows x_recv N*D*b,
              h N*2F*b, their expert-major permutation N*8, loads and quotas 2*W*E*8, uniforms E*4 (as above).
-    "recompute" (not implemented yet): the same without h; backward recomputes h for the retained rows only
-        from x, into the buffer "save" fills by gathering, so the backward buffers are unchanged.
+    "recompute" (LRMoE(activations="recompute"), one device): the same without h; backward recomputes h for
+        the retained rows only from x, into the buffer "save" fills by gathering, so the backward buffers are
+        unchanged.
     "offload" (not implemented yet): h parked in pinned host memory (``offloaded``, not device bytes), retained
         rows brought back into the same buffer.
 
@@ -271,8 +272,8 @@ def layer_memory(
         config: the layer and rank (:class:`MemoryConfig`).
         retain: backward retention target in (0, 1]; sizes the retained-row buffers when ``rows`` is None.
         replicas: extra expert instances this rank holds (W > 1 only).
-        policy: activation policy, "save" (today's code), "recompute" or "offload" (planned; modelled as the
-            module docstring says).
+        policy: activation policy, "save" or "recompute" (LRMoE's ``activations``), or "offload" (planned;
+            modelled as the module docstring says).
         rows: row counts, e.g. from :func:`rows_from_plan`; default :func:`balanced_rows`.
     """
     check_retain(retain)

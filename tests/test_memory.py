@@ -103,12 +103,13 @@ def _saved_bytes(layer: LRMoE, x: torch.Tensor) -> int:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 @pytest.mark.parametrize("retain,selection", [(1.0, "sample"), (0.5, "sample"), (0.5, "top")])
 @pytest.mark.parametrize("norm,score_func", [(True, "softmax"), (False, "softmax"), (True, "sigmoid")])
-def test_saved_bytes_match_autograd(shape, dtype, retain, selection, norm, score_func):
+@pytest.mark.parametrize("policy", ["save", "recompute"])
+def test_saved_bytes_match_autograd(shape, dtype, retain, selection, norm, score_func, policy):
     T, D, F, E, K = shape
     layer, x = _layer(T, D, F, E, K, dtype, retain=retain, selection=selection, norm_topk_prob=norm,
-                      score_func=score_func)
+                      score_func=score_func, activations=policy)
     cfg = MemoryConfig(D, F, E, K, T, param_dtype=dtype, norm_topk_prob=norm, selection=selection)
-    assert layer_memory(cfg, retain=retain).saved_activations == _saved_bytes(layer, x)
+    assert layer_memory(cfg, retain=retain, policy=policy).saved_activations == _saved_bytes(layer, x)
 
 
 def test_saved_bytes_grow_with_tokens_as_the_per_pair_formula_says():

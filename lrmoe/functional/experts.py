@@ -26,7 +26,9 @@ from lrmoe.functional.scoring import METRICS, score_pairs
 from lrmoe.functional.selection import MODES, select_within_quota
 from lrmoe.ops import gather_grouped_mm, grouped_outer
 
-__all__ = ["ExpertPlan", "plan_experts", "retained_rows_bound", "selective_swiglu_experts"]
+__all__ = ["ACTIVATION_POLICIES", "ExpertPlan", "plan_experts", "retained_rows_bound", "selective_swiglu_experts"]
+
+ACTIVATION_POLICIES = ("save", "recompute")  # what forward keeps for backward (see selective_swiglu_experts)
 
 N_BACKWARD_STATS = 3  # score-mass fraction kept, retained pairs, backward calls
 
@@ -133,6 +135,7 @@ def selective_swiglu_experts(
     stats_probe: torch.Tensor | None = None,
     source_ids_T: torch.Tensor | None = None,
     num_sources: int = 1,
+    activations: str = "save",
 ) -> torch.Tensor:
     """out_TD = sum_k gates[t, k] * SwiGLU_{expert_ids[t, k]}(x_t), with the selective backward.
 
@@ -148,6 +151,10 @@ def selective_swiglu_experts(
         generator: RNG for sampling uniforms and the "random" metric (global RNG when None).
         stats_probe: optional [3] fp32 leaf requiring grad; backward adds (fraction of score mass kept,
             retained pairs, 1) to its ``.grad``, which is how backward statistics leave without a sync.
+        activations: what forward keeps for backward. "save": the gate/up projection h of every pair
+            ([P, 2F]); backward gathers the retained rows. "recompute": not h; backward recomputes h for the
+            retained rows only (one grouped GEMM over them, from x, which is saved either way), so the saved
+            activations shrink by P*2F elements and the extra work scales with retain. Same gradients.
 
     Returns: out_TD, dtype of x.
     """
@@ -160,6 +167,7 @@ def selective_swiglu_experts(
     check_choice("metric", metric, METRICS)
     check_choice("selection", selection, MODES)
     check_choice("policy", policy, POLICIES)
+    check_choice("activations", activations, ACTIVATION_POLICIES)
     n_exp, two_f, dim = gate_up_EFD.shape
     if dim != x_TD.shape[1] or two_f % 2:
         raise ValueError(f"gate_up_EFD must be [E, 2F, D={x_TD.shape[1]}], got {tuple(gate_up_EFD.shape)}")
@@ -181,7 +189,8 @@ def selective_swiglu_experts(
             generator=generator, source_ids_T=source_ids_T, num_sources=num_sources,
         )
     quotas_G, uniform_G, group_ids_P = _flat_groups(plan, n_exp, expert_ids_TK.shape)
-    cfg = _Config(retain=retain, metric=metric, selection=selection, generator=generator)
+    cfg = _Config(retain=retain, metric=metric, selection=selection, generator=generator,
+                  recompute=activations == "recompute")
     return _SelectiveSwiGLU.apply(
         x_TD, gate_up_EFD, down_EDF, gates_TK, expert_ids_TK, quotas_G, uniform_G, stats_probe, cfg, group_ids_P
     )
@@ -213,6 +222,7 @@ class _Config:
     metric: str
     selection: str
     generator: torch.Generator | None
+    recompute: bool = False
 
 
 def _swiglu(h_PF2: torch.Tensor) -> torch.Tensor:
@@ -265,7 +275,8 @@ class _SelectiveSwiGLU(torch.autograd.Function):
         ctx.cfg = cfg
         ctx.has_probe = stats_probe is not None
         ctx.save_for_backward(x_TD, gate_up_EFD, down_EDF, gates_TK, expert_ids_TK, quotas_G, uniform_G,
-                              h_PF2, y_TKD, phi_sq_TK, order_P, inv_P, offsets_E, group_ids_P)
+                              None if cfg.recompute else h_PF2, y_TKD, phi_sq_TK, order_P, inv_P, offsets_E,
+                              group_ids_P)
         return out_TD
 
     @staticmethod
@@ -307,7 +318,10 @@ class _SelectiveSwiGLU(torch.autograd.Function):
         tok_R = torch.div(safe_R, top_k, rounding_mode="floor")
         coef_R = gates_TK.detach().reshape(-1).float().index_select(0, safe_R) * weight_R
         dy_RD = (g_TD.float().index_select(0, tok_R) * coef_R.unsqueeze(1)).to(x_TD.dtype)
-        h_RF2 = h_PF2.index_select(0, inv_P.index_select(0, safe_R))
+        if cfg.recompute:  # only the retained rows (rows past the last offset come back as zeros)
+            h_RF2 = gather_grouped_mm(x_TD, gate_up_EFD, tok_R, off_E)
+        else:
+            h_RF2 = h_PF2.index_select(0, inv_P.index_select(0, safe_R))
         phi_RF = _swiglu(h_RF2)
         ident_R = torch.arange(pair_R.shape[0], device=pair_R.device)
 

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from lrmoe.functional._checks import check_choice, check_retain
-from lrmoe.functional.experts import N_BACKWARD_STATS, plan_experts, selective_swiglu_experts
+from lrmoe.functional.experts import ACTIVATION_POLICIES, N_BACKWARD_STATS, plan_experts, selective_swiglu_experts
 from lrmoe.functional.quotas import POLICIES
 from lrmoe.functional.routing import route_topk
 from lrmoe.functional.scoring import METRICS
@@ -72,6 +72,8 @@ class LRMoE(nn.Module):
         policy: quota policy, "waterfill" or "proportional". min_retain: per-expert floor, <= retain.
         score_func, norm_topk_prob: router as in Qwen3-MoE (softmax, renormalised top-k).
         generator: RNG for sampling; the global RNG when None, so a seeded run is reproducible.
+        activations: "save" (forward keeps every pair's gate/up projection) or "recompute" (backward recomputes
+            it for the retained rows only; less memory, one more grouped GEMM over the retained rows).
 
     Input [..., dim] -> output of the same shape and dtype.
     """
@@ -91,6 +93,7 @@ class LRMoE(nn.Module):
         score_func: str = "softmax",
         norm_topk_prob: bool = True,
         generator: torch.Generator | None = None,
+        activations: str = "save",
     ):
         super().__init__()
         for name, value in (("dim", dim), ("hidden_dim", hidden_dim), ("num_experts", num_experts)):
@@ -103,10 +106,11 @@ class LRMoE(nn.Module):
         check_choice("selection", selection, MODES)
         check_choice("policy", policy, POLICIES)
         check_choice("score_func", score_func, ("softmax", "sigmoid"))
+        check_choice("activations", activations, ACTIVATION_POLICIES)
         self.dim, self.hidden_dim, self.num_experts, self.top_k = dim, hidden_dim, num_experts, top_k
         self.retain, self.metric, self.selection, self.policy = retain, metric, selection, policy
         self.min_retain, self.score_func, self.norm_topk_prob = min_retain, score_func, norm_topk_prob
-        self.generator = generator
+        self.generator, self.activations = generator, activations
 
         self.gate = nn.Linear(dim, num_experts, bias=False)
         self.experts = SwiGLUExperts(num_experts, dim, hidden_dim)
@@ -119,7 +123,8 @@ class LRMoE(nn.Module):
     def extra_repr(self) -> str:
         return (
             f"dim={self.dim}, hidden_dim={self.hidden_dim}, num_experts={self.num_experts}, top_k={self.top_k}, "
-            f"retain={self.retain}, metric={self.metric!r}, selection={self.selection!r}, policy={self.policy!r}"
+            f"retain={self.retain}, metric={self.metric!r}, selection={self.selection!r}, policy={self.policy!r}, "
+            f"activations={self.activations!r}"
         )
 
     # Backward statistics probe: how many entries and in which dtype (a subclass may need more, or exact counts).
@@ -153,7 +158,7 @@ class LRMoE(nn.Module):
             x_TD, self.experts.gate_up_proj, self.experts.down_proj, routing.expert_ids,
             routing.gates.to(x.dtype), retain=self.retain, metric=self.metric, selection=self.selection,
             policy=self.policy, min_retain=self.min_retain, plan=plan, generator=self.generator,
-            stats_probe=probe,
+            stats_probe=probe, activations=self.activations,
         )
         return out_TD.view(x.shape)
 

@@ -233,6 +233,37 @@ def test_stats():
     assert float(dense.stats().retained_fraction) == 1.0
 
 
+@pytest.mark.parametrize("retain, selection", [(1.0, "sample"), (0.75, "top"), (0.5, "sample")])
+def test_recompute_gives_the_same_gradients_and_saves_less(retain, selection):
+    # Same seed -> same sampling uniforms, so both policies keep the same pairs; only where h comes from differs.
+    saved = {}
+    results = {}
+    for activations in ("save", "recompute"):
+        layer, x, c = make(retain=retain, selection=selection, activations=activations)
+        storages = set()
+
+        def pack(t):
+            storages.add((t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()))
+            return t
+
+        torch.manual_seed(3)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            results[activations] = grads(layer, x, layer, c)
+        saved[activations] = sum(n for _, n in storages)
+    (out_s, dx_s, g_s), (out_r, dx_r, g_r) = results["save"], results["recompute"]
+    assert torch.equal(out_s, out_r)
+    torch.testing.assert_close(dx_r, dx_s, rtol=1e-6, atol=1e-7)
+    for name in g_s:
+        torch.testing.assert_close(g_r[name], g_s[name], rtol=1e-6, atol=1e-7)
+    # "recompute" does not keep h = [T*K, 2F] (fp32 here).
+    assert saved["save"] - saved["recompute"] == T * K * 2 * FF * 4
+
+
+def test_bad_activation_policy_names_the_argument():
+    with pytest.raises(ValueError, match="activations"):
+        LRMoE(D, FF, E, K, activations="offload-to-disk")
+
+
 def test_stats_probe_moves_with_the_module():
     # Moving the module moves the probe, so forward never creates it (that would break torch.compile's graph).
     layer, _, _ = make(retain=0.75)
