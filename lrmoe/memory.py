@@ -40,8 +40,8 @@ transients (buffers live only inside this layer's forward or backward), each the
     forward:  the SwiGLU output phi N*F*b, y before reordering N*D*b, the fp32 ||phi||^2 working set
               N*F*(u + 4), index buffers, the combine product P*D*b and the output T*D*b; with W > 1 the
               dispatch send buffer P*D*b and the combine payloads N*(D*b + 4) sent and P*(D*b + 4) received.
-    backward: the incoming gradient T*D*b, gate gradients P*b, fp32 copies for the router gradient
-              T*D*u + P*D*u, the retained-row buffers (dy M*D*b, h M*2F*b, phi and dphi M*F*b each), the fp32
+    backward: the incoming gradient T*D*b, gate gradients P*b, the router gradient's output P*b (with W > 1
+              its fp32 copies T*D*u + P*D*u), the retained-row buffers (dy M*D*b, h M*2F*b, phi and dphi M*F*b each), the fp32
               SwiGLU-backward working set M*F*(3u + 20) (+ M*2F*b for its cast when u > 0), dh M*2F*b,
               dx M*D*b, its pair slots (P+1)*D*b and the input gradient T*D*b; with W > 1 the backward payloads
               R*(D*b + 4) sent (no index when retain = 1) and M*(D*b + 4) received, and the returned dx R*D*b.
@@ -393,7 +393,10 @@ def _backward_phases(config: MemoryConfig, rows: Rows, retain: float, b: int) ->
     u = _upcast(config.param_dtype)
     dense = retain >= 1.0
     grad_in = {"grad_out": T * D * b, "grad_gates": P * b}
-    router = {**grad_in, "grad_out_fp32": T * D * u, "y_fp32": P * D * u, "grad_gates_fp32": P * _FP32}
+    if config.world_size == 1:  # one batched GEMV in the activation dtype, fp32 accumulation inside
+        router = {**grad_in, "grad_gates_bmm": P * b}
+    else:  # the expert-parallel backward still upcasts g and y
+        router = {**grad_in, "grad_out_fp32": T * D * u, "y_fp32": P * D * u, "grad_gates_fp32": P * _FP32}
     # Source side, live to the end of backward: scores and selection (retain < 1), row indices and weights,
     # dy = alpha * g / p per retained row.
     source = dict(grad_in)

@@ -289,8 +289,9 @@ class _SelectiveSwiGLU(torch.autograd.Function):
         n_exp = gate_up_EFD.shape[0]
         g_TD = grad_out_TD
 
-        # Exact router gradient: dL/d alpha_u = <g_t, y_u>.
-        grad_gates_TK = torch.einsum("td,tkd->tk", g_TD.float(), y_TKD.float()).to(gates_TK.dtype)
+        # Exact router gradient: dL/d alpha_u = <g_t, y_u>, a batched matrix-vector product in the activation dtype
+        # (fp32 accumulation inside the GEMM; no fp32 copy of y, which is [T*K, D]).
+        grad_gates_TK = torch.bmm(y_TKD, g_TD.to(y_TKD.dtype).unsqueeze(-1)).squeeze(-1).to(gates_TK.dtype)
 
         if cfg.retain >= 1.0:
             # Keep everything, in the forward's expert-sorted order: the dense backward.
@@ -317,7 +318,7 @@ class _SelectiveSwiGLU(torch.autograd.Function):
         safe_R = pair_R.clamp(min=0)
         tok_R = torch.div(safe_R, top_k, rounding_mode="floor")
         coef_R = gates_TK.detach().reshape(-1).float().index_select(0, safe_R) * weight_R
-        dy_RD = (g_TD.float().index_select(0, tok_R) * coef_R.unsqueeze(1)).to(x_TD.dtype)
+        dy_RD = (g_TD.index_select(0, tok_R) * coef_R.unsqueeze(1)).to(x_TD.dtype)  # product in fp32 (promotion)
         if cfg.recompute:  # only the retained rows (rows past the last offset come back as zeros)
             h_RF2 = gather_grouped_mm(x_TD, gate_up_EFD, tok_R, off_E)
         else:
