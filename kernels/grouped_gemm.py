@@ -7,6 +7,9 @@ buffer rows [offsets[e-1], offsets[e]) (offsets are int32 cumulative ends, nonde
     y[i] = weight[e(i)] @ x[rows[i]] for i < offsets[-1]; y[i] = 0 after (rows there may be -1).
 ``grouped_outer_triton(a_RO, b_NI, rows_R, offsets_E) -> w_EOI``
     w[e] = sum over i in group e of outer(a[i], b[rows[i]]) (the weight gradient); empty groups give zeros.
+``zero_rows_past_last_offset_(y_RO, offsets_E) -> y_RO``
+    y[i] = 0 for i >= offsets[-1], in place: what torch._grouped_mm leaves uninitialised, at the cost of the
+    tail's bytes instead of a full masked pass over y.
 
 Same contracts as the CPU reference in lrmoe/ops/grouped_gemm.py. fp32 accumulation (fp64 for fp64 inputs); the
 output has the input's dtype. Any strides (a transposed weight view is read in place).
@@ -40,7 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["gather_grouped_mm_triton", "grouped_outer_triton"]
+__all__ = ["gather_grouped_mm_triton", "grouped_outer_triton", "zero_rows_past_last_offset_"]
 
 # Read once, like triton.jit itself reads it when the kernels below are defined: the interpreter is either on for
 # the whole process or off.
@@ -204,6 +207,39 @@ def gather_grouped_mm_triton(
         *x_NI.stride(), *weight_EOI.stride(), *y_RO.stride(),
         G_POW2=triton.next_power_of_2(E + 1), **_dot_flags(x_NI.dtype), **fixed,
     )  # fmt: skip
+    return y_RO
+
+
+# ------------------------------------------------------------------------------------------------- zero tail
+
+
+@triton.jit
+def _zero_tail_kernel(y_ptr, offsets_ptr, R, O, E, stride_r, stride_o, BLOCK_R: tl.constexpr, BLOCK_O: tl.constexpr):
+    end = tl.load(offsets_ptr + E - 1).to(tl.int64)
+    r0 = tl.program_id(0).to(tl.int64) * BLOCK_R
+    if r0 + BLOCK_R > end:  # programs wholly inside the groups only read the offset
+        r_R = r0 + tl.arange(0, BLOCK_R)
+        zeros = tl.zeros((BLOCK_R, BLOCK_O), dtype=y_ptr.dtype.element_ty)
+        row_ok = (r_R >= end) & (r_R < R)
+        for o0 in range(0, O, BLOCK_O):
+            o_O = o0 + tl.arange(0, BLOCK_O)
+            mask = row_ok[:, None] & (o_O < O)[None, :]
+            tl.store(y_ptr + r_R[:, None] * stride_r + o_O[None, :] * stride_o, zeros, mask=mask)
+
+
+def zero_rows_past_last_offset_(y_RO: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
+    """Zero y_RO's rows from offsets_E[-1] on, in place, without reading the offset on the host. Returns y_RO."""
+    R, O = y_RO.shape
+    E = offsets_E.shape[0]
+    if R == 0 or O == 0:
+        return y_RO
+    if E == 0:
+        return y_RO.zero_()
+    block_r = 16 if _INTERPRET else 32
+    block_o = min(triton.next_power_of_2(O), 32 if _INTERPRET else 256)
+    _zero_tail_kernel[(triton.cdiv(R, block_r),)](
+        y_RO, offsets_E, R, O, E, *y_RO.stride(), BLOCK_R=block_r, BLOCK_O=block_o, num_warps=4,
+    )
     return y_RO
 
 

@@ -14,9 +14,13 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from lrmoe_kernels.grouped_gemm import (
+    gather_grouped_mm_triton,
+    grouped_outer_triton,
+    zero_rows_past_last_offset_,
+)
 
 import lrmoe  # noqa: F401  (registers torch.ops.lrmoe.*)
-from lrmoe_kernels.grouped_gemm import gather_grouped_mm_triton, grouped_outer_triton
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 DEVICE = "cpu" if INTERPRET else "cuda"
@@ -138,6 +142,22 @@ def test_property_both_kernels_equal_reference(sizes, pad, cut, I, O, N, transpo
     x_NI, weight_EOI, a_RO, rows_R, offsets_E = make_case(N, I, O, sizes, pad, cut, transposed=transposed, seed=seed)
     check_gather(x_NI, weight_EOI, rows_R, offsets_E)
     check_outer(a_RO, x_NI, rows_R, offsets_E)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("R, O, offsets", [(37, 40, [5, 5, 20]), (37, 40, [0, 0]), (37, 40, [10, 37]),
+                                           (37, 40, [50]), (16, 8, [7]), (5, 3, [])])
+def test_zero_rows_past_last_offset(R, O, offsets, dtype):
+    y = torch.randn(R, O).to(dtype)
+    y[3] = float("nan")  # values before the end stay as they are, NaN included
+    want = y.clone()
+    end = min(offsets[-1], R) if offsets else 0
+    want[end:] = 0
+    (got,) = on_device(y)
+    out = zero_rows_past_last_offset_(got, torch.tensor(offsets, dtype=torch.int32, device=DEVICE))
+    assert out is got  # in place
+    assert torch.equal(got.cpu()[end:], want[end:]) and torch.equal(got.cpu()[:end].isnan(), want[:end].isnan())
+    torch.testing.assert_close(got.cpu(), want, equal_nan=True, rtol=0, atol=0)
 
 
 @pytest.mark.skipif(INTERPRET, reason="host syncs exist only on a GPU")

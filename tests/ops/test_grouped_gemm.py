@@ -89,3 +89,19 @@ def test_grouped_outer_gradcheck():
     a.requires_grad_(True)
     x.requires_grad_(True)
     assert torch.autograd.gradcheck(lambda a_, x_: grouped_outer(a_, x_, rows.clamp(min=0), offsets), (a, x))
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device"))])
+def test_rows_past_the_last_offset_never_leak(device):
+    # NaN in a's padding rows (past offsets[-1]) stays out of grouped_outer, and gather_grouped_mm's padding rows
+    # are exact zeros, on every kernel (on CUDA in bf16: torch._grouped_mm plus the tail-zeroing kernel).
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    x, w, a, rows, offsets = (t.to(device) for t in _case(9, 16, 24, [5, 0, 11, 4], 6, dtype=dtype))
+    end = int(offsets[-1])
+    clean = grouped_outer(a, x, rows.clamp(min=0), offsets)
+    a[end:] = float("nan")
+    got = grouped_outer(a, x, rows.clamp(min=0), offsets)
+    assert torch.equal(got, clean) and got.isfinite().all()
+    y = gather_grouped_mm(x, w, rows, offsets)
+    assert y[end:].eq(0).all() and y[:end].isfinite().all() and y[:end].ne(0).any()
