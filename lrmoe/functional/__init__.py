@@ -3,7 +3,12 @@
 from lrmoe.functional.experts import ExpertPlan, plan_experts, retained_rows_bound, selective_swiglu_experts
 from lrmoe.functional.gemm import compact_and_gemm
 from lrmoe.functional.quotas import apportion, plan_quotas
-from lrmoe.functional.replicas import route_to_replicas
+from lrmoe.functional.replicas import (
+    balanced_capacity,
+    instance_experts,
+    place_hot_replicas,
+    route_to_replicas,
+)
 from lrmoe.functional.routing import Routing, expert_loads, route_topk
 from lrmoe.functional.scoring import score_pairs
 from lrmoe.functional.selection import Selection, inclusion_probabilities, select_within_quota
@@ -13,9 +18,12 @@ __all__ = [
     "Routing",
     "Selection",
     "apportion",
+    "balanced_capacity",
     "compact_and_gemm",
     "expert_loads",
     "inclusion_probabilities",
+    "instance_experts",
+    "place_hot_replicas",
     "plan_experts",
     "plan_quotas",
     "retained_rows_bound",

@@ -1,6 +1,6 @@
 """Backward quotas: how many token-expert pairs of each expert (and each source rank) backward keeps.
 
-Shapes: S source ranks (1 on a single device), E experts (or expert instances).
+Shapes: S source ranks (1 on a single device), E experts (or G expert instances), W ranks (with capacity).
 
 All arithmetic is integer arithmetic on device tensors of static shape: the plan never leaves the device, so
 planning costs no host synchronisation and traces into a compiled graph.
@@ -12,7 +12,7 @@ import torch
 
 from lrmoe.functional._checks import check_choice, check_retain, check_tensor
 
-__all__ = ["plan_quotas", "apportion"]
+__all__ = ["apportion", "plan_quotas"]
 
 POLICIES = ("waterfill", "proportional")
 
@@ -26,42 +26,58 @@ def plan_quotas(
     capacity: torch.Tensor | None = None,
     placement: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Plan per-(source, expert) backward quotas from routed loads.
+    """Plan per-(source, group) backward quotas from routed loads. A group is an expert or an expert instance.
 
     Args:
-        loads_SE: [S, E] (or [E]) integer, pairs routed from each source rank to each expert.
+        loads_SE: [S, G] (or [G]) integer, pairs routed from each source rank to each group.
         retain: fraction of all pairs backward keeps, in (0, 1]. The budget is floor(retain * total load).
-        min_retain: every expert keeps at least ceil(min_retain * its load) pairs; in [0, retain].
-        policy: "waterfill" trims only the experts above a common level lambda: an expert keeps
+        min_retain: every group keeps at least ceil(min_retain * its load) pairs; in [0, retain].
+        policy: "waterfill" trims only the groups above a common level lambda: a group keeps
             max(floor, min(load, lambda)) or one more, which flattens the backward load; "proportional" keeps
-            the same fraction of every expert (largest-remainder rounding); with floors, each expert keeps its
+            the same fraction of every group (largest-remainder rounding); with floors, each group keeps its
             floor plus the same fraction of the load above it.
-        capacity, placement: per-rank backward capacity and expert placement for expert parallelism; not
-            implemented on this path yet (a later issue), so they must be None.
+        capacity: [W] integer, the most rows each rank's expert backward may take; given together with
+        placement: [G] integer in [0, W) (not checked: that would need a sync), the rank that runs each group's
+            backward. Rank w's quotas then sum to at most capacity[w]. Capacity is a hard limit (it stands for
+            memory): where a rank's floors alone exceed it, its floors shrink by waterfill to fit. Each rank
+            first gets its own bound per group (its capacity spread over its groups by the policy, only where
+            its load exceeds it), then the budget is spread over all groups by the policy under those bounds:
+            "waterfill" keeps clamp(lambda, floor, bound); "proportional" keeps the floor plus one common
+            fraction of the load above it on every rank that has room, and the rank's bound on the others.
 
     Returns:
-        quotas_SE: int64, same shape as ``loads_SE``. Invariants: 0 <= quota <= load; retain = 1 gives
-        quota == load; the total equals the budget exactly unless the min_retain floors alone exceed it (then
-        every expert keeps its floor); each expert's quota is split over sources in proportion to their loads
-        (largest remainder, ties to the lower source index). Deterministic.
+        quotas_SE: int64, same shape as ``loads_SE``. Invariants: 0 <= quota <= load; retain = 1 without a
+        binding capacity gives quota == load; the total equals min(budget, what the capacities can hold)
+        exactly (proportional under a binding capacity: up to rounding) unless the floors alone exceed the
+        budget (then every group keeps its floor, capacity permitting); each group's quota is split over
+        sources in proportion to their loads (largest remainder, ties to the lower source index). With
+        capacity, sum of quotas of the groups placed on rank w <= max(capacity[w], 0). Deterministic.
     """
     check_tensor("loads_SE", loads_SE, ndim=(1, 2), kind="int")
     check_retain(retain, min_retain)
     check_choice("policy", policy, POLICIES)
-    if capacity is not None or placement is not None:
-        raise NotImplementedError(
-            "plan_quotas: capacity and placement belong to expert parallelism and are not implemented yet; "
-            "pass capacity=None, placement=None"
-        )
+    n_groups = loads_SE.shape[-1]
+    if (capacity is None) != (placement is None):
+        missing = "placement" if placement is None else "capacity"
+        raise ValueError(f"capacity and placement go together: {missing} is missing (each group needs the rank "
+                         "whose capacity it uses)")
+    if capacity is not None:
+        check_tensor("capacity", capacity, ndim=1, kind="int")
+        check_tensor("placement", placement, ndim=1, kind="int")
+        if placement.shape[0] != n_groups:
+            raise ValueError(f"placement must have one rank per group, shape [{n_groups}], got "
+                             f"{tuple(placement.shape)}")
 
     one_source = loads_SE.dim() == 1
-    loads_SE = loads_SE.long().reshape(-1, loads_SE.shape[-1])
+    loads_SE = loads_SE.long().reshape(-1, n_groups)
     loads_E = loads_SE.sum(0)
     budget = (loads_E.sum().double() * retain).floor().long()
     # ceil(min_retain * load), with a small slack so that 0.3 * 10 = 3.0000000000000004 stays 3.
     floors_E = torch.minimum((loads_E.double() * min_retain - 1e-6).ceil().clamp(min=0).long(), loads_E)
 
-    if policy == "waterfill":
+    if capacity is not None:
+        quotas_E = _plan_with_capacity(loads_E, floors_E, budget, capacity.long(), placement.long(), policy)
+    elif policy == "waterfill":
         quotas_E = _waterfill(loads_E, floors_E, budget)
     else:
         # Floors first, then what is left of the budget over the room above them, in proportion. (Raising the
@@ -73,27 +89,82 @@ def plan_quotas(
     return quotas_SE.squeeze(0) if one_source else quotas_SE
 
 
-def _waterfill(loads_E: torch.Tensor, floors_E: torch.Tensor, budget: torch.Tensor) -> torch.Tensor:
-    """Largest integer level lambda with sum_e clamp(lambda, floor_e, load_e) <= budget, then +1 for the first
-    few experts still growing at lambda until the budget is met exactly.
+def _plan_with_capacity(loads_G, floors_G, budget, capacity_W, rank_G, policy):
+    """Quotas per group under per-rank capacities (plan_quotas' docstring): floors shrunk to fit, per-rank bounds,
+    then the budget under those bounds."""
+    n_ranks = capacity_W.shape[0]
+    cap_W = capacity_W.clamp(min=0)
+    # Capacity wins over min_retain: a rank whose floors exceed it keeps a waterfilled share of them.
+    floors_G = _waterfill(floors_G, torch.zeros_like(floors_G), cap_W, rank_G)
+    rest_G = loads_G - floors_G
+    over_W = _per_rank(loads_G, rank_G, n_ranks) > cap_W
+    if policy == "waterfill":
+        bound_G = _waterfill(loads_G, floors_G, cap_W, rank_G)
+        return _waterfill(bound_G, floors_G, torch.minimum(budget, bound_G.sum()))
 
-    kept(lambda) is piecewise linear with breakpoints at the floors and loads, so evaluate it at those 2E+1
-    points ([2E+1, E] work, no sort), take the last breakpoint under budget and step along its segment.
+    # Proportional. A rank over capacity spreads what its floors leave of it over its groups in proportion to
+    # the load above the floors.
+    room_W = (cap_W - _per_rank(floors_G, rank_G, n_ranks)).clamp(min=0)
+    onehot_GW = torch.nn.functional.one_hot(rank_G, n_ranks) * over_W.long().unsqueeze(0)
+    shares_G = (apportion(room_W * over_W, rest_G.unsqueeze(1) * onehot_GW) * onehot_GW).sum(1)
+    bound_G = torch.where(over_W.index_select(0, rank_G), floors_G + shares_G, loads_G)
+    # Then one common fraction of the rest on every rank with room. A rank whose share would exceed its capacity
+    # is held at its bound and the others share what is left; that only raises their fraction, so ranks are held
+    # in order and W rounds settle it.
+    rest_budget = (budget - floors_G.sum()).clamp(min=0)
+    held_G = torch.zeros_like(loads_G, dtype=torch.bool)
+    for _ in range(n_ranks + 1):
+        free_G = ~held_G
+        left = (rest_budget - torch.where(held_G, bound_G - floors_G, 0).sum()).clamp(min=0)
+        share_G = apportion(left.reshape(1), (rest_G * free_G).unsqueeze(1)).squeeze(1)
+        trial_G = torch.where(free_G, floors_G + share_G, bound_G)
+        burst_W = over_W & (_per_rank(trial_G, rank_G, n_ranks) > cap_W)
+        held_G = held_G | burst_W.index_select(0, rank_G)
+    # Rounding (or a budget the capacities cannot hold) may leave a share above its bound: the bound wins.
+    return torch.minimum(trial_G, bound_G)
+
+
+def _per_rank(values_G: torch.Tensor, rank_G: torch.Tensor, n_ranks: int) -> torch.Tensor:
+    return torch.zeros(n_ranks, dtype=values_G.dtype, device=values_G.device).index_add_(0, rank_G, values_G)
+
+
+def _waterfill(
+    loads_G: torch.Tensor, floors_G: torch.Tensor, budget: torch.Tensor, bin_G: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Largest integer level lambda with sum_g clamp(lambda, floor_g, load_g) <= budget, then +1 for the first
+    few groups still growing at lambda until the budget is met exactly.
+
+    kept(lambda) is piecewise linear with breakpoints at the floors and loads, so evaluate it at those 2G+1
+    points ([2G+1, G] work, no sort), take the last breakpoint under budget and step along its segment.
+
+    With ``bin_G`` ([G] in [0, B)) and ``budget`` [B], one independent waterfill per bin (a rank's groups under
+    its capacity), all evaluated at the same candidate levels (other bins' breakpoints are points on the line).
     """
-    cand_C = torch.cat([loads_E.new_zeros(1), floors_E, loads_E])
-    kept_C = torch.clamp(cand_C.unsqueeze(1), floors_E.unsqueeze(0), loads_E.unsqueeze(0)).sum(1)
+    if bin_G is None:
+        bin_G = torch.zeros_like(loads_G)
+    budget_B = budget.reshape(-1)
+    n_bins = budget_B.shape[0]
+    cand_C = torch.cat([loads_G.new_zeros(1), floors_G, loads_G])
+    kept_CG = torch.clamp(cand_C.unsqueeze(1), floors_G.unsqueeze(0), loads_G.unsqueeze(0))
+    kept_CB = torch.zeros(cand_C.shape[0], n_bins, dtype=torch.int64, device=loads_G.device).index_add_(
+        1, bin_G, kept_CG
+    )
     # Last breakpoint whose kept count fits; -1 when even the floors overflow the budget.
-    lo = torch.where(kept_C <= budget, cand_C, -1).max()
-    kept_lo = torch.clamp(lo, floors_E, loads_E).sum()
-    growing = (floors_E <= lo) & (lo < loads_E)
-    slope = growing.sum().clamp(min=1)
-    level = (lo + torch.div(budget - kept_lo, slope, rounding_mode="floor")).clamp(min=0)
+    lo_B = torch.where(kept_CB <= budget_B.unsqueeze(0), cand_C.unsqueeze(1), -1).max(0).values
+    lo_G = lo_B.index_select(0, bin_G)
+    kept_lo_B = _per_rank(torch.clamp(lo_G, floors_G, loads_G), bin_G, n_bins)
+    growing_G = (floors_G <= lo_G) & (lo_G < loads_G)
+    slope_B = _per_rank(growing_G.long(), bin_G, n_bins).clamp(min=1)
+    level_B = (lo_B + torch.div(budget_B - kept_lo_B, slope_B, rounding_mode="floor")).clamp(min=0)
 
-    quotas_E = torch.clamp(level, floors_E, loads_E)
-    short = budget - quotas_E.sum()  # < number of experts growing at `level`, by choice of level
-    growing = (floors_E <= level) & (level < loads_E)
-    rank_E = torch.cumsum(growing.long(), 0) - 1
-    return quotas_E + (growing & (rank_E < short)).long()
+    level_G = level_B.index_select(0, bin_G)
+    quotas_G = torch.clamp(level_G, floors_G, loads_G)
+    short_B = budget_B - _per_rank(quotas_G, bin_G, n_bins)  # < groups growing at `level`, by choice of level
+    growing_G = (floors_G <= level_G) & (level_G < loads_G)
+    # Rank of each growing group among its bin's growing groups, in group order: the first `short` get +1.
+    onehot_GB = torch.nn.functional.one_hot(bin_G, n_bins) * growing_G.long().unsqueeze(1)
+    rank_G = torch.cumsum(onehot_GB, 0).gather(1, bin_G.unsqueeze(1)).squeeze(1) - 1
+    return quotas_G + (growing_G & (rank_G < short_B.index_select(0, bin_G))).long()
 
 
 def apportion(total_G: torch.Tensor, weights_SG: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,13 @@
-"""Spread each source's pairs of each expert over the ranks that hold an instance of that expert.
+"""Expert instances: where hot experts get replicas, and how each source's pairs spread over an expert's instances.
 
-Shapes: S source ranks, E experts, W EP ranks (S == W: source s is rank s).
+Shapes: S source ranks, E experts, W EP ranks (S == W: source s is rank s), L = E / W experts owned per rank,
+R replica slots per rank, I = L + R instance slots per rank.
+
+Rank w owns experts [w * L, (w + 1) * L) (its first L slots) and may hold up to R replicas of other experts (its
+last R slots). A placement is ``replicas_WR`` [W, R] int64: the expert in each replica slot, -1 for an empty slot.
+A placement policy is any function ``(loads_WE, max_replicas) -> replicas_WR`` that is deterministic (every rank
+calls it on the same all-gathered load matrix and must get the same placement), puts at most one instance of an
+expert on a rank and no replica of an expert on its owner; :func:`place_hot_replicas` is the default.
 """
 
 from __future__ import annotations
@@ -9,7 +16,7 @@ import torch
 
 from lrmoe.functional._checks import check_tensor
 
-__all__ = ["route_to_replicas"]
+__all__ = ["balanced_capacity", "instance_experts", "place_hot_replicas", "route_to_replicas"]
 
 
 def route_to_replicas(counts_SE: torch.Tensor, capacity_EW: torch.Tensor) -> torch.Tensor:
@@ -60,3 +67,82 @@ def route_to_replicas(counts_SE: torch.Tensor, capacity_EW: torch.Tensor) -> tor
     biggest_EW = torch.nn.functional.one_hot(cap_EW.argmax(1), n_ranks)
     eye_SW = torch.eye(n_src, n_ranks, dtype=torch.int64, device=counts_SE.device)
     return overlap_SEW + local_SE.unsqueeze(-1) * eye_SW.unsqueeze(1) + excess_SE.unsqueeze(-1) * biggest_EW.unsqueeze(0)
+
+
+def place_hot_replicas(loads_WE: torch.Tensor, max_replicas: int) -> torch.Tensor:
+    """Default placement policy: the most loaded experts get extra instances on the least loaded ranks.
+
+    Model: an expert's load spreads evenly over its instances, and a rank's load is the sum of its instances'
+    shares. Greedily, W * R times: take the expert with the largest per-instance share that some rank can still
+    take (a free slot, no instance of it yet); give it an instance on the least loaded such rank, if that rank's
+    load plus the new share stays below the load of the most loaded rank already holding the expert (else the
+    replica would not help, and nothing is placed). Ties go to the lower expert or rank index. float64 on the
+    device, the same operations on every rank: the same placement everywhere. No host synchronisation.
+
+    Returns: replicas_WR [W, R] int64, -1 in the slots left empty.
+    """
+    check_tensor("loads_WE", loads_WE, ndim=2, kind="int")
+    if not isinstance(max_replicas, int) or isinstance(max_replicas, bool) or max_replicas < 0:
+        raise ValueError(f"max_replicas must be a non-negative Python int, got {max_replicas!r}")
+    n_ranks, n_exp = loads_WE.shape
+    if n_exp % n_ranks:
+        raise ValueError(f"loads_WE must be [W, E] with E % W == 0, got shape {tuple(loads_WE.shape)}")
+    device = loads_WE.device
+    n_local = n_exp // n_ranks
+    load_E = loads_WE.sum(0).double()
+    expert_E = torch.arange(n_exp, device=device)
+    rank_W = torch.arange(n_ranks, device=device)
+    slot_R = torch.arange(max_replicas, device=device)
+    hosts_EW = torch.nn.functional.one_hot(expert_E // n_local, n_ranks).bool()
+    n_inst_E = torch.ones(n_exp, dtype=torch.float64, device=device)
+    free_W = torch.full((n_ranks,), max_replicas, dtype=torch.int64, device=device)
+    replicas_WR = torch.full((n_ranks, max_replicas), -1, dtype=torch.int64, device=device)
+    inf = torch.tensor(float("inf"), dtype=torch.float64, device=device)
+    # A static number of small steps (W * R), so the loop unrolls into a compiled graph.
+    for _ in range(n_ranks * max_replicas):
+        share_E = load_E / n_inst_E
+        rank_load_W = (hosts_EW * share_E.unsqueeze(1)).sum(0)
+        open_EW = ~hosts_EW & (free_W > 0).unsqueeze(0)
+        # 0-d indices are taken with index_select, not indexing: indexing with a tensor is data-dependent for the
+        # compiler, index_select is an ordinary op.
+        hot = torch.where(open_EW.any(1), share_E, -1.0).argmax().reshape(1)
+        open_W = open_EW.index_select(0, hot).squeeze(0)
+        target = torch.where(open_W, rank_load_W, inf).argmin().reshape(1)
+        busiest = torch.where(hosts_EW.index_select(0, hot).squeeze(0), rank_load_W, -inf).max()
+        new_load = rank_load_W.index_select(0, target) + load_E.index_select(0, hot) / (n_inst_E.index_select(0, hot) + 1)
+        helps = (open_W.index_select(0, target) & (new_load < busiest)).squeeze(0)
+        at_EW = (expert_E == hot).unsqueeze(1) & (rank_W == target).unsqueeze(0) & helps
+        hosts_EW = hosts_EW | at_EW
+        n_inst_E = n_inst_E + at_EW.any(1).double()
+        slot = max_replicas - free_W.index_select(0, target)
+        at_WR = (rank_W == target).unsqueeze(1) & (slot_R == slot).unsqueeze(0) & helps
+        replicas_WR = torch.where(at_WR, hot, replicas_WR)
+        free_W = free_W - ((rank_W == target) & helps).long()
+    return replicas_WR
+
+
+def instance_experts(replicas_WR: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """[W, I] int64: the expert of every instance slot, the L owned experts first, then the replicas (-1 empty)."""
+    check_tensor("replicas_WR", replicas_WR, ndim=2, kind="int")
+    n_ranks = replicas_WR.shape[0]
+    owned_WL = torch.arange(num_experts, device=replicas_WR.device).view(n_ranks, -1)
+    return torch.cat([owned_WL, replicas_WR.long()], dim=1)
+
+
+def balanced_capacity(loads_E: torch.Tensor, experts_WI: torch.Tensor) -> torch.Tensor:
+    """[E, W] forward capacity of every instance: ceil(load / instances) where rank w holds expert e, else 0.
+
+    With it, :func:`route_to_replicas` never overflows (total capacity >= load) and spreads each expert's pairs
+    evenly over its instances, each source's own instance first.
+    """
+    n_exp, n_ranks = loads_E.shape[0], experts_WI.shape[0]
+    valid_WI = experts_WI >= 0
+    safe_WI = experts_WI.clamp(min=0)
+    n_inst_E = torch.zeros(n_exp, dtype=torch.int64, device=loads_E.device).index_add_(
+        0, safe_WI.reshape(-1), valid_WI.reshape(-1).long()
+    )
+    per_inst_E = torch.div(loads_E.long() + n_inst_E - 1, n_inst_E.clamp(min=1), rounding_mode="floor")
+    flat_WI = safe_WI * n_ranks + torch.arange(n_ranks, device=loads_E.device).unsqueeze(1)
+    value_WI = per_inst_E.index_select(0, safe_WI.reshape(-1)).view_as(safe_WI) * valid_WI
+    cap = torch.zeros(n_exp * n_ranks, dtype=torch.int64, device=loads_E.device)
+    return cap.index_add_(0, flat_WI.reshape(-1), value_WI.reshape(-1)).view(n_exp, n_ranks)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import math
 from fractions import Fraction
 
-import numpy as np
 import pytest
 import torch
 from hypothesis import example, given
@@ -142,7 +141,7 @@ def test_waterfill_has_a_common_level(case):
                 return False
         return True
 
-    levels = [lv for lv in range(0, max(L_E, default=0) + 1) if fits(lv)]
+    levels = [lv for lv in range(max(L_E, default=0) + 1) if fits(lv)]
     assert levels, f"no common level explains quotas {Q_E} for loads {L_E} (floors {F_E})"
 
     if min_retain == 0.0:
@@ -290,7 +289,164 @@ def test_plan_quotas_errors_name_the_argument(loads, kwargs, exc, name):
         plan_quotas(loads, retain, **kwargs)
 
 
-@pytest.mark.parametrize("kw", ["capacity", "placement"])
-def test_capacity_and_placement_not_implemented(kw):
-    with pytest.raises(NotImplementedError, match=kw):
-        plan_quotas(_LOADS, 0.5, **{kw: torch.tensor([4, 4])})
+# ------------------------------------------------------------------------------------- capacity and placement
+
+
+def _ref_waterfill(loads: list[int], floors: list[int], budget: int) -> list[int]:
+    """The documented waterfill, by walking the level up one pair at a time."""
+    if sum(floors) > budget:
+        return list(floors)
+
+    def kept(level):
+        return [min(max(level, f), x) for f, x in zip(floors, loads)]
+
+    level = 0
+    while level < max(loads, default=0) and sum(kept(level + 1)) <= budget:
+        level += 1
+    q = kept(level)
+    short = budget - sum(q)
+    for g, (f, x) in enumerate(zip(floors, loads)):
+        if short > 0 and f <= level < x:
+            q[g] += 1
+            short -= 1
+    return q
+
+
+@st.composite
+def capacity_cases(draw):
+    loads, retain, min_retain, policy = draw(loads_cases())
+    G = loads.shape[-1]
+    W = draw(st.integers(1, 4))
+    placement = draw(st.lists(st.integers(0, W - 1), min_size=G, max_size=G))
+    per_rank = [0] * W
+    for g, w in enumerate(placement):
+        per_rank[w] += int(loads.reshape(-1, G)[:, g].sum())
+    # Capacities around the ranks' loads: binding, exact, generous, zero and (ignored as 0) negative.
+    capacity = [
+        draw(st.sampled_from([0, -2, max(1, x // 3), x // 2, x, x + 5]) | st.integers(0, max(1, x)))
+        for x in per_rank
+    ]
+    return loads, retain, min_retain, policy, torch.tensor(capacity), torch.tensor(placement)
+
+
+def _capacity_plan(case):
+    loads, retain, min_retain, policy, capacity, placement = case
+    q = plan_quotas(loads, retain, min_retain=min_retain, policy=policy, capacity=capacity, placement=placement)
+    assert q.dtype == torch.int64 and q.shape == loads.shape
+    G = loads.shape[-1]
+    L_SG, Q_SG = _as_SE(loads), _as_SE(q)
+    L_G = [sum(col) for col in zip(*L_SG)]
+    Q_G = [sum(col) for col in zip(*Q_SG)]
+    W, cap, rank = len(capacity), [max(0, c) for c in capacity.tolist()], placement.tolist()
+    floors = [_floor_of(x, min_retain) for x in L_G]
+    # Floors that fit their rank's capacity (a rank whose floors do not fit shrinks them by waterfill).
+    fl = list(floors)
+    for w in range(W):
+        gs = [g for g in range(G) if rank[g] == w]
+        for g, v in zip(gs, _ref_waterfill([floors[g] for g in gs], [0] * len(gs), cap[w])):
+            fl[g] = v
+    return L_SG, Q_SG, L_G, Q_G, floors, fl, cap, rank, W
+
+
+@given(capacity_cases())
+@example((torch.tensor([[6, 2, 0, 9], [3, 0, 4, 1]]), 0.75, 0.0, "waterfill", torch.tensor([5, 20]),
+          torch.tensor([0, 0, 1, 1])))
+@example((torch.tensor([[6, 2, 0, 9], [3, 0, 4, 1]]), 0.75, 0.0, "proportional", torch.tensor([5, 20]),
+          torch.tensor([0, 0, 1, 1])))
+@example((torch.tensor([10, 10, 10]), 0.9, 0.5, "waterfill", torch.tensor([4, 30]), torch.tensor([0, 0, 1])))
+def test_capacity_contract(case):
+    L_SG, Q_SG, L_G, Q_G, floors, fl, cap, rank, W = _capacity_plan(case)
+    retain, policy = case[1], case[3]
+    G = len(L_G)
+    for s in range(len(L_SG)):
+        for g in range(G):
+            assert 0 <= Q_SG[s][g] <= L_SG[s][g]
+    load_W = [sum(L_G[g] for g in range(G) if rank[g] == w) for w in range(W)]
+    kept_W = [sum(Q_G[g] for g in range(G) if rank[g] == w) for w in range(W)]
+    # Capacity holds on every rank.
+    for w in range(W):
+        assert kept_W[w] <= cap[w], (kept_W, cap, Q_G, L_G, rank)
+    # Floors hold where they fit.
+    for g in range(G):
+        assert Q_G[g] >= fl[g]
+        if sum(floors[h] for h in range(G) if rank[h] == rank[g]) <= cap[rank[g]]:
+            assert Q_G[g] >= floors[g]
+    # The budget is used up to what the capacities hold (proportional: up to one pair per rank of rounding),
+    # unless the fitting floors alone exceed it.
+    budget = _budget(L_G, retain)
+    target = min(budget, sum(min(c, x) for c, x in zip(cap, load_W)))
+    if sum(fl) > budget:
+        assert Q_G == fl
+    elif policy == "waterfill":
+        assert sum(Q_G) == target, (Q_G, target, L_G, cap, rank)
+    else:
+        assert target - W <= sum(Q_G) <= target, (Q_G, target, L_G, cap, rank)
+
+
+@given(capacity_cases())
+def test_capacity_waterfill_matches_the_documented_rule(case):
+    _, _, L_G, Q_G, _, fl, cap, rank, W = _capacity_plan((*case[:3], "waterfill", *case[4:]))
+    G = len(L_G)
+    # Per rank: the rank's capacity waterfilled over its groups bounds them; then one global waterfill.
+    bound = list(L_G)
+    for w in range(W):
+        gs = [g for g in range(G) if rank[g] == w]
+        for g, v in zip(gs, _ref_waterfill([L_G[g] for g in gs], [fl[g] for g in gs], cap[w])):
+            bound[g] = v
+    want = _ref_waterfill(bound, fl, min(_budget(L_G, case[1]), sum(bound)))
+    assert Q_G == want, (Q_G, want, L_G, cap, rank)
+
+
+@given(capacity_cases())
+def test_generous_capacity_changes_nothing(case):
+    loads, retain, min_retain, policy, _, placement = case
+    W = int(placement.max()) + 1 if placement.numel() else 1
+    generous = torch.full((W,), int(loads.sum()))
+    q = plan_quotas(loads, retain, min_retain=min_retain, policy=policy, capacity=generous, placement=placement)
+    assert torch.equal(q, plan_quotas(loads, retain, min_retain=min_retain, policy=policy))
+
+
+@given(capacity_cases())
+def test_capacity_proportional_keeps_one_fraction_where_there_is_room(case):
+    _, _, L_G, Q_G, _, fl, cap, rank, W = _capacity_plan((*case[:3], "proportional", *case[4:]))
+    G = len(L_G)
+    kept_W = [sum(Q_G[g] for g in range(G) if rank[g] == w) for w in range(W)]
+    # Groups on ranks below capacity all keep floor + rho * (load - floor) for one rho, up to rounding.
+    free = [g for g in range(G) if kept_W[rank[g]] < cap[rank[g]] - W]
+    room = sum(L_G[g] - fl[g] for g in free)
+    if room and sum(fl) <= _budget(L_G, case[1]):
+        rho = Fraction(sum(Q_G[g] - fl[g] for g in free), room)
+        for g in free:
+            assert abs(Q_G[g] - fl[g] - rho * (L_G[g] - fl[g])) < 2, (Q_G, L_G, fl, cap, rank)
+
+
+def test_capacity_by_hand():
+    # Groups 0, 1 on rank 0 (capacity 5), groups 2, 3 on rank 1. Loads 9, 2, 4, 10; budget floor(0.75 * 25) = 18.
+    loads, placement = torch.tensor([9, 2, 4, 10]), torch.tensor([0, 0, 1, 1])
+    # Without capacity: level 6 keeps 6 + 2 + 4 + 6 = 18.
+    assert plan_quotas(loads, 0.75).tolist() == [6, 2, 4, 6]
+    # Rank 0 holds 5 (3 + 2 at level 3); rank 1 takes the rest of the budget: 4 + 9 = 13.
+    q = plan_quotas(loads, 0.75, capacity=torch.tensor([5, 20]), placement=placement)
+    assert q.tolist() == [3, 2, 4, 9]
+    # Both ranks bound: 5 + 10 = 15 < 18, the budget cannot be met.
+    q = plan_quotas(loads, 0.75, capacity=torch.tensor([5, 10]), placement=placement)
+    assert q.tolist() == [3, 2, 4, 6]
+    # min_retain 0.5: floors 5, 1, 2, 5; rank 0's floors (6) exceed its capacity 5, so they shrink to 4, 1.
+    q = plan_quotas(loads, 0.75, min_retain=0.5, capacity=torch.tensor([5, 20]), placement=placement)
+    assert q[:2].tolist() == [4, 1] and int(q.sum()) == 18
+
+
+@pytest.mark.parametrize(
+    "kwargs, exc, name",
+    [
+        ({"capacity": torch.tensor([4, 4])}, ValueError, "placement"),
+        ({"placement": torch.tensor([0, 1, 1])}, ValueError, "capacity"),
+        ({"capacity": torch.tensor([4.0, 4.0]), "placement": torch.tensor([0, 1, 1])}, TypeError, "capacity"),
+        ({"capacity": torch.tensor([4, 4]), "placement": torch.tensor([0, 1])}, ValueError, "placement"),
+        ({"capacity": torch.tensor([[4, 4]]), "placement": torch.tensor([0, 1, 1])}, ValueError, "capacity"),
+        ({"capacity": torch.tensor([4, 4]), "placement": torch.tensor([0.0, 1.0, 1.0])}, TypeError, "placement"),
+    ],
+)
+def test_capacity_errors_name_the_argument(kwargs, exc, name):
+    with pytest.raises(exc, match=name):
+        plan_quotas(_LOADS, 0.5, **kwargs)

@@ -11,7 +11,12 @@ import torch
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from lrmoe.functional import route_to_replicas
+from lrmoe.functional import (
+    balanced_capacity,
+    instance_experts,
+    place_hot_replicas,
+    route_to_replicas,
+)
 
 
 def ref_route(counts_SE: list[list[int]], cap_EW: list[list[int]]) -> np.ndarray:
@@ -141,3 +146,87 @@ def test_by_hand():
 def test_route_to_replicas_errors_name_the_argument(counts, cap, exc, name):
     with pytest.raises(exc, match=name):
         route_to_replicas(counts, cap)
+
+
+# ------------------------------------------------------------------------------------ placement of replicas
+
+
+@st.composite
+def placement_cases(draw):
+    W = draw(st.integers(1, 4))
+    L = draw(st.integers(1, 3))
+    E = W * L
+    R = draw(st.integers(0, 3))
+    shape = draw(st.sampled_from(["random", "hot", "zeros"]))
+    if shape == "random":
+        loads = draw(st.lists(st.integers(0, 30), min_size=W * E, max_size=W * E))
+    elif shape == "hot":
+        hot = draw(st.integers(0, E - 1))
+        loads = [draw(st.integers(20, 60)) if e == hot else draw(st.integers(0, 3)) for _ in range(W) for e in range(E)]
+    else:
+        loads = [0] * (W * E)
+    return torch.tensor(loads, dtype=torch.int64).view(W, E), R
+
+
+def _modeled_rank_loads(load_E: list[int], hosts: list[set[int]]) -> list[float]:
+    n = [sum(e in h for h in hosts) for e in range(len(load_E))]
+    return [sum(load_E[e] / n[e] for e in h) for h in hosts]
+
+
+@given(placement_cases())
+@example((torch.tensor([[50, 5, 5, 5], [50, 5, 5, 5]]), 1))
+def test_hot_replicas_contract(case):
+    loads_WE, R = case
+    W, E = loads_WE.shape
+    L = E // W
+    rep = place_hot_replicas(loads_WE, R)
+    assert rep.shape == (W, R) and rep.dtype == torch.int64
+    assert torch.equal(rep, place_hot_replicas(loads_WE.clone(), R))  # deterministic
+    load_E = loads_WE.sum(0).tolist()
+    hosts = [set(range(w * L, (w + 1) * L)) for w in range(W)]
+    for w in range(W):
+        placed = [e for e in rep[w].tolist() if e >= 0]
+        assert all(0 <= e < E for e in placed)
+        # A replica is never on its owner, and a rank holds at most one instance of an expert.
+        assert not set(placed) & hosts[w] and len(set(placed)) == len(placed)
+        # Filled slots come first.
+        assert rep[w].tolist() == placed + [-1] * (R - len(placed))
+        assert all(load_E[e] > 0 for e in placed)  # an idle expert never gets a replica
+    # The modeled load of the busiest rank never rises, and falls when a replica was placed.
+    before = max(_modeled_rank_loads(load_E, hosts))
+    for w in range(W):
+        hosts[w] |= {e for e in rep[w].tolist() if e >= 0}
+    after = max(_modeled_rank_loads(load_E, hosts))
+    assert after <= before + 1e-9
+    if (rep >= 0).any():
+        assert after < before
+
+
+def test_hot_replicas_by_hand():
+    # Expert 0 (rank 0) takes 100 of 130 pairs: its replica goes to rank 1, then rank 0's free slot takes one of
+    # rank 1's experts (2, the lower of two equal ones), which evens the modeled loads at 65 and 65.
+    loads = torch.tensor([[50, 5, 5, 5], [50, 5, 5, 5]])
+    assert place_hot_replicas(loads, 1).tolist() == [[2], [0]]
+    # A balanced load gets no replica: none would lower the busiest rank.
+    assert place_hot_replicas(torch.full((2, 4), 5), 2).tolist() == [[-1, -1], [-1, -1]]
+    assert place_hot_replicas(loads, 0).shape == (2, 0)
+
+
+def test_instances_and_balanced_capacity():
+    rep = torch.tensor([[3], [-1]])
+    inst = instance_experts(rep, 4)
+    assert inst.tolist() == [[0, 1, 3], [2, 3, -1]]
+    # Expert 3 has two instances (rank 1 owns it, rank 0 holds a replica): ceil(7 / 2) = 4 each.
+    cap = balanced_capacity(torch.tensor([2, 0, 5, 7]), inst)
+    assert cap.tolist() == [[2, 0], [0, 0], [0, 5], [4, 4]]
+    split = route_to_replicas(torch.tensor([[1, 0, 2, 3], [1, 0, 3, 4]]), cap)
+    assert (split.sum(0) <= cap).all() and torch.equal(split.sum(-1), torch.tensor([[1, 0, 2, 3], [1, 0, 3, 4]]))
+
+
+@pytest.mark.parametrize("R, loads, name", [(-1, torch.ones(2, 4, dtype=torch.int64), "max_replicas"),
+                                             (1.5, torch.ones(2, 4, dtype=torch.int64), "max_replicas"),
+                                             (1, torch.ones(3, 4, dtype=torch.int64), "loads_WE"),
+                                             (1, torch.ones(2, 4), "loads_WE")])
+def test_place_hot_replicas_errors_name_the_argument(R, loads, name):
+    with pytest.raises((ValueError, TypeError), match=name):
+        place_hot_replicas(loads, R)
