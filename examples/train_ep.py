@@ -13,7 +13,9 @@ trains on its own batches (data parallel over the same ranks), so:
 
 The loss is divided by the world size before backward, so both kinds of gradient are those of the mean loss over
 all ranks' tokens. Each step prints the mean loss and the bytes moved by the four all-to-alls of all MoE layers,
-summed over ranks: forward dispatch and combine, backward dispatch (retained rows only) and input-gradient return.
+summed over ranks: forward dispatch and combine, backward dispatch (retained rows only) and input-gradient return;
+with ``--max-replicas`` also the replica weights and their gradients, and the busiest rank's backward rows over
+the mean (``--capacity-factor`` bounds it).
 """
 
 from __future__ import annotations
@@ -46,6 +48,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--top-k", type=int, default=2)
     p.add_argument("--retain", type=float, default=0.5)
     p.add_argument("--selection", choices=("sample", "top"), default="sample")
+    p.add_argument("--max-replicas", type=int, default=0, help="replica slots per rank for hot experts")
+    p.add_argument("--capacity-factor", type=float, default=None,
+                   help="backward capacity per rank, times the balanced share of retained rows (>= 1; none: no limit)")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--corpus", default=None, help="built-in corpus name or a text file (default: stdlib sources)")
@@ -69,7 +74,8 @@ def main() -> None:
     )
     torch.manual_seed(args.seed)  # the same initial weights on every rank
     model = MoELM(cfg).to(device)
-    parallelize_module(model, mesh, {f"blocks.{i}.moe": ExpertParallel() for i in range(cfg.n_layers)})
+    style = ExpertParallel(max_replicas=args.max_replicas, capacity_factor=args.capacity_factor)
+    parallelize_module(model, mesh, {f"blocks.{i}.moe": style for i in range(cfg.n_layers)})
     layers = list(lrmoe_layers(model))
     # Build the optimiser after parallelize_module (it replaces the expert parameters). foreach=False: the
     # parameter list mixes plain tensors and DTensors.
@@ -82,8 +88,10 @@ def main() -> None:
         n_params = sum(p.numel() for p in model.parameters())
         print(f"{world} ranks ({device.type}, {dist.get_backend()}), {corpus.describe()}")
         print(f"MoELM {n_params:,} parameters, {cfg.n_layers} LRMoE layers, E={cfg.num_experts} "
-              f"({cfg.num_experts // world} per rank), k={cfg.top_k}, retain={cfg.retain}, {cfg.selection}")
-        print("step   loss   fwd dispatch+combine KB   bwd dispatch+return KB   retained   ms")
+              f"({cfg.num_experts // world} per rank), k={cfg.top_k}, retain={cfg.retain}, {cfg.selection}, "
+              f"max_replicas={args.max_replicas}, capacity_factor={args.capacity_factor}")
+        print("step   loss   fwd dispatch+combine KB   bwd dispatch+return KB   replicas KB   max/mean bwd rows   "
+              "retained   ms")
 
     for step in range(args.steps):
         t0 = time.perf_counter()
@@ -105,14 +113,19 @@ def main() -> None:
             sum(s.backward_dispatch_bytes + s.backward_combine_bytes for s in stats).double(),
             sum(s.retained_pairs for s in stats).double() / world,  # global counts, the same on every rank
             sum(s.total_pairs for s in stats).double() / world,
+            sum(s.replica_bytes + s.replica_grad_bytes for s in stats).double(),
+            # backward rows of the busiest rank over the mean, averaged over layers (the same on every rank)
+            sum(s.rank_backward_loads.max() / s.rank_backward_loads.double().mean().clamp(min=1) for s in stats)
+            / (len(stats) * world),
         ])
         dist.all_reduce(row)
         for layer in layers:
             layer.reset_stats()
-        loss_mean, fwd_bytes, bwd_bytes, kept, total = row.tolist()
+        loss_mean, fwd_bytes, bwd_bytes, kept, total, rep_bytes, imbalance = row.tolist()
         if rank == 0:
             print(f"{step:4d} {loss_mean / world:6.3f} {fwd_bytes / 1024:25.1f} {bwd_bytes / 1024:24.1f} "
-                  f"{kept / total:10.3f} {1000 * (time.perf_counter() - t0):5.0f}")
+                  f"{rep_bytes / 1024:13.1f} {imbalance:19.2f} {kept / total:10.3f} "
+                  f"{1000 * (time.perf_counter() - t0):5.0f}")
 
     gloo = dist.get_backend() == "gloo"
     dist.barrier()

@@ -1,45 +1,58 @@
 """Expert parallelism for :class:`lrmoe.nn.LRMoE`: a ``ParallelStyle`` for ``parallelize_module`` (DESIGN.md §5).
 
-Shapes: T local tokens, D model dim, F expert hidden dim, E experts, L = E / W local experts, K top-k,
-P = T * K local pairs, W EP ranks, S source ranks (S == W: source s is rank s), N rows this rank's experts receive
-in the forward dispatch, R retained rows this rank sends in backward, M retained rows its experts receive.
+Shapes: T local tokens, D model dim, F expert hidden dim, E experts, L = E / W owned experts per rank, R replica
+slots per rank (``max_replicas``), I = L + R instance slots per rank, G = W * I instances, K top-k, P = T * K local
+pairs, W EP ranks, S source ranks (S == W: source s is rank s), N rows this rank's instances receive in the forward
+dispatch, R retained rows this rank sends in backward, M retained rows its instances receive.
 
 Rank w owns experts [w * L, (w + 1) * L): ``experts.gate_up_proj`` and ``experts.down_proj`` become DTensors
 ``Shard(0)`` over the EP mesh; the router (``gate.weight``) stays a plain tensor, identical on every rank, whose
-gradient comes from the rank's own tokens only (a data-parallel wrapper over the same ranks reduces it).
+gradient comes from the rank's own tokens only (a data-parallel wrapper over the same ranks reduces it). With
+``max_replicas`` R > 0, rank w also holds up to R replicas of hot experts it does not own, chosen every step.
 
 Forward, on every rank:
 1. route the local tokens (top-k) and count loads_E;
 2. all-gather loads_E into loads_WE, the tiny [W, E] load matrix;
-3. plan: quotas_WE = plan_quotas(loads_WE, retain), the same on every rank (same input, integer arithmetic);
-   source s keeps exactly quotas_WE[s, e] of its own pairs of expert e in backward, so it knows its quotas
-   without backward communication; plus this rank's sampling uniforms [E];
-4. read the plan on the host once: the split sizes of all four all-to-alls of this step follow from loads_WE
-   and quotas_WE (the only host synchronisation of the layer step);
-5. dispatch all-to-all of x rows (one per pair, sorted by expert, so by owner);
-6. grouped GEMMs on the local experts; 7. combine all-to-all of y rows with ||phi||^2 riding along;
-8. out_t = sum_k alpha_u y_u on the source rank.
+3. plan (``plan_expert_parallel``), the same on every rank (same input, deterministic arithmetic):
+   placement replicas_WR = policy(loads_WE, R) (default ``place_hot_replicas``); the forward assignment of each
+   (source, expert) pair block to the expert's instances, ``route_to_replicas`` with capacity ceil(load /
+   instances) per instance (own rank first); backward quotas per (source, instance), ``plan_quotas`` under the
+   per-rank backward capacity ceil(capacity_factor * budget / W) when ``capacity_factor`` is set. Source s keeps
+   exactly quotas[s, w, i] of its own pairs that ran on instance (w, i), so it knows its quotas without backward
+   communication; plus this rank's sampling uniforms [G];
+4. read the plan on the host once: the split sizes of the all-to-alls of this step (dispatch, combine, backward
+   dispatch and return, replica weights) follow from it (the only host synchronisation of the layer step);
+5. replica weights (R > 0): owners send the weights of the experts others replicate through one
+   differentiable all-to-all (``funcol.all_to_all_single``, autograd-aware), so in backward the replicas'
+   weight gradients travel back to the owners and are summed into their shards by autograd;
+6. dispatch all-to-all of x rows (one per pair, sorted by destination instance);
+7. grouped GEMMs on the local instances; 8. combine all-to-all of y rows with ||phi||^2 riding along;
+9. out_t = sum_k alpha_u y_u on the source rank.
 
-Backward: the source scores its pairs (everything is local: alpha, g_t, ||phi||^2) and selects quotas_WE[rank, e]
-pairs of every expert; only those rows (alpha * g / p, plus a 4-byte row index) enter the backward all-to-all; the
-owner runs the compact backward (grouped GEMMs over the retained rows only) and returns the input-gradient rows in
-a second all-to-all. The router gradient <g_t, y_u> is exact and local.
+Backward: the source scores its pairs (everything is local: alpha, g_t, ||phi||^2) and selects quotas[rank, w, i]
+pairs of every instance; only those rows (alpha * g / p, plus a 4-byte row index) enter the backward all-to-all;
+each instance runs the compact backward (grouped GEMMs over the retained rows only) and returns the input-gradient
+rows in a second all-to-all. A retained pair goes back to the instance that ran its forward (no rebalancing): that
+instance holds its saved activations, so only the alpha * g row travels; moving it would make its x row (and h, or
+a recompute) travel too. The router gradient <g_t, y_u> is exact and local.
 
 Checkpoints: the sharded experts save and load with torch.distributed.checkpoint (get_state_dict/set_state_dict,
-optimiser state included; tests/nn/test_expert_parallel_checkpoint.py).
+optimiser state included; tests/nn/test_expert_parallel_checkpoint.py). Replicas are per-step copies, never saved.
 
 torch.compile: the layer compiles with ``fullgraph=True``, forward and backward (tested with
 ``torch._dynamo.config.capture_scalar_outputs = True``; torch 2.13 also traces it without). The host read of the
 split sizes becomes unbacked SymInts, so one graph serves every step's loads without recompiling
-(tests/nn/test_expert_parallel_compile.py).
+(tests/nn/test_expert_parallel_compile.py). Not yet with replicas: tracing raises NotImplementedError (docs).
 
-Not yet here (later increments): replicas and capacity-aware routing (``route_to_replicas``), a padded
-static-capacity mode without host synchronisation.
+Not yet here (later increments): a memory-aware placement policy, a padded static-capacity mode without host
+synchronisation.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -51,13 +64,19 @@ from torch.distributed.tensor.parallel import ParallelStyle
 
 from lrmoe.functional.experts import _swiglu, _swiglu_backward
 from lrmoe.functional.quotas import plan_quotas
+from lrmoe.functional.replicas import (
+    balanced_capacity,
+    instance_experts,
+    place_hot_replicas,
+    route_to_replicas,
+)
 from lrmoe.functional.routing import expert_loads, route_topk
 from lrmoe.functional.scoring import score_pairs
 from lrmoe.functional.selection import select_within_quota
 from lrmoe.nn.lrmoe import LRMoE
 from lrmoe.ops import gather_grouped_mm, grouped_outer
 
-__all__ = ["ExpertParallel", "ExpertParallelPlan", "ExpertParallelStats", "plan_expert_parallel"]
+__all__ = ["ExpertParallel", "ExpertParallelPlan", "ExpertParallelStats", "backward_capacity", "plan_expert_parallel"]
 
 # Backward statistics leave as the gradient of a float64 probe (float64: byte counts stay exact past 2**24):
 # score-mass fraction kept, retained pairs sent, backward dispatch bytes, backward combine bytes, backward calls.
@@ -70,20 +89,34 @@ _EXTRA_BYTES = 4  # per row: fp32 ||phi||^2 in the combine, int32 row index in t
 
 @dataclass(frozen=True)
 class ExpertParallelPlan:
-    """One layer step's plan (tensors only, so a later compiled path can carry it as a pytree).
+    """One layer step's plan (tensors only, a pytree), the same on every rank.
 
-    loads:   [W, E] int64, pairs routed from each source rank to each expert (all-gathered, same on every rank).
-    quotas:  [W, E] int64, pairs of each (source, expert) that backward keeps: plan_quotas(loads, retain),
-             same on every rank; rank s keeps exactly quotas[s, e] of its own pairs of expert e.
-    uniform: [E] fp32, this rank's systematic-sampling uniforms (one per expert), or None when not sampling.
+    loads:     [W, E] int64, pairs routed from each source rank to each expert (all-gathered).
+    instances: [W, I] int64, the expert of every instance slot: rank w's L owned experts, then its R replica slots
+               (-1 where empty).
+    routes:    [S, E, W] int64, pairs of (source s, expert e) that run on rank w's instance of e
+               (``route_to_replicas``); source s sends its pairs of e in pair order, the first routes[s, e, 0] to
+               rank 0, the next routes[s, e, 1] to rank 1, and so on.
+    assignment: [S, W, I] int64, the same per instance slot: routes[s, instances[w, i], w].
+    instance_quotas: [S, W, I] int64, pairs of each (source, instance) that backward keeps (``plan_quotas``).
+    quotas:    [S, E] int64, instance_quotas summed over each expert's instances.
+    capacity:  [W] int64 backward capacity per rank (rows its instances' backward may take), or None.
+    uniform:   [G] fp32, this rank's systematic-sampling uniforms (one per instance, g = w * I + i), or None.
     """
 
     loads: torch.Tensor
+    instances: torch.Tensor
+    routes: torch.Tensor
+    assignment: torch.Tensor
+    instance_quotas: torch.Tensor
     quotas: torch.Tensor
-    uniform: torch.Tensor | None
+    capacity: torch.Tensor | None = None
+    uniform: torch.Tensor | None = None
 
 
 torch.utils._pytree.register_dataclass(ExpertParallelPlan)
+
+PlacementPolicy = Callable[[torch.Tensor, int], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -97,17 +130,30 @@ class _EPGroup:
 
 @dataclass(frozen=True)
 class _Splits:
-    """Host-side row counts per peer of the four all-to-alls of one step, read from the plan in one sync.
+    """Host-side row counts per peer of the all-to-alls of one step, read from the plan in one sync.
 
-    fwd_send[w]: this rank's pairs of rank w's experts (dispatch rows sent; combine rows received).
-    fwd_recv[s]: source s's pairs of this rank's experts (dispatch rows received; combine rows sent).
-    bwd_send[w], bwd_recv[s]: the same for the retained pairs (quotas instead of loads).
+    fwd_send[w]: this rank's pairs that run on rank w (dispatch rows sent; combine rows received).
+    fwd_recv[s]: source s's pairs that run on this rank (dispatch rows received; combine rows sent).
+    bwd_send[w], bwd_recv[s]: the same for the retained pairs (instance quotas instead of the assignment).
+    rep_send[w]: replica weights this rank sends to rank w (w's replicas of experts this rank owns);
+    rep_recv[v]: replica weights this rank receives from owner v. Empty lists without replicas.
     """
 
     fwd_send: list[int]
     fwd_recv: list[int]
     bwd_send: list[int]
     bwd_recv: list[int]
+    rep_send: list[int]
+    rep_recv: list[int]
+
+
+def backward_capacity(loads_WE: torch.Tensor, retain: float, capacity_factor: float) -> torch.Tensor:
+    """[W] int64, the backward capacity of every rank: ceil(capacity_factor * budget / W), budget =
+    floor(retain * total pairs) (plan_quotas' budget), the same on every rank."""
+    n_ranks = loads_WE.shape[0]
+    budget = (loads_WE.sum().double() * retain).floor()
+    cap = (budget * capacity_factor / n_ranks).ceil().long()
+    return cap.expand(n_ranks).clone()
 
 
 def plan_expert_parallel(
@@ -116,16 +162,85 @@ def plan_expert_parallel(
     *,
     min_retain: float = 0.0,
     policy: str = "waterfill",
-) -> torch.Tensor:
-    """quotas_WE from the all-gathered [W, E] load matrix: :func:`plan_quotas` on (source, expert) groups.
+    max_replicas: int = 0,
+    capacity_factor: float | None = None,
+    placement_policy: PlacementPolicy = place_hot_replicas,
+) -> ExpertParallelPlan:
+    """The plan of one EP layer step from the all-gathered [W, E] load matrix (``ExpertParallelPlan``, uniform
+    None): placement, forward assignment, backward quotas.
 
-    A pure function of its inputs (integer arithmetic, no communication), so every rank that calls it with the
-    same load matrix gets the same quotas: this is what lets a source rank select its own pairs in backward
-    before any communication.
+    A pure function of its inputs (deterministic arithmetic, no communication), so every rank that calls it with
+    the same load matrix gets the same plan: this is what lets a source rank select its own pairs in backward
+    before any communication. Without replicas and capacity, instance (w, i) is expert w * L + i and the quotas
+    are plan_quotas(loads_WE, retain) exactly.
     """
     if loads_WE.dim() != 2:
         raise ValueError(f"loads_WE must be [W, E], got shape {tuple(loads_WE.shape)}")
-    return plan_quotas(loads_WE, retain, min_retain=min_retain, policy=policy)
+    n_ranks, n_exp = loads_WE.shape
+    loads_WE = loads_WE.long()
+    device = loads_WE.device
+    if max_replicas > 0:
+        replicas_WR = placement_policy(loads_WE, max_replicas)
+        if tuple(replicas_WR.shape) != (n_ranks, max_replicas):
+            raise ValueError(f"placement_policy must return [W={n_ranks}, max_replicas={max_replicas}] expert ids, "
+                             f"got shape {tuple(replicas_WR.shape)}")
+    else:
+        replicas_WR = torch.empty(n_ranks, 0, dtype=torch.int64, device=device)
+    inst_WI = instance_experts(replicas_WR, n_exp)
+    n_inst = inst_WI.shape[1]
+    valid_WI = inst_WI >= 0
+    safe_WI = inst_WI.clamp(min=0)
+    rank_WI = torch.arange(n_ranks, device=device).unsqueeze(1).expand_as(safe_WI)
+
+    routes_SEW = route_to_replicas(loads_WE, balanced_capacity(loads_WE.sum(0), inst_WI))
+    assign_SWI = routes_SEW[:, safe_WI, rank_WI] * valid_WI
+    loads_SG = assign_SWI.reshape(n_ranks, -1)
+    if capacity_factor is None:
+        capacity_W = None
+        quotas_SG = plan_quotas(loads_SG, retain, min_retain=min_retain, policy=policy)
+    else:
+        capacity_W = backward_capacity(loads_WE, retain, capacity_factor)
+        placement_G = torch.arange(n_ranks, device=device).repeat_interleave(n_inst)
+        quotas_SG = plan_quotas(loads_SG, retain, min_retain=min_retain, policy=policy, capacity=capacity_W,
+                                placement=placement_G)
+    quotas_SWI = quotas_SG.view(n_ranks, n_ranks, n_inst)
+    quotas_SE = torch.zeros_like(loads_WE).index_add_(1, safe_WI.reshape(-1), (quotas_SWI * valid_WI).reshape(
+        n_ranks, -1))
+    return ExpertParallelPlan(loads=loads_WE, instances=inst_WI, routes=routes_SEW, assignment=assign_SWI,
+                              instance_quotas=quotas_SWI, quotas=quotas_SE, capacity=capacity_W)
+
+
+def instance_slots(instances_WI: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """[E, W] int64: the slot of expert e on rank w, -1 where rank w holds no instance of e."""
+    n_ranks, n_inst = instances_WI.shape
+    valid_WI = instances_WI >= 0
+    flat_WI = torch.where(valid_WI, instances_WI * n_ranks + torch.arange(n_ranks, device=instances_WI.device)
+                          .unsqueeze(1), num_experts * n_ranks)  # empty slots land in a dump entry
+    slots = torch.full((num_experts * n_ranks + 1,), -1, dtype=torch.int64, device=instances_WI.device)
+    slot_WI = torch.arange(n_inst, device=instances_WI.device).expand(n_ranks, n_inst)
+    return slots.scatter(0, flat_WI.reshape(-1), slot_WI.reshape(-1))[:-1].view(num_experts, n_ranks)
+
+
+def pair_destinations(
+    expert_ids_TK: torch.Tensor, routes_EW: torch.Tensor, slots_EW: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """([P] rank, [P] slot) of the instance that runs each of this source's pairs (pair p = t * K + k).
+
+    The source's pairs of expert e, in pair order: the first routes_EW[e, 0] run on rank 0, the next
+    routes_EW[e, 1] on rank 1, and so on (routes_EW = plan.routes[source]); the slot is slots_EW[e, rank].
+    """
+    flat_P = expert_ids_TK.reshape(-1).long()
+    n_exp, n_ranks = routes_EW.shape
+    order_P = torch.argsort(flat_P, stable=True)
+    ident_P = torch.arange(flat_P.shape[0], device=flat_P.device)
+    pos_P = torch.empty_like(order_P).scatter_(0, order_P, ident_P)
+    count_E = torch.zeros(n_exp, dtype=torch.int64, device=flat_P.device).index_add_(
+        0, flat_P, torch.ones_like(flat_P)
+    )
+    within_P = pos_P - (torch.cumsum(count_E, 0) - count_E).index_select(0, flat_P)
+    ends_PW = torch.cumsum(routes_EW, 1).index_select(0, flat_P)
+    rank_P = (within_P.unsqueeze(1) >= ends_PW).sum(1).clamp(max=n_ranks - 1)
+    return rank_P, slots_EW[flat_P, rank_P]
 
 
 def split_sizes(counts_WE: torch.Tensor, rank: int, n_ranks: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -150,19 +265,29 @@ def expert_major_order(counts_SL: torch.Tensor, n_rows: int) -> torch.Tensor:
     return torch.argsort(key_N, stable=True)
 
 
-def _host_splits(plan: ExpertParallelPlan, ep: _EPGroup) -> _Splits:
-    # HOST SYNC: the one host read of the EP layer step. The split sizes of all four all-to-alls (forward
-    # dispatch and combine, backward dispatch and input-gradient return) follow from loads and quotas, so one
-    # .tolist() here serves all of them; backward reads nothing from the device.
-    fwd_send, fwd_recv = split_sizes(plan.loads, ep.rank, ep.size)
-    bwd_send, bwd_recv = split_sizes(plan.quotas, ep.rank, ep.size)
-    host = torch.stack([fwd_send, fwd_recv, bwd_send, bwd_recv]).tolist()
+def _host_splits(plan: ExpertParallelPlan, ep: _EPGroup, n_local: int) -> _Splits:
+    # HOST SYNC: the one host read of the EP layer step. The split sizes of every all-to-all of the step (forward
+    # dispatch and combine, backward dispatch and input-gradient return, replica weights and their gradients)
+    # follow from the plan, so one .tolist() here serves all of them; backward reads nothing from the device.
+    rows = [
+        plan.assignment[ep.rank].sum(-1), plan.assignment[:, ep.rank].sum(-1),
+        plan.instance_quotas[ep.rank].sum(-1), plan.instance_quotas[:, ep.rank].sum(-1),
+    ]
+    replicas_WR = plan.instances[:, n_local:]
+    n_rep = replicas_WR.shape[1]
+    if n_rep:
+        owner_WR = torch.where(replicas_WR >= 0, torch.div(replicas_WR, n_local, rounding_mode="floor"), -1)
+        rows.append((owner_WR == ep.rank).sum(1))  # rank w's replicas of experts this rank owns
+        rows.append(torch.nn.functional.one_hot(owner_WR[ep.rank] + 1, ep.size + 1)[:, 1:].sum(0))
+    host = torch.stack(rows).tolist()
     # Under torch.compile this .tolist() gives unbacked SymInts (unknown at trace time): tell the compiler they are
     # row counts (>= 0), else checks such as select_within_quota's `max_rows < 0` cannot be decided while tracing
     # ("Could not guard on data-dependent expression"). In eager they are plain ints and the checks are no-ops.
     for counts in host:
         for n in counts:
             torch._check(n >= 0)
+    if not n_rep:
+        host += [[], []]
     return _Splits(*host)
 
 
@@ -193,42 +318,68 @@ def _unpack(payload_NB: torch.Tensor, dtype: torch.dtype, extra_dtype: torch.dty
     return rows_ND, extra_N
 
 
+def _fetch_replicas(flat_LX: torch.Tensor, plan: ExpertParallelPlan, splits: _Splits, ep: _EPGroup) -> torch.Tensor:
+    """[R, X] weights of this rank's replica slots (zeros in empty slots), fetched from their owners.
+
+    ``flat_LX`` is this rank's owned experts, both weights flattened into one row each, so one all-to-all moves
+    them. The all-to-all is funcol's autograd-aware one: its backward sends each replica's weight gradient back to
+    the owner, and the backward of the owner's index_select sums every replica's gradient into the owned row, so
+    the shard's gradient is the sum over all instances of its experts.
+    """
+    n_local = flat_LX.shape[0]
+    replicas_WR = plan.instances[:, n_local:]
+    n_ranks, n_rep = replicas_WR.shape
+    device = flat_LX.device
+    owner_WR = torch.where(replicas_WR >= 0, torch.div(replicas_WR, n_local, rounding_mode="floor"), n_ranks)
+    # Owner side: the experts others replicate, in (rank, slot) order: the order each receiver expects.
+    slot_WR = torch.arange(n_ranks * n_rep, device=device).view(n_ranks, n_rep)
+    key_WR = torch.where(owner_WR == ep.rank, slot_WR, n_ranks * n_rep)
+    send_slots = torch.argsort(key_WR.reshape(-1), stable=True)[: sum(splits.rep_send)]
+    local_ids = replicas_WR.reshape(-1).index_select(0, send_slots) - ep.rank * n_local
+    send = flat_LX.index_select(0, local_ids)
+    recv = funcol.all_to_all_single(send, splits.rep_recv, splits.rep_send, ep.group)
+    # Receiver side: rows come owner-major, then by slot; put them in their slots.
+    mine_R = owner_WR[ep.rank]
+    key_R = mine_R * n_rep + torch.arange(n_rep, device=device)
+    recv_slots = torch.argsort(key_R, stable=True)[: sum(splits.rep_recv)]
+    return torch.zeros(n_rep, flat_LX.shape[1], dtype=flat_LX.dtype, device=device).index_copy(0, recv_slots, recv)
+
+
 # -------------------------------------------------------------------------------------------- autograd core
 
 
 @dataclass(frozen=True)
 class _Config:
     retain: float
+    dense: bool  # retain 1 and no capacity: every pair is kept, in forward order
     metric: str
     selection: str
     generator: torch.Generator | None
 
 
 class _ExpertParallelSwiGLU(torch.autograd.Function):
-    """Dispatch, local experts, combine; backward selects on the source before the backward all-to-all."""
+    """Dispatch, local instances, combine; backward selects on the source before the backward all-to-all."""
 
     @staticmethod
-    def forward(ctx, x_TD, gate_up_LFD, down_LDF, gates_TK, expert_ids_TK, quotas_WE, uniform_E, probe,
-                loads_WE, cfg: _Config, splits: _Splits, ep: _EPGroup):
-        n_tok, top_k = expert_ids_TK.shape
-        n_local = gate_up_LFD.shape[0]
-        flat_P = expert_ids_TK.reshape(-1).long()
-        # Pairs sorted by expert (stable: pair id within an expert); experts are sharded in contiguous blocks,
-        # so this is also sorted by owner rank: the dispatch send buffer.
-        order_P = torch.argsort(flat_P, stable=True)
+    def forward(ctx, x_TD, gate_up_IFD, down_IDF, gates_TK, group_P, assign_SWI, quotas_SWI, uniform_G, probe,
+                cfg: _Config, splits: _Splits, ep: _EPGroup):
+        n_tok, top_k = gates_TK.shape
+        # Pairs sorted by instance g = w * I + i (stable: pair id within an instance), so by destination rank: the
+        # dispatch send buffer.
+        order_P = torch.argsort(group_P, stable=True)
         tok_P = torch.div(order_P, top_k, rounding_mode="floor")
         x_recv_ND = _all_to_all(x_TD.index_select(0, tok_P), splits.fwd_recv, splits.fwd_send, ep)
 
-        # Received rows are source-major; the grouped GEMMs want them expert-major. The gather is fused into the
+        # Received rows are source-major; the grouped GEMMs want them instance-major. The gather is fused into the
         # first GEMM (rows = the permutation), so x_recv is never copied.
         n_rows = x_recv_ND.shape[0]
-        counts_SL = loads_WE[:, ep.rank * n_local : (ep.rank + 1) * n_local]
-        perm_N = expert_major_order(counts_SL, n_rows)
-        offsets_L = torch.cumsum(counts_SL.sum(0), 0).int()
+        counts_SI = assign_SWI[:, ep.rank]
+        perm_N = expert_major_order(counts_SI, n_rows)
+        offsets_I = torch.cumsum(counts_SI.sum(0), 0).int()
         ident_N = torch.arange(n_rows, device=x_TD.device)
-        h_NF2 = gather_grouped_mm(x_recv_ND, gate_up_LFD, perm_N, offsets_L)
+        h_NF2 = gather_grouped_mm(x_recv_ND, gate_up_IFD, perm_N, offsets_I)
         phi_NF = _swiglu(h_NF2)
-        y_ND = gather_grouped_mm(phi_NF, down_LDF, ident_N, offsets_L)
+        y_ND = gather_grouped_mm(phi_NF, down_IDF, ident_N, offsets_I)
         inv_perm_N = torch.empty_like(perm_N).scatter_(0, perm_N, ident_N)
         phi_sq_N = phi_NF.float().square().sum(-1)
 
@@ -236,7 +387,7 @@ class _ExpertParallelSwiGLU(torch.autograd.Function):
         payload = _pack(y_ND.index_select(0, inv_perm_N), phi_sq_N.index_select(0, inv_perm_N))
         back = _all_to_all(payload, splits.fwd_send, splits.fwd_recv, ep)
         y_PD, phi_sq_P = _unpack(back, x_TD.dtype, torch.float32)
-        ident_P = torch.arange(flat_P.shape[0], device=x_TD.device)
+        ident_P = torch.arange(group_P.shape[0], device=x_TD.device)
         inv_order_P = torch.empty_like(order_P).scatter_(0, order_P, ident_P)
         y_TKD = y_PD.index_select(0, inv_order_P).view(n_tok, top_k, x_TD.shape[1])
         phi_sq_TK = phi_sq_P.index_select(0, inv_order_P).view(n_tok, top_k)
@@ -245,40 +396,39 @@ class _ExpertParallelSwiGLU(torch.autograd.Function):
         ctx.cfg, ctx.splits, ctx.ep = cfg, splits, ep
         ctx.has_probe = probe is not None
         ctx.x_shape = x_TD.shape
-        ctx.save_for_backward(gate_up_LFD, down_LDF, gates_TK, expert_ids_TK, quotas_WE, uniform_E, loads_WE,
+        ctx.save_for_backward(gate_up_IFD, down_IDF, gates_TK, group_P, assign_SWI, quotas_SWI, uniform_G,
                               y_TKD, phi_sq_TK, order_P, inv_order_P, x_recv_ND, h_NF2, inv_perm_N)
         return out_TD
 
     @staticmethod
     def backward(ctx, grad_out_TD):
-        (gate_up_LFD, down_LDF, gates_TK, expert_ids_TK, quotas_WE, uniform_E, loads_WE,
+        (gate_up_IFD, down_IDF, gates_TK, group_P, assign_SWI, quotas_SWI, uniform_G,
          y_TKD, phi_sq_TK, order_P, inv_order_P, x_recv_ND, h_NF2, inv_perm_N) = ctx.saved_tensors
         cfg: _Config = ctx.cfg
         splits: _Splits = ctx.splits
         ep: _EPGroup = ctx.ep
-        n_tok, top_k = expert_ids_TK.shape
-        n_local = gate_up_LFD.shape[0]
+        top_k = gates_TK.shape[1]
+        n_inst = gate_up_IFD.shape[0]
         dtype, device = y_TKD.dtype, y_TKD.device
         g_TD = grad_out_TD
 
         # Exact router gradient, local: dL/d alpha_u = <g_t, y_u>.
         grad_gates_TK = torch.einsum("td,tkd->tk", g_TD.float(), y_TKD.float()).to(gates_TK.dtype)
 
-        # --- source side: score and select own pairs within quotas_WE[rank, e], before any communication.
-        dense = cfg.retain >= 1.0
-        if dense:
-            # Keep every pair, in the forward dispatch order: the owner finds its rows where they were.
+        # --- source side: score and select own pairs within quotas[rank, w, i], before any communication.
+        if cfg.dense:
+            # Keep every pair, in the forward dispatch order: each instance finds its rows where they were.
             pair_R = order_P
             weight_R = torch.ones(order_P.shape[0], device=device)
             mass_kept = torch.ones((), device=device)
         else:
             scores_P = score_pairs(gates_TK, g_TD, phi_sq_TK, metric=cfg.metric, generator=cfg.generator).reshape(-1)
-            # Groups are this rank's (source, expert) pairs; the buffer holds exactly sum_e quotas[rank, e] rows
-            # (every group keeps min(quota, load) = quota), grouped by expert ascending, so by owner rank: its
-            # per-owner blocks are exactly splits.bwd_send.
+            # Groups are this rank's (source, instance) pairs; the buffer holds exactly sum quotas[rank] rows
+            # (every group keeps min(quota, load) = quota), grouped by instance ascending, so by destination rank:
+            # its per-rank blocks are exactly splits.bwd_send.
             sel = select_within_quota(
-                scores_P, expert_ids_TK.reshape(-1), quotas_WE[ep.rank], max_rows=sum(splits.bwd_send),
-                mode=cfg.selection, generator=cfg.generator, uniform_G=uniform_E,
+                scores_P, group_P, quotas_SWI[ep.rank].reshape(-1), max_rows=sum(splits.bwd_send),
+                mode=cfg.selection, generator=cfg.generator, uniform_G=uniform_G,
             )
             pair_R, weight_R = sel.pair_ids, sel.weights
             finite_P = torch.where(torch.isfinite(scores_P), scores_P, 0.0)
@@ -292,45 +442,45 @@ class _ExpertParallelSwiGLU(torch.autograd.Function):
         coef_R = gates_TK.detach().reshape(-1).float().index_select(0, safe_R) * weight_R
         dy_RD = (g_TD.float().index_select(0, tok_R) * coef_R.unsqueeze(1)).to(dtype)
 
-        if dense:
+        fwd_recv_W = assign_SWI[:, ep.rank].sum(-1)  # on device: no host-to-device copy
+        if cfg.dense:
             payload, row_bytes = dy_RD, dy_RD.shape[1] * dy_RD.element_size()
         else:
-            # The owner must find each row's saved forward activations: send the pair's position in the forward
-            # message to its owner (its position in the sorted dispatch buffer minus the owner's block start).
-            fwd_send_W, fwd_recv_W = split_sizes(loads_WE, ep.rank, ep.size)  # on device: no host-to-device copy
+            # The instance must find each row's saved forward activations: send the pair's position in the forward
+            # message to its rank (its position in the sorted dispatch buffer minus that rank's block start).
+            fwd_send_W = assign_SWI[ep.rank].sum(-1)
             start_W = torch.cumsum(fwd_send_W, 0) - fwd_send_W
-            owner_R = torch.div(expert_ids_TK.reshape(-1).long().index_select(0, safe_R), n_local,
-                                rounding_mode="floor")
-            index_R = inv_order_P.index_select(0, safe_R) - start_W.index_select(0, owner_R)
+            dest_R = torch.div(group_P.index_select(0, safe_R), n_inst, rounding_mode="floor")
+            index_R = inv_order_P.index_select(0, safe_R) - start_W.index_select(0, dest_R)
             index_R = torch.where(pair_R >= 0, index_R, 0).int()
             payload = _pack(dy_RD, index_R)
             row_bytes = payload.shape[1]
         recv = _all_to_all(payload, splits.bwd_recv, splits.bwd_send, ep)
 
-        # --- owner side: compact backward over the M retained rows its experts received.
+        # --- instance side: compact backward over the M retained rows this rank's instances received.
         n_kept = recv.shape[0]
-        if dense:
+        if cfg.dense:
             dy_MD = recv
             fwd_row_M = torch.arange(n_kept, device=device)  # the same layout as the forward dispatch
         else:
             dy_MD, index_M = _unpack(recv, dtype, torch.int32)
-            bwd_recv_W = split_sizes(quotas_WE, ep.rank, ep.size)[1]
+            bwd_recv_W = quotas_SWI[:, ep.rank].sum(-1)
             src_M = torch.repeat_interleave(torch.arange(ep.size, device=device), bwd_recv_W, output_size=n_kept)
             fwd_row_M = (torch.cumsum(fwd_recv_W, 0) - fwd_recv_W).index_select(0, src_M) + index_M.long()
-        quota_SL = quotas_WE[:, ep.rank * n_local : (ep.rank + 1) * n_local]
-        perm_M = expert_major_order(quota_SL, n_kept)
-        offsets_L = torch.cumsum(quota_SL.sum(0), 0).int()
-        rows_M = fwd_row_M.index_select(0, perm_M)  # expert-major retained rows -> source-major forward rows
+        quota_SI = quotas_SWI[:, ep.rank]
+        perm_M = expert_major_order(quota_SI, n_kept)
+        offsets_I = torch.cumsum(quota_SI.sum(0), 0).int()
+        rows_M = fwd_row_M.index_select(0, perm_M)  # instance-major retained rows -> source-major forward rows
         ident_M = torch.arange(n_kept, device=device)
 
         dy_em_MD = dy_MD.index_select(0, perm_M)
         h_MF2 = h_NF2.index_select(0, inv_perm_N.index_select(0, rows_M))
         phi_MF = _swiglu(h_MF2)
-        dphi_MF = gather_grouped_mm(dy_em_MD, down_LDF.transpose(1, 2), ident_M, offsets_L)
-        grad_down = grouped_outer(dy_em_MD, phi_MF, ident_M, offsets_L)
+        dphi_MF = gather_grouped_mm(dy_em_MD, down_IDF.transpose(1, 2), ident_M, offsets_I)
+        grad_down = grouped_outer(dy_em_MD, phi_MF, ident_M, offsets_I)
         dh_MF2 = _swiglu_backward(h_MF2, dphi_MF)
-        grad_gu = grouped_outer(dh_MF2, x_recv_ND, rows_M, offsets_L)
-        dx_em_MD = gather_grouped_mm(dh_MF2, gate_up_LFD.transpose(1, 2), ident_M, offsets_L)
+        grad_gu = grouped_outer(dh_MF2, x_recv_ND, rows_M, offsets_I)
+        dx_em_MD = gather_grouped_mm(dh_MF2, gate_up_IFD.transpose(1, 2), ident_M, offsets_I)
         # Return the input-gradient rows in the order they arrived (the reverse of the backward dispatch).
         dx_MD = torch.empty_like(dx_em_MD).index_copy_(0, perm_M, dx_em_MD)
         dx_RD = _all_to_all(dx_MD, splits.bwd_send, splits.bwd_recv, ep)
@@ -350,7 +500,7 @@ class _ExpertParallelSwiGLU(torch.autograd.Function):
             grad_probe = torch.stack(
                 [mass_kept.double()] + [torch.full((), v, dtype=torch.float64, device=device) for v in host]
             )
-        return grad_x, grad_gu, grad_down, grad_gates_TK, None, None, None, grad_probe, None, None, None, None
+        return grad_x, grad_gu, grad_down, grad_gates_TK, None, None, None, None, grad_probe, None, None, None
 
 
 # ------------------------------------------------------------------------------------------------ the module
@@ -360,10 +510,18 @@ class _ExpertParallelSwiGLU(torch.autograd.Function):
 class ExpertParallelStats:
     """Per-step statistics of an expert-parallel LRMoE layer, as tensors (no sync until read).
 
-    loads [W, E], quotas [W, E] int64: the last forward's global plan (same on every rank).
+    loads [W, E], quotas [W, E] int64: the last forward's global plan (same on every rank); quotas summed over
+        each expert's instances.
+    instances [W, I], assignment [W, W, I], instance_quotas [W, W, I] int64: placement, forward rows and backward
+        quotas per (source, rank, slot) (ExpertParallelPlan); capacity [W] int64: the backward capacity per rank,
+        -1 without ``capacity_factor``.
+    rank_loads [W], rank_backward_loads [W] int64: rows each rank's instances take in forward, and in backward
+        after calibration (the per-rank load before and after).
     total_pairs, retained_pairs: 0-d int64, global (all ranks), last forward.
     dispatch_bytes, combine_bytes: 0-d int64, bytes this rank sent to its peers in the last forward's dispatch
         (x rows) and combine (y rows + fp32 ||phi||^2) all-to-alls; the chunk to itself is a local copy, not counted.
+    replica_bytes, replica_grad_bytes: 0-d int64, bytes of expert weights this rank sent to replicas in the last
+        forward, and of replica weight gradients it sends back to owners in its backward.
     backward_dispatch_bytes, backward_combine_bytes: 0-d fp64, bytes this rank sent to its peers in the backward
         dispatch (retained alpha*g rows, plus a 4-byte row index when retain < 1) and input-gradient return, summed
         over the backward passes since ``reset_stats()``.
@@ -374,10 +532,18 @@ class ExpertParallelStats:
 
     loads: torch.Tensor
     quotas: torch.Tensor
+    instances: torch.Tensor
+    assignment: torch.Tensor
+    instance_quotas: torch.Tensor
+    capacity: torch.Tensor
+    rank_loads: torch.Tensor
+    rank_backward_loads: torch.Tensor
     total_pairs: torch.Tensor
     retained_pairs: torch.Tensor
     dispatch_bytes: torch.Tensor
     combine_bytes: torch.Tensor
+    replica_bytes: torch.Tensor
+    replica_grad_bytes: torch.Tensor
     backward_dispatch_bytes: torch.Tensor
     backward_combine_bytes: torch.Tensor
     local_retained_pairs: torch.Tensor
@@ -389,11 +555,28 @@ class ExpertParallelStats:
         return self.retained_pairs.float() / self.total_pairs.clamp(min=1).float()
 
 
+@dataclass(frozen=True)
+class _Replication:
+    """Replica and capacity settings of an expert-parallel layer (Python values, fixed at parallelisation)."""
+
+    max_replicas: int
+    capacity_factor: float | None
+    placement_policy: PlacementPolicy
+
+
 class ExpertParallel(ParallelStyle):
     """Shard an :class:`LRMoE` layer's experts over an EP mesh: ``parallelize_module(layer, mesh, ExpertParallel())``.
 
     Args:
         mesh_dim_name: the EP dimension of a multi-dimensional mesh (e.g. ``"ep"``); None for a 1-D mesh.
+        max_replicas: replica slots per rank (R): every step, the placement policy may put up to R replicas of hot
+            experts on each rank; 0 (default) = owners only. At most E - E/W (the experts a rank does not own).
+        capacity_factor: backward capacity per rank, as a multiple of the balanced share: each rank's instances
+            take at most ceil(capacity_factor * floor(retain * pairs) / W) rows in backward; None = no limit.
+            Must be >= 1: with less, the ranks together could not hold the budget. Capacity is a hard limit: a
+            rank whose min_retain floors exceed it keeps a waterfilled share of them (``plan_quotas``).
+        placement_policy: ``(loads_WE, max_replicas) -> replicas_WR`` (see lrmoe.functional.replicas); must be
+            deterministic. Default :func:`~lrmoe.functional.place_hot_replicas`.
 
     Expert parameters become DTensors ``Shard(0)`` (rank w holds experts [w*E/W, (w+1)*E/W)); the router stays a
     plain replicated tensor. Parameters are replaced, so build the optimiser afterwards. With
@@ -402,24 +585,58 @@ class ExpertParallel(ParallelStyle):
     ``layer.stats()`` returns :class:`ExpertParallelStats`.
 
     Errors: a module that is not an LRMoE or is already expert-parallel, a mesh of more than one dimension without
-    ``mesh_dim_name``, an unknown ``mesh_dim_name``, and ``num_experts % W != 0``.
+    ``mesh_dim_name``, an unknown ``mesh_dim_name``, ``num_experts % W != 0``, and bad ``max_replicas``,
+    ``capacity_factor`` or ``placement_policy``.
     """
 
-    def __init__(self, *, mesh_dim_name: str | None = None):
+    def __init__(
+        self,
+        *,
+        mesh_dim_name: str | None = None,
+        max_replicas: int = 0,
+        capacity_factor: float | None = None,
+        placement_policy: PlacementPolicy = place_hot_replicas,
+    ):
         super().__init__()
+        if not isinstance(max_replicas, int) or isinstance(max_replicas, bool) or max_replicas < 0:
+            raise ValueError(f"max_replicas must be a non-negative int, got {max_replicas!r}")
+        if capacity_factor is not None:
+            if isinstance(capacity_factor, bool) or not isinstance(capacity_factor, (int, float)):
+                raise TypeError(f"capacity_factor must be a float >= 1 or None, got {type(capacity_factor).__name__}")
+            if not capacity_factor >= 1.0 or math.isinf(capacity_factor):
+                raise ValueError(
+                    f"capacity_factor must be a finite float >= 1, got {capacity_factor}: W ranks of capacity "
+                    "capacity_factor * budget / W must together hold the budget"
+                )
+        if not callable(placement_policy):
+            raise TypeError(f"placement_policy must be callable (loads_WE, max_replicas) -> replicas_WR, got "
+                            f"{type(placement_policy).__name__}")
         self.mesh_dim_name = mesh_dim_name
+        self.replication = _Replication(max_replicas, capacity_factor, placement_policy)
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         if not isinstance(module, LRMoE):
             raise TypeError(f"ExpertParallel applies to lrmoe.nn.LRMoE layers, got {type(module).__name__}")
         if isinstance(module, _ExpertParallelMixin):
             raise ValueError("this LRMoE layer is already expert-parallel")
+        if module.activations != "save":
+            raise NotImplementedError(
+                f"ExpertParallel supports activations='save' only for now, got activations={module.activations!r}"
+            )
         ep_mesh = self._ep_mesh(device_mesh)
         n_ranks = ep_mesh.size()
         if module.num_experts % n_ranks:
             raise ValueError(
                 f"num_experts={module.num_experts} is not divisible by the EP mesh size W={n_ranks}; every rank "
                 "must own the same number of experts (E % W == 0)"
+            )
+        rep = self.replication
+        n_local = module.num_experts // n_ranks
+        if rep.max_replicas > module.num_experts - n_local:
+            raise ValueError(
+                f"max_replicas={rep.max_replicas} exceeds the {module.num_experts - n_local} experts a rank does "
+                f"not own (E - E/W with E={module.num_experts}, W={n_ranks}); a rank holds at most one instance of "
+                "an expert"
             )
         for name in ("gate_up_proj", "down_proj"):
             param = getattr(module.experts, name)
@@ -431,14 +648,20 @@ class ExpertParallel(ParallelStyle):
         module.__class__ = _ep_class(type(module))
         module.ep_mesh = ep_mesh
         module._ep = _EPGroup(group=ep_mesh.get_group(), rank=ep_mesh.get_local_rank(), size=n_ranks)
+        module._replication = rep
         device = module.last_loads.device
-        n_exp = module.num_experts
-        module.register_buffer("ep_loads", torch.zeros(n_ranks, n_exp, dtype=torch.int64, device=device),
-                               persistent=False)
-        module.register_buffer("ep_quotas", torch.zeros(n_ranks, n_exp, dtype=torch.int64, device=device),
-                               persistent=False)
-        module.register_buffer("ep_forward_bytes", torch.zeros(2, dtype=torch.int64, device=device),
-                               persistent=False)
+        n_exp, n_inst = module.num_experts, n_local + rep.max_replicas
+
+        def buffer(name, *shape):
+            module.register_buffer(name, torch.zeros(*shape, dtype=torch.int64, device=device), persistent=False)
+
+        buffer("ep_loads", n_ranks, n_exp)
+        buffer("ep_quotas", n_ranks, n_exp)
+        buffer("ep_instances", n_ranks, n_inst)
+        buffer("ep_assignment", n_ranks, n_ranks, n_inst)
+        buffer("ep_instance_quotas", n_ranks, n_ranks, n_inst)
+        buffer("ep_capacity", n_ranks)
+        buffer("ep_forward_bytes", 4)  # dispatch, combine, replica weights, replica weight gradients
         module._stats_probe = torch.zeros(module._probe_size, dtype=module._probe_dtype, device=device,
                                           requires_grad=True)
         return module
@@ -473,13 +696,14 @@ class _ExpertParallelMixin:
 
     ep_mesh: DeviceMesh
     _ep: _EPGroup
+    _replication: _Replication
     _probe_size = N_EP_BACKWARD_STATS
     _probe_dtype = torch.float64  # byte counts stay exact past 2**24
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up, down = self.experts.gate_up_proj, self.experts.down_proj
         self._check_input(x)
-        ep = self._ep
+        ep, rep = self._ep, self._replication
         x_TD = x.reshape(-1, self.dim)
         routing = route_topk(
             self.gate(x_TD), self.top_k, score_func=self.score_func, norm_topk_prob=self.norm_topk_prob
@@ -489,27 +713,69 @@ class _ExpertParallelMixin:
         # The tiny [W, E] load matrix, all-gathered (no host sync), then the same plan on every rank.
         loads_E = expert_loads(routing.expert_ids, self.num_experts)
         loads_WE = funcol.wait_tensor(funcol.all_gather_single(loads_E, 0, ep.group)).view(ep.size, -1)
-        quotas_WE = plan_expert_parallel(loads_WE, self.retain, min_retain=self.min_retain, policy=self.policy)
-        uniform_E = None
-        if probe is not None and self.selection == "sample" and self.retain < 1.0:
-            # This rank's uniforms, one draw of [E] from the layer's generator (the global RNG when None).
-            uniform_E = torch.rand(self.num_experts, generator=self.generator, device=x.device)
-        plan = ExpertParallelPlan(loads=loads_WE, quotas=quotas_WE, uniform=uniform_E)
-        splits = _host_splits(plan, ep)  # the one host synchronisation of this layer step
+        plan = plan_expert_parallel(
+            loads_WE, self.retain, min_retain=self.min_retain, policy=self.policy, max_replicas=rep.max_replicas,
+            capacity_factor=rep.capacity_factor, placement_policy=rep.placement_policy,
+        )
+        n_local = self.num_experts // ep.size
+        n_inst = plan.instances.shape[1]
+        dense = self.retain >= 1.0 and rep.capacity_factor is None
+        if probe is not None and self.selection == "sample" and not dense:
+            # This rank's uniforms, one draw of [G] (one per instance; G = E without replicas) from the layer's
+            # generator (the global RNG when None).
+            uniform_G = torch.rand(ep.size * n_inst, generator=self.generator, device=x.device)
+            plan = replace(plan, uniform=uniform_G)
+        splits = _host_splits(plan, ep, n_local)  # the one host synchronisation of this layer step
+
+        # Which instance runs each of this rank's pairs: g = w * I + i.
+        slots_EW = instance_slots(plan.instances, self.num_experts)
+        rank_P, slot_P = pair_destinations(routing.expert_ids, plan.routes[ep.rank], slots_EW)
+        group_P = rank_P * n_inst + slot_P
+
+        gate_up_LFD, down_LDF = gate_up.to_local(), down.to_local()
+        weight_bytes = 0
+        if rep.max_replicas and torch.compiler.is_compiling():
+            # Compiled, the ranks of a 2-rank gloo test issued their all-to-alls with mismatched sizes (a collective
+            # order or split mismatch not diagnosed yet); fail at trace time rather than hang or abort a job.
+            raise NotImplementedError(
+                "torch.compile of an expert-parallel layer with max_replicas > 0 is not supported yet; compile "
+                "with max_replicas=0 (capacity_factor works) or run this layer eagerly"
+            )
+        if rep.max_replicas:
+            # Replica weights from their owners, differentiably: their gradients return and sum into the shards.
+            flat_LX = torch.cat([gate_up_LFD.reshape(n_local, -1), down_LDF.reshape(n_local, -1)], dim=1)
+            flat_RX = _fetch_replicas(flat_LX, plan, splits, ep)
+            n_gu = gate_up_LFD[0].numel()
+            gate_up_IFD = torch.cat([gate_up_LFD, flat_RX[:, :n_gu].view(-1, *gate_up_LFD.shape[1:])])
+            down_IDF = torch.cat([down_LDF, flat_RX[:, n_gu:].view(-1, *down_LDF.shape[1:])])
+            weight_bytes = flat_LX.shape[1] * flat_LX.element_size()
+        else:
+            gate_up_IFD, down_IDF = gate_up_LFD, down_LDF
 
         row_bytes = self.dim * x.element_size()
         with torch.no_grad():
             self.ep_loads.copy_(loads_WE)
-            self.ep_quotas.copy_(quotas_WE)
+            self.ep_quotas.copy_(plan.quotas)
+            self.ep_instances.copy_(plan.instances)
+            self.ep_assignment.copy_(plan.assignment)
+            self.ep_instance_quotas.copy_(plan.instance_quotas)
+            if plan.capacity is None:
+                self.ep_capacity.fill_(-1)
+            else:
+                self.ep_capacity.copy_(plan.capacity)
             self.last_loads.copy_(loads_WE.sum(0))
-            self.last_quotas.copy_(quotas_WE.sum(0))
+            self.last_quotas.copy_(plan.quotas.sum(0))
             self.ep_forward_bytes[0].fill_(_peer_bytes(splits.fwd_send, row_bytes, ep.rank))
             self.ep_forward_bytes[1].fill_(_peer_bytes(splits.fwd_recv, row_bytes + _EXTRA_BYTES, ep.rank))
+            if rep.max_replicas:
+                self.ep_forward_bytes[2].fill_(_peer_bytes(splits.rep_send, weight_bytes, ep.rank))
+                self.ep_forward_bytes[3].fill_(_peer_bytes(splits.rep_recv, weight_bytes, ep.rank))
 
-        cfg = _Config(retain=self.retain, metric=self.metric, selection=self.selection, generator=self.generator)
+        cfg = _Config(retain=self.retain, dense=dense, metric=self.metric, selection=self.selection,
+                      generator=self.generator)
         out_TD = _ExpertParallelSwiGLU.apply(
-            x_TD, gate_up.to_local(), down.to_local(), routing.gates.to(x.dtype), routing.expert_ids, quotas_WE,
-            uniform_E, probe, loads_WE, cfg, splits, ep,
+            x_TD, gate_up_IFD, down_IDF, routing.gates.to(x.dtype), group_P, plan.assignment, plan.instance_quotas,
+            plan.uniform, probe, cfg, splits, ep,
         )
         return out_TD.view(x.shape)
 
@@ -522,10 +788,18 @@ class _ExpertParallelMixin:
         return ExpertParallelStats(
             loads=self.ep_loads.clone(),
             quotas=self.ep_quotas.clone(),
+            instances=self.ep_instances.clone(),
+            assignment=self.ep_assignment.clone(),
+            instance_quotas=self.ep_instance_quotas.clone(),
+            capacity=self.ep_capacity.clone(),
+            rank_loads=self.ep_assignment.sum((0, 2)),
+            rank_backward_loads=self.ep_instance_quotas.sum((0, 2)),
             total_pairs=self.ep_loads.sum(),
             retained_pairs=self.ep_quotas.sum(),
             dispatch_bytes=self.ep_forward_bytes[0].clone(),
             combine_bytes=self.ep_forward_bytes[1].clone(),
+            replica_bytes=self.ep_forward_bytes[2].clone(),
+            replica_grad_bytes=self.ep_forward_bytes[3].clone(),
             backward_dispatch_bytes=acc[2].clone(),
             backward_combine_bytes=acc[3].clone(),
             local_retained_pairs=acc[1].clone(),

@@ -179,6 +179,8 @@ def _configurations(rank, world):
         parallelize_module(LRMoE(D, FF, world + 1, K), mesh, ExpertParallel())
     with pytest.raises(TypeError, match="LRMoE"):
         parallelize_module(torch.nn.Linear(D, D), mesh, ExpertParallel())
+    with pytest.raises(NotImplementedError, match="activations"):
+        parallelize_module(LRMoE(D, FF, E, K, activations="recompute"), mesh, ExpertParallel())
     twice = parallelize_module(LRMoE(D, FF, E, K), mesh, ExpertParallel())
     with pytest.raises(ValueError, match="already"):
         parallelize_module(twice, mesh, ExpertParallel())

@@ -1,4 +1,5 @@
-"""torch.compile(fullgraph=True) of an expert-parallel LRMoE layer on 2 gloo CPU ranks gives the eager values.
+"""torch.compile(fullgraph=True) of an expert-parallel LRMoE layer (with a binding backward capacity) on 2 gloo CPU
+ranks gives the eager values.
 
 The split sizes of the all-to-alls are read on the host (``_host_splits``, a ``.tolist()``); with
 ``capture_scalar_outputs`` they become unbacked SymInts, so the layer compiles as one graph with no graph break,
@@ -29,9 +30,15 @@ def _compiled_matches_eager(rank, world):
     mesh = init_device_mesh("cpu", (world,))
     torch.manual_seed(0)
     ref = LRMoE(D, FF, E, K, retain=0.75, selection="top")
+    # Experts 0 and 1 (rank 0's) take most tokens, so the backward capacity binds and shapes the quotas. (Replicas
+    # do not compile yet: lrmoe/nn/expert_parallel.py raises NotImplementedError while tracing.)
+    shift = 2 * torch.nn.functional.normalize(torch.randn(D), dim=0)
+    with torch.no_grad():
+        ref.gate.weight[:2] += 2 * shift
+    style = {"capacity_factor": 1.0}
     # Two copies of one layer (an expert-parallel layer holds a process group, so it cannot be deep-copied).
-    layer = parallelize_module(copy.deepcopy(ref), mesh, ExpertParallel())
-    eager = parallelize_module(copy.deepcopy(ref), mesh, ExpertParallel())
+    layer = parallelize_module(copy.deepcopy(ref), mesh, ExpertParallel(**style))
+    eager = parallelize_module(copy.deepcopy(ref), mesh, ExpertParallel(**style))
     # error_on_recompile: the second step has other loads, so other split sizes; they are unbacked SymInts, not
     # guarded constants, so the compiled graph must serve it as is.
     loads = []
@@ -39,7 +46,7 @@ def _compiled_matches_eager(rank, world):
         compiled = torch.compile(layer, fullgraph=True)
         for step in range(2):
             torch.manual_seed(100 * step + rank)
-            x, c = torch.randn(tokens_of(rank), D), torch.randn(tokens_of(rank), D)
+            x, c = torch.randn(tokens_of(rank), D) + shift, torch.randn(tokens_of(rank), D)
             got = forward_backward(compiled, x, c)
             want = forward_backward(eager, x, c)
             names = ["output", "input grad", "router grad", "gate_up_proj grad", "down_proj grad"]
@@ -55,10 +62,15 @@ def _compiled_matches_eager(rank, world):
             torch.testing.assert_close(s_got.backward_dispatch_bytes, s_want.backward_dispatch_bytes)
             torch.testing.assert_close(s_got.local_retained_pairs, s_want.local_retained_pairs)
             assert float(s_got.backward_calls) == float(s_want.backward_calls) == step + 1
+            assert torch.equal(s_got.instances, s_want.instances)
+            assert torch.equal(s_got.instance_quotas, s_want.instance_quotas)
+            assert torch.equal(s_got.capacity, s_want.capacity)
+            assert (s_got.rank_backward_loads <= s_got.capacity).all()
             loads.append(s_got.loads)
     # The two steps had different loads, so different split sizes: the no-recompile check is meaningful.
     assert not torch.equal(loads[0], loads[1])
 
 
-def test_compiled_expert_parallel_equals_eager_at_retain_075():
+def test_compiled_expert_parallel_with_capacity_equals_eager_at_retain_075():
     run_ranks(2, _compiled_matches_eager)
+

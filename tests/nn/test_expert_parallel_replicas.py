@@ -1,0 +1,283 @@
+"""ExpertParallel with replicas and a backward capacity (lrmoe/nn/expert_parallel.py) on 2 and 4 gloo CPU ranks.
+
+The contract: with ``max_replicas`` and ``capacity_factor``, an expert-parallel step still equals the single-device
+LRMoE step on the gathered batch under the same global plan. The plan (placement, forward assignment, per-instance
+quotas) is read from the layer's statistics; the reference rebuilds from it, by the documented rule, which instance
+ran each pair (a source's pairs of expert e in pair order: the first routes[s, e, 0] on rank 0, the next on rank 1,
+...), and groups pairs by (source, instance) with the planned quotas. Every expert shard's gradient must then be
+the sum of its owner's and its replicas' contributions. Also: each rank's backward rows stay within its capacity,
+backward all-to-all rows are the retained rows, and bad configurations raise errors naming the argument.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor.parallel import parallelize_module
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from ep_harness import run_ranks
+from lrmoe.functional import ExpertPlan, place_hot_replicas, plan_quotas, route_topk, selective_swiglu_experts
+from lrmoe.nn import ExpertParallel, LRMoE
+
+D, FF, E, K = 8, 6, 8, 2
+
+
+def tokens_of(rank: int) -> int:
+    return 10 + 3 * rank
+
+
+def skewed_layer(retain, selection, seed, min_retain=0.0):
+    """A layer whose router sends most tokens to experts 0 and 1, both owned by rank 0 (x shifted along the
+    direction they favour), so rank 0 would be overloaded without replicas and the hot-expert policy places some."""
+    torch.manual_seed(seed)
+    u = torch.nn.functional.normalize(torch.randn(D), dim=0)
+    layer = LRMoE(D, FF, E, K, retain=retain, selection=selection, min_retain=min_retain)
+    with torch.no_grad():
+        layer.gate.weight[:2] += 4 * u
+    return layer, u
+
+
+def reference_forward(layer: LRMoE, x_TD, token_counts, stats, uniform_SG=None):
+    """The single-device step on the gathered batch, pairs grouped by (source, instance) with the EP plan's
+    quotas. Pseudo-source x = s * W + w stands for "source s, run on rank w"."""
+    n_src = len(token_counts)
+    inst_WI = stats.instances
+    n_ranks, n_inst = inst_WI.shape
+    routing = route_topk(layer.gate(x_TD), layer.top_k, score_func=layer.score_func,
+                         norm_topk_prob=layer.norm_topk_prob)
+    slot = {(int(inst_WI[w, i]), w): i for w in range(n_ranks) for i in range(n_inst) if inst_WI[w, i] >= 0}
+    n_x = n_src * n_ranks
+    loads_XE = torch.zeros(n_x, E, dtype=torch.int64)
+    quotas_XE = torch.zeros(n_x, E, dtype=torch.int64)
+    uniform_XE = torch.zeros(n_x, E)
+    for s in range(n_src):
+        for w in range(n_ranks):
+            for e in range(E):
+                if (e, w) in slot:
+                    i = slot[(e, w)]
+                    loads_XE[s * n_ranks + w, e] = stats.assignment[s, w, i]
+                    quotas_XE[s * n_ranks + w, e] = stats.instance_quotas[s, w, i]
+                    if uniform_SG is not None:
+                        uniform_XE[s * n_ranks + w, e] = uniform_SG[s][w * n_inst + i]
+    # Which rank ran each pair, by the documented rule, walking each source's pairs in order.
+    ids = routing.expert_ids
+    group_TK = torch.empty_like(ids)
+    start = 0
+    for s, n in enumerate(token_counts):
+        seen = [0] * E
+        for t in range(start, start + n):
+            for k in range(layer.top_k):
+                e = int(ids[t, k])
+                j, seen[e] = seen[e], seen[e] + 1
+                w = 0
+                while j >= sum(int(loads_XE[s * n_ranks + v, e]) for v in range(w + 1)):
+                    w += 1
+                group_TK[t, k] = e * n_x + s * n_ranks + w
+        start += n
+    plan = ExpertPlan(loads=loads_XE, quotas=quotas_XE, uniform=uniform_XE if uniform_SG is not None else None,
+                      group_ids=group_TK)
+    return selective_swiglu_experts(
+        x_TD, layer.experts.gate_up_proj, layer.experts.down_proj, ids, routing.gates.to(x_TD.dtype),
+        retain=layer.retain, metric=layer.metric, selection=layer.selection, policy=layer.policy,
+        min_retain=layer.min_retain, plan=plan,
+    )
+
+
+def _matches_reference(rank, world, configs):
+    mesh = init_device_mesh("cpu", (world,))
+    counts = [tokens_of(r) for r in range(world)]
+    start = sum(counts[:rank])
+    rows = slice(start, start + counts[rank])
+    n_local = E // world
+    for retain, selection, capacity_factor, seed in configs:
+        ref, u = skewed_layer(retain, selection, seed)
+        x_all = torch.randn(sum(counts), D) + 2 * u
+        c_all = torch.randn(sum(counts), D)
+        style = ExpertParallel(max_replicas=2, capacity_factor=capacity_factor)
+        layer = parallelize_module(copy.deepcopy(ref), mesh, style)
+        layer.generator = torch.Generator().manual_seed(1000 + rank)
+
+        x = x_all[rows].clone().requires_grad_(True)
+        out = layer(x)
+        (out * c_all[rows]).sum().backward()
+        stats = layer.stats()
+        n_inst = stats.instances.shape[1]
+
+        # The plan is sane and is the one the policy gives on the gathered loads.
+        assert torch.equal(stats.instances[:, n_local:], place_hot_replicas(stats.loads, 2))
+        assert torch.equal(stats.assignment.sum((1, 2)), stats.loads.sum(1))
+        assert (stats.instance_quotas <= stats.assignment).all()
+        # Replicas exist and ran pairs: the test exercises them.
+        assert int(stats.assignment[:, :, n_local:].sum()) > 0
+
+        uniform_SG = None
+        if selection == "sample" and retain < 1.0:  # rank s draws its [G] uniforms once from its generator
+            uniform_SG = [torch.rand(world * n_inst, generator=torch.Generator().manual_seed(1000 + s))
+                          for s in range(world)]
+        xr = x_all.clone().requires_grad_(True)
+        ref_out = reference_forward(ref, xr, counts, stats, uniform_SG)
+        (ref_out * c_all).sum().backward()
+
+        where = f"rank {rank} retain {retain} {selection} cf {capacity_factor}"
+        tol = {"rtol": 1e-5, "atol": 1e-5, "msg": lambda m, where=where: f"{where}: {m}"}
+        torch.testing.assert_close(out, ref_out[rows], **tol)
+        torch.testing.assert_close(x.grad, xr.grad[rows], **tol)
+        router = layer.gate.weight.grad.clone()
+        dist.all_reduce(router)
+        torch.testing.assert_close(router, ref.gate.weight.grad, **tol)
+        experts = slice(rank * n_local, (rank + 1) * n_local)
+        for name in ("gate_up_proj", "down_proj"):
+            grad = getattr(layer.experts, name).grad
+            assert grad.placements[0].is_shard(0)
+            torch.testing.assert_close(grad.to_local(), getattr(ref.experts, name).grad[experts], **tol)
+
+        total = sum(counts) * K
+        if capacity_factor is None:
+            assert int(stats.retained_pairs) == math.floor(retain * total)
+        else:
+            cap = math.ceil(capacity_factor * math.floor(retain * total) / world)
+            assert stats.capacity.tolist() == [cap] * world
+            assert (stats.rank_backward_loads <= cap).all()
+
+
+CONFIGS = [(1.0, "top", None, 0), (0.75, "top", None, 1), (0.75, "sample", None, 2), (0.75, "top", 1.0, 3),
+           (0.75, "sample", 1.0, 4)]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_replicas_match_single_device_under_the_same_plan(world):
+    run_ranks(world, _matches_reference, CONFIGS)
+
+
+# ------------------------------------------------------------------------------------- capacity and payloads
+
+
+class RecordAllToAll(TorchDispatchMode):
+    """Split sizes and row bytes of every all-to-all (the functional collective op), in call order."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops._c10d_functional.all_to_all_single.default:
+            payload, recv, send = args[0], args[1], args[2]
+            self.calls.append((list(send), list(recv), payload.shape[1] * payload.element_size()))
+        return func(*args, **(kwargs or {}))
+
+
+def _capacity_and_payloads(rank, world, max_replicas, capacity_factor, retain):
+    mesh = init_device_mesh("cpu", (world,))
+    base, u = skewed_layer(retain, "top", 0)
+    layer = parallelize_module(base, mesh, ExpertParallel(max_replicas=max_replicas,
+                                                          capacity_factor=capacity_factor))
+    torch.manual_seed(10 + rank)
+    x = (torch.randn(48, D) + 2 * u).requires_grad_(True)
+    with RecordAllToAll() as fwd:
+        out = layer(x)
+    with RecordAllToAll() as bwd:
+        out.square().sum().backward()
+    stats = layer.stats()
+    row = D * 4
+    weight_row = (2 * FF * D + D * FF) * 4
+    # Forward: replica weights (with replicas), then dispatch and combine; backward: retained rows, input-gradient
+    # rows, then the replica weight gradients back to their owners.
+    fwd_rows = [c for c in fwd.calls if c[2] != weight_row]
+    (d_send, d_recv, d_bytes), _ = fwd_rows
+    bwd_rows = [c for c in bwd.calls if c[2] != weight_row]
+    (b_send, b_recv, b_bytes), _ = bwd_rows
+    assert d_bytes == row and b_bytes == row + 4
+    if max_replicas:
+        (w_send, w_recv, _), = [c for c in fwd.calls if c[2] == weight_row]
+        (g_send, g_recv, _), = [c for c in bwd.calls if c[2] == weight_row]
+        assert (g_send, g_recv) == (w_recv, w_send)  # gradients go back the way the weights came
+        assert int(stats.replica_bytes) == weight_row * (sum(w_send) - w_send[rank])
+        assert int(stats.replica_grad_bytes) == weight_row * (sum(g_send) - g_send[rank])
+        n_rep = int((stats.instances[rank, E // world:] >= 0).sum())
+        assert sum(w_recv) == n_rep
+
+    # Rows entering this rank's expert backward: within its capacity, computed here from the documented formula.
+    P = int(stats.loads.sum())
+    budget = math.floor(retain * P)
+    cap = math.ceil(capacity_factor * budget / world)
+    assert sum(b_recv) == int(stats.rank_backward_loads[rank]) <= cap
+    assert sum(d_recv) == int(stats.rank_loads[rank])
+
+    # Globally: backward rows are the budget, or what the capacities can hold when pairs return to the instance
+    # that ran them: sum over ranks of min(capacity, forward rows). Backward bytes per row are constant, so they
+    # fall in proportion to the retained rows.
+    sent = torch.tensor([sum(d_send), sum(b_send), sum(b_recv)], dtype=torch.float64)
+    dist.all_reduce(sent)
+    holdable = sum(min(cap, int(n)) for n in stats.rank_loads)
+    assert sent[0] == P and sent[1] == sent[2] == min(budget, holdable)
+    if max_replicas:
+        # Replicas spread the forward load, so the capacities hold the whole budget.
+        assert holdable >= budget
+    else:
+        # Without replicas the hot owner's capacity cuts the budget: what replicas are for.
+        assert holdable < budget
+    # The capacity bound: the same layer's quotas without capacity would have overloaded some rank.
+    G = stats.assignment.shape[1] * stats.assignment.shape[2]
+    uncapped = plan_quotas(stats.assignment.reshape(world, G), retain).view_as(stats.assignment).sum((0, 2))
+    assert int(uncapped.max()) > cap, (uncapped.tolist(), cap)
+
+
+@pytest.mark.parametrize("world, max_replicas", [(2, 0), (4, 1)])
+def test_backward_load_within_capacity_and_bytes_follow_retained_rows(world, max_replicas):
+    run_ranks(world, _capacity_and_payloads, max_replicas, 1.0, 0.5)
+
+
+# ------------------------------------------------------------------------------------------------ bad configs
+
+
+@pytest.mark.parametrize(
+    "kwargs, exc, name",
+    [
+        ({"max_replicas": -1}, ValueError, "max_replicas"),
+        ({"max_replicas": 1.5}, ValueError, "max_replicas"),
+        ({"capacity_factor": 0.5}, ValueError, "capacity_factor"),  # too small to hold the budget
+        ({"capacity_factor": float("nan")}, ValueError, "capacity_factor"),
+        ({"capacity_factor": "2"}, TypeError, "capacity_factor"),
+        ({"placement_policy": "hot"}, TypeError, "placement_policy"),
+    ],
+)
+def test_style_arguments_are_checked(kwargs, exc, name):
+    with pytest.raises(exc, match=name):
+        ExpertParallel(**kwargs)
+
+
+def _configurations(rank, world):
+    mesh = init_device_mesh("cpu", (world,))
+    # A rank holds at most one instance of an expert: E - E/W replicas at most.
+    with pytest.raises(ValueError, match="max_replicas"):
+        parallelize_module(LRMoE(D, FF, E, K), mesh, ExpertParallel(max_replicas=E - E // world + 1))
+    # A placement policy that returns the wrong shape.
+    bad = parallelize_module(LRMoE(D, FF, E, K), mesh,
+                             ExpertParallel(max_replicas=1, placement_policy=lambda loads, r: loads[:, :r + 1]))
+    with pytest.raises(ValueError, match="placement_policy"):
+        bad(torch.randn(4, D))
+    # A replaceable policy: "no replicas" gives the owners-only layer, bit for bit.
+    torch.manual_seed(0)
+    base = LRMoE(D, FF, E, K, retain=0.5, selection="top")
+    torch.manual_seed(1 + rank)
+    x, c = torch.randn(12, D), torch.randn(12, D)
+    results = []
+    for style in (ExpertParallel(), ExpertParallel(max_replicas=1, placement_policy=lambda loads, r: torch.full(
+            (loads.shape[0], r), -1, dtype=torch.int64))):
+        layer = parallelize_module(copy.deepcopy(base), mesh, style)
+        xi = x.clone().requires_grad_(True)
+        out = layer(xi)
+        (out * c).sum().backward()
+        results.append([out, xi.grad, layer.experts.down_proj.grad.to_local(), layer.stats().quotas])
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_configurations_with_replicas():
+    run_ranks(2, _configurations)
