@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from lrmoe.functional._checks import check_choice, check_tensor
-from lrmoe.ops.selection import MODES, group_sizes, nan_as_inf, probabilities
+from lrmoe.ops.selection import MODES, group_sizes, nan_as_inf, probabilities, select_within_quota_reference
 from lrmoe.ops.selection import select_within_quota as select_within_quota_op
 
 __all__ = ["Selection", "select_within_quota", "inclusion_probabilities", "MODES"]
@@ -87,7 +87,13 @@ def select_within_quota(
         uniform_G = torch.rand(quotas_G.shape[0], generator=generator, device=scores_P.device)
     # One custom op: the reference on CPU, Triton kernels on CUDA. The selection is not differentiated, so the
     # scores are detached: callers may pass tensors that require grad.
-    pair_ids_R, weights_R, counts_G, offsets_G = select_within_quota_op(
+    # Exception, until "sample" has its own kernel: under torch.compile, "sample" traces the reference's PyTorch
+    # (bit-identical to the op) so that Inductor fuses it. Inside the op that PyTorch runs op by op, launch-bound:
+    # ~3 ms for P = 65,536 on an H200, more than the layer's GEMMs (docs/performance.md).
+    select = select_within_quota_op
+    if mode == "sample" and torch.compiler.is_compiling():
+        select = select_within_quota_reference
+    pair_ids_R, weights_R, counts_G, offsets_G = select(
         scores_P.detach(), group_ids_P, quotas_G, max_rows, mode, uniform_G if mode == "sample" else None
     )
     return Selection(pair_ids=pair_ids_R, weights=weights_R, counts=counts_G, offsets=offsets_G)

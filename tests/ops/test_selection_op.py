@@ -98,7 +98,7 @@ def test_cuda_op_equals_cpu_reference(mode):
 
 
 @pytest.mark.parametrize("mode", ["top", "sample"])
-def test_compiled_functional_is_one_op_and_equals_eager(mode):
+def test_compiled_functional_equals_eager_and_top_is_one_op(mode):
     torch._dynamo.reset()
     graphs = []
 
@@ -123,7 +123,10 @@ def test_compiled_functional_is_one_op_and_equals_eager(mode):
     (gm,) = graphs
     skip = (torch.Tensor.detach, operator.getitem)  # the op's outputs are one tuple
     calls = [n.target for n in gm.graph.nodes if n.op == "call_function" and n.target not in skip]
-    assert calls == [torch.ops.lrmoe.select_within_quota.default], calls
+    if mode == "top":
+        assert calls == [torch.ops.lrmoe.select_within_quota.default], calls
+    else:  # "sample" traces the reference's PyTorch for Inductor to fuse (lrmoe/functional/selection.py)
+        assert torch.ops.lrmoe.select_within_quota.default not in calls and len(calls) > 10, calls
 
 
 def test_compiled_sample_drawing_its_own_uniforms_is_one_graph():
