@@ -265,7 +265,7 @@ class _SelectiveSwiGLU(torch.autograd.Function):
 
         h_PF2 = gather_grouped_mm(x_TD, gate_up_EFD, tok_P, offsets_E)
         phi_PF = _swiglu(h_PF2)
-        y_PD = gather_grouped_mm(phi_PF, down_EDF, ident_P, offsets_E)
+        y_PD = gather_grouped_mm(phi_PF, down_EDF, None, offsets_E)  # rows in place: no gather
         # Back to pair order (t, k): y_TKD[t, k] is pair t*K + k.
         inv_P = torch.empty_like(order_P).scatter_(0, order_P, ident_P)
         y_TKD = y_PD.index_select(0, inv_P).view(n_tok, top_k, -1)
@@ -324,17 +324,16 @@ class _SelectiveSwiGLU(torch.autograd.Function):
         else:
             h_RF2 = h_PF2.index_select(0, inv_P.index_select(0, safe_R))
         phi_RF = _swiglu(h_RF2)
-        ident_R = torch.arange(pair_R.shape[0], device=pair_R.device)
 
         grad_x = grad_gu = grad_down = None
-        dphi_RF = gather_grouped_mm(dy_RD, down_EDF.transpose(1, 2), ident_R, off_E)
+        dphi_RF = gather_grouped_mm(dy_RD, down_EDF.transpose(1, 2), None, off_E)
         if ctx.needs_input_grad[2]:
-            grad_down = grouped_outer(dy_RD, phi_RF, ident_R, off_E)
+            grad_down = grouped_outer(dy_RD, phi_RF, None, off_E)
         dh_RF2 = _swiglu_backward(h_RF2, dphi_RF)
         if ctx.needs_input_grad[1]:
             grad_gu = grouped_outer(dh_RF2, x_TD, tok_R, off_E)
         if ctx.needs_input_grad[0]:
-            dx_RD = gather_grouped_mm(dh_RF2, gate_up_EFD.transpose(1, 2), ident_R, off_E)
+            dx_RD = gather_grouped_mm(dh_RF2, gate_up_EFD.transpose(1, 2), None, off_E)
             grad_x = _sum_rows_per_token(dx_RD, pair_R, n_tok, top_k)
 
         grad_probe = None

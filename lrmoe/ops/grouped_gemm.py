@@ -7,6 +7,8 @@ Shapes: N source rows, R buffer rows, E experts (groups), O output features, I i
     (offsets are cumulative ends); y[i] = 0 past offsets[-1]. Differentiable in x and weight.
 ``lrmoe::grouped_outer(a_RO, b_NI, rows_R, offsets_E) -> w_EOI``
     w[e] = sum over i in group e of outer(a[i], b[rows[i]]): the weight gradient of the op above.
+rows_R = None means the identity (rows[i] = i, so N = R): the rows are already in place, and the CUDA kernels
+skip the gather copy.
 
 Why custom ops: a compiled graph then holds one opaque node per GEMM whose fake implementation only needs
 shapes, so torch.compile(fullgraph=True) works on every device and dtype (torch._grouped_mm's fake accepts bf16
@@ -44,10 +46,23 @@ def _valid_rows(offsets_E: torch.Tensor, n_rows: int) -> torch.Tensor:
     return (torch.arange(n_rows, device=offsets_E.device) < end).unsqueeze(1)
 
 
+def _n_rows(x_NI: torch.Tensor, rows_R: torch.Tensor | None) -> int:
+    return x_NI.shape[0] if rows_R is None else rows_R.shape[0]
+
+
+def _take(x_NI: torch.Tensor, rows_R: torch.Tensor | None, start: int, end: int) -> torch.Tensor:
+    return x_NI[start:end] if rows_R is None else x_NI[rows_R[start:end]]
+
+
+def _identity_rows(x_NI: torch.Tensor, rows_R: torch.Tensor | None) -> torch.Tensor:
+    """Explicit row indices, for kernels that need them."""
+    return torch.arange(x_NI.shape[0], device=x_NI.device) if rows_R is None else rows_R
+
+
 def _loop_mm(x_NI, weight_EOI, rows_R, offsets_E):
-    y_RO = x_NI.new_zeros(rows_R.shape[0], weight_EOI.shape[1])
-    for e, start, end in _group_bounds(offsets_E, rows_R.shape[0]):
-        y_RO[start:end] = x_NI[rows_R[start:end]] @ weight_EOI[e].t()
+    y_RO = x_NI.new_zeros(_n_rows(x_NI, rows_R), weight_EOI.shape[1])
+    for e, start, end in _group_bounds(offsets_E, y_RO.shape[0]):
+        y_RO[start:end] = _take(x_NI, rows_R, start, end) @ weight_EOI[e].t()
     return y_RO
 
 
@@ -60,7 +75,7 @@ def _grouped_mm_ok(*tensors: torch.Tensor) -> bool:
 
 @torch.library.custom_op("lrmoe::gather_grouped_mm", mutates_args=())
 def gather_grouped_mm(
-    x_NI: torch.Tensor, weight_EOI: torch.Tensor, rows_R: torch.Tensor, offsets_E: torch.Tensor
+    x_NI: torch.Tensor, weight_EOI: torch.Tensor, rows_R: torch.Tensor | None, offsets_E: torch.Tensor
 ) -> torch.Tensor:
     return _loop_mm(x_NI, weight_EOI, rows_R, offsets_E)
 
@@ -71,20 +86,20 @@ def _(x_NI, weight_EOI, rows_R, offsets_E):
         kernels = kernel_module("grouped_gemm")
         if kernels is None:
             return _loop_mm(x_NI, weight_EOI, rows_R, offsets_E)
-        return kernels.gather_grouped_mm_triton(x_NI, weight_EOI, rows_R, offsets_E)
-    x_RI = x_NI.index_select(0, rows_R.clamp(min=0))
+        return kernels.gather_grouped_mm_triton(x_NI, weight_EOI, _identity_rows(x_NI, rows_R), offsets_E)
+    x_RI = x_NI if rows_R is None else x_NI.index_select(0, rows_R.clamp(min=0))
     y_RO = torch._grouped_mm(x_RI, weight_EOI.transpose(-2, -1), offs=offsets_E.int())
     # _grouped_mm leaves rows past the last offset uninitialised: zero them (only them, with the Triton kernel).
     kernels = kernel_module("grouped_gemm")
     if kernels is None:
-        return torch.where(_valid_rows(offsets_E, rows_R.shape[0]), y_RO, 0)
+        return torch.where(_valid_rows(offsets_E, y_RO.shape[0]), y_RO, 0)
     return kernels.zero_rows_past_last_offset_(y_RO, offsets_E)
 
 
 
 @gather_grouped_mm.register_fake
 def _(x_NI, weight_EOI, rows_R, offsets_E):
-    return x_NI.new_empty(rows_R.shape[0], weight_EOI.shape[1])
+    return x_NI.new_empty(_n_rows(x_NI, rows_R), weight_EOI.shape[1])
 
 
 def _gather_grouped_mm_setup(ctx, inputs, output):
@@ -95,11 +110,11 @@ def _gather_grouped_mm_setup(ctx, inputs, output):
 def _gather_grouped_mm_backward(ctx, grad_y_RO):
     x_NI, weight_EOI, rows_R, offsets_E = ctx.saved_tensors
     grad_x = grad_w = None
-    rows_safe_R = rows_R.clamp(min=0)  # padding rows carry zero gradient (the op's output is 0 there)
+    # padding rows carry zero gradient (the op's output is 0 there)
+    rows_safe_R = None if rows_R is None else rows_R.clamp(min=0)
     if ctx.needs_input_grad[0]:
-        ident_R = torch.arange(rows_R.shape[0], device=rows_R.device)
-        dx_RI = gather_grouped_mm(grad_y_RO, weight_EOI.transpose(1, 2), ident_R, offsets_E)
-        grad_x = torch.zeros_like(x_NI).index_add(0, rows_safe_R, dx_RI)
+        dx_RI = gather_grouped_mm(grad_y_RO, weight_EOI.transpose(1, 2), None, offsets_E)
+        grad_x = dx_RI if rows_R is None else torch.zeros_like(x_NI).index_add(0, rows_safe_R, dx_RI)
     if ctx.needs_input_grad[1]:
         grad_w = grouped_outer(grad_y_RO, x_NI, rows_safe_R, offsets_E)
     return grad_x, grad_w, None, None
@@ -113,15 +128,15 @@ gather_grouped_mm.register_autograd(_gather_grouped_mm_backward, setup_context=_
 
 @torch.library.custom_op("lrmoe::grouped_outer", mutates_args=())
 def grouped_outer(
-    a_RO: torch.Tensor, b_NI: torch.Tensor, rows_R: torch.Tensor, offsets_E: torch.Tensor
+    a_RO: torch.Tensor, b_NI: torch.Tensor, rows_R: torch.Tensor | None, offsets_E: torch.Tensor
 ) -> torch.Tensor:
     return _loop_outer(a_RO, b_NI, rows_R, offsets_E)
 
 
 def _loop_outer(a_RO, b_NI, rows_R, offsets_E):
     w_EOI = a_RO.new_zeros(offsets_E.shape[0], a_RO.shape[1], b_NI.shape[1])
-    for e, start, end in _group_bounds(offsets_E, rows_R.shape[0]):
-        w_EOI[e] = a_RO[start:end].t() @ b_NI[rows_R[start:end]]
+    for e, start, end in _group_bounds(offsets_E, a_RO.shape[0]):
+        w_EOI[e] = a_RO[start:end].t() @ _take(b_NI, rows_R, start, end)
     return w_EOI
 
 
@@ -131,10 +146,10 @@ def _(a_RO, b_NI, rows_R, offsets_E):
         kernels = kernel_module("grouped_gemm")
         if kernels is None:
             return _loop_outer(a_RO, b_NI, rows_R, offsets_E)
-        return kernels.grouped_outer_triton(a_RO, b_NI, rows_R, offsets_E)
+        return kernels.grouped_outer_triton(a_RO, b_NI, _identity_rows(b_NI, rows_R), offsets_E)
     # Rows past the last offset belong to no group, and _grouped_mm's grouped-K form reads none of them (NaN there
     # cannot leak: tests/ops/test_grouped_gemm.py), so no masking pass; padding rows gather row 0.
-    b_RI = b_NI.index_select(0, rows_R.clamp(min=0))
+    b_RI = b_NI if rows_R is None else b_NI.index_select(0, rows_R.clamp(min=0))
     return torch._grouped_mm(a_RO.t(), b_RI, offs=offsets_E.int())
 
 
@@ -158,9 +173,8 @@ def _grouped_outer_backward(ctx, grad_w_EOI):
     if ctx.needs_input_grad[0]:
         grad_a = gather_grouped_mm(b_NI, grad_w_EOI, rows_R, offsets_E)
     if ctx.needs_input_grad[1]:
-        ident_R = torch.arange(rows_R.shape[0], device=rows_R.device)
-        db_RI = gather_grouped_mm(a_RO, grad_w_EOI.transpose(1, 2), ident_R, offsets_E)
-        grad_b = torch.zeros_like(b_NI).index_add(0, rows_R.clamp(min=0), db_RI)
+        db_RI = gather_grouped_mm(a_RO, grad_w_EOI.transpose(1, 2), None, offsets_E)
+        grad_b = db_RI if rows_R is None else torch.zeros_like(b_NI).index_add(0, rows_R.clamp(min=0), db_RI)
     return grad_a, grad_b, None, None
 
 

@@ -197,7 +197,8 @@ def test_backward_gemms_see_at_most_the_planned_rows():
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             if func in (torch.ops.lrmoe.gather_grouped_mm.default, torch.ops.lrmoe.grouped_outer.default):
-                self.rows.append((str(func), args[2].shape[0]))
+                rows = args[2] if args[2] is not None else args[0]  # None: identity, the operand's own rows
+                self.rows.append((str(func), rows.shape[0]))
             return func(*args, **(kwargs or {}))
 
     torch.manual_seed(0)

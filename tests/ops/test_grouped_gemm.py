@@ -105,3 +105,32 @@ def test_rows_past_the_last_offset_never_leak(device):
     assert torch.equal(got, clean) and got.isfinite().all()
     y = gather_grouped_mm(x, w, rows, offsets)
     assert y[end:].eq(0).all() and y[:end].isfinite().all() and y[:end].ne(0).any()
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("requires_grad", [False, True])
+def test_opcheck_identity_rows(case, requires_grad):
+    # rows_R=None: the rows are already in place (x has R rows).
+    _, w, a, _, offsets = _case(*case)
+    x = torch.randn(a.shape[0], w.shape[2]).requires_grad_(requires_grad)
+    w.requires_grad_(requires_grad)
+    a.requires_grad_(requires_grad)
+    torch.library.opcheck(gather_grouped_mm, (x, w, None, offsets))
+    torch.library.opcheck(grouped_outer, (a, x, None, offsets))
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_identity_rows_equal_explicit_arange_with_gradients(case):
+    _, w, a, _, offsets = _case(*case, dtype=torch.float64)
+    R = a.shape[0]
+    x = torch.randn(R, w.shape[2], dtype=torch.float64)
+    ident = torch.arange(R)
+    results = []
+    for rows in (ident, None):
+        xi, wi, ai = (t.clone().requires_grad_(True) for t in (x, w, a))
+        y = gather_grouped_mm(xi, wi, rows, offsets)
+        g = grouped_outer(ai, xi, rows, offsets)
+        (y.sum() + g.square().sum()).backward()
+        results.append((y, g, xi.grad, wi.grad, ai.grad))
+    for got, want in zip(results[1], results[0]):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
