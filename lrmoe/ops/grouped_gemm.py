@@ -87,7 +87,7 @@ def _(x_NI, weight_EOI, rows_R, offsets_E):
         if kernels is None:
             return _loop_mm(x_NI, weight_EOI, rows_R, offsets_E)
         return kernels.gather_grouped_mm_triton(x_NI, weight_EOI, _identity_rows(x_NI, rows_R), offsets_E)
-    x_RI = x_NI if rows_R is None else x_NI.index_select(0, rows_R.clamp(min=0))
+    x_RI = x_NI.contiguous() if rows_R is None else x_NI.index_select(0, rows_R.clamp(min=0))
     y_RO = torch._grouped_mm(x_RI, weight_EOI.transpose(-2, -1), offs=offsets_E.int())
     # _grouped_mm leaves rows past the last offset uninitialised: zero them (only them, with the Triton kernel).
     kernels = kernel_module("grouped_gemm")
@@ -149,7 +149,7 @@ def _(a_RO, b_NI, rows_R, offsets_E):
         return kernels.grouped_outer_triton(a_RO, b_NI, _identity_rows(b_NI, rows_R), offsets_E)
     # Rows past the last offset belong to no group, and _grouped_mm's grouped-K form reads none of them (NaN there
     # cannot leak: tests/ops/test_grouped_gemm.py), so no masking pass; padding rows gather row 0.
-    b_RI = b_NI if rows_R is None else b_NI.index_select(0, rows_R.clamp(min=0))
+    b_RI = b_NI.contiguous() if rows_R is None else b_NI.index_select(0, rows_R.clamp(min=0))
     return torch._grouped_mm(a_RO.t(), b_RI, offs=offsets_E.int())
 
 
