@@ -14,6 +14,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.utils._python_dispatch import TorchDispatchMode
 
 
 def _worker(rank, world_size, store, fn, args):
@@ -37,3 +38,17 @@ def run_ranks(world_size, fn, *args):
     os.environ["OMP_NUM_THREADS"] = "1"
     with tempfile.TemporaryDirectory() as tmp:
         mp.spawn(_worker, args=(world_size, os.path.join(tmp, "store"), fn, args), nprocs=world_size, join=True)
+
+
+class RecordAllToAll(TorchDispatchMode):
+    """(send splits, receive splits, bytes per row) of every all-to-all (the functional collective op), in order."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops._c10d_functional.all_to_all_single.default:
+            payload, recv, send = args[0], args[1], args[2]
+            self.calls.append((list(send), list(recv), payload.shape[1] * payload.element_size()))
+        return func(*args, **(kwargs or {}))

@@ -18,9 +18,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import parallelize_module
-from torch.utils._python_dispatch import TorchDispatchMode
 
-from ep_harness import run_ranks
+from ep_harness import RecordAllToAll, run_ranks
 from lrmoe.functional import plan_experts, plan_quotas, route_topk, selective_swiglu_experts
 from lrmoe.nn import ExpertParallel, LRMoE
 from lrmoe.nn.expert_parallel import expert_major_order, split_sizes
@@ -107,18 +106,6 @@ def test_matches_single_device_with_source_expert_quotas(world):
 # ---------------------------------------------------------------------------------------- backward payloads
 
 
-class RecordAllToAll(TorchDispatchMode):
-    """Rows and bytes entering every all-to-all (the functional collective op)."""
-
-    def __init__(self):
-        super().__init__()
-        self.calls = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops._c10d_functional.all_to_all_single.default:
-            payload, recv, send = args[0], args[1], args[2]
-            self.calls.append((list(send), list(recv), payload.shape[1] * payload.element_size()))
-        return func(*args, **(kwargs or {}))
 
 
 def _backward_sends_retained_rows(rank, world, retain):

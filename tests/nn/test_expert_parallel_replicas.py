@@ -19,9 +19,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import parallelize_module
-from torch.utils._python_dispatch import TorchDispatchMode
 
-from ep_harness import run_ranks
+from ep_harness import RecordAllToAll, run_ranks
 from lrmoe.functional import ExpertPlan, place_hot_replicas, plan_quotas, route_topk, selective_swiglu_experts
 from lrmoe.nn import ExpertParallel, LRMoE
 
@@ -158,18 +157,6 @@ def test_replicas_match_single_device_under_the_same_plan(world):
 # ------------------------------------------------------------------------------------- capacity and payloads
 
 
-class RecordAllToAll(TorchDispatchMode):
-    """Split sizes and row bytes of every all-to-all (the functional collective op), in call order."""
-
-    def __init__(self):
-        super().__init__()
-        self.calls = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops._c10d_functional.all_to_all_single.default:
-            payload, recv, send = args[0], args[1], args[2]
-            self.calls.append((list(send), list(recv), payload.shape[1] * payload.element_size()))
-        return func(*args, **(kwargs or {}))
 
 
 def _capacity_and_payloads(rank, world, max_replicas, capacity_factor, retain):
