@@ -1,6 +1,6 @@
 """Where the LRMoE layer's forward+backward time goes on one GPU (bf16): torch.profiler, top kernels by GPU time.
 
-    python benchmarks/profile_layer.py --shape qwen3-30b-a3b --retain 0.75 [--compiled]
+    python benchmarks/profile_layer.py --shape qwen3-30b-a3b --retain 0.75 [--compiled] [--forward-only]
 
 Prints one table per run: the operators (eager) or generated kernels (--compiled) with the largest self GPU time
 over --steps forward+backward steps, as a share of the total, so the next kernel to fuse or speed up is the one
@@ -25,6 +25,7 @@ def main() -> None:
     parser.add_argument("--retain", type=float, default=0.75)
     parser.add_argument("--selection", default="sample")
     parser.add_argument("--compiled", action="store_true")
+    parser.add_argument("--forward-only", action="store_true", help="profile forward under no_grad")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--rows", type=int, default=25)
     args = parser.parse_args()
@@ -38,6 +39,10 @@ def main() -> None:
     x = torch.randn(args.tokens, shape["dim"], device="cuda", dtype=torch.bfloat16, requires_grad=True)
 
     def step():
+        if args.forward_only:
+            with torch.no_grad():
+                fn(x)
+            return
         fn(x).sum().backward()
         x.grad = None
         for p in layer.parameters():
@@ -52,7 +57,7 @@ def main() -> None:
         torch.cuda.synchronize()
     events = [e for e in prof.key_averages() if e.self_device_time_total > 0]
     total = sum(e.self_device_time_total for e in events)
-    mode = "compiled" if args.compiled else "eager"
+    mode = ("compiled" if args.compiled else "eager") + (", forward only" if args.forward_only else "")
     print(f"# {args.shape}, tokens={args.tokens}, retain={args.retain:g}, {mode}: "
           f"{total / args.steps / 1e3:.3f} ms GPU time per step")
     print(f"{'share':>6} {'ms/step':>8} {'calls/step':>10}  kernel")
