@@ -1,0 +1,424 @@
+"""One expert-parallel MoE layer, forward+backward, over W ranks: where the time goes (expert GEMMs, dispatch and
+combine all-to-alls, forward and backward), bytes per all-to-all and peak memory, for dense backward and LRMoE at
+several retain values, with and without replicas (paper Figure 8).
+
+    torchrun --nproc-per-node 8 benchmarks/ep_layer.py --shape qwen3-30b-a3b --tokens 8192      # NCCL, one GPU/rank
+    OMP_NUM_THREADS=1 torchrun --nproc-per-node 2 benchmarks/ep_layer.py --device cpu --shape tiny --tokens 64
+
+Every rank builds the same layer (same seed), ``parallelize_module(layer, mesh, ExpertParallel(...))`` shards the
+experts, and each rank feeds its own --tokens tokens. The router is skewed (--skew) so that some experts, hence
+some ranks, get more pairs than others, as trained routers do.
+
+Configurations, for R in (0, --max-replicas):
+  dense R=..        retain 1, no backward capacity: the dense backward path (every pair returns to its instance).
+  lrmoe r=.. R=..   retain r with the backward capacity --capacity-factor (LRMoE's per-rank limit); at r=1 this
+                    runs the selective backward, which only the capacity trims. --capacity-factor 0: no capacity.
+
+Per configuration:
+  * latency: median over --steps steps of forward and forward+backward, CUDA events on GPU (perf_counter on CPU,
+    where the numbers are not meaningful), the slowest rank's median; every step starts after a barrier;
+  * split: --profile-steps more steps under torch.profiler. Collective ops are classified by name and order: the
+    layer's all-to-alls (``*::all_to_all_single``) plus the ``wait_tensor`` that completes each one; in forward the
+    last two are dispatch and combine, any earlier one fetches replica weights; in backward the first two are the
+    backward dispatch (retained alpha*g rows) and the input-gradient return ("combine"), any later one sends replica
+    weight gradients back to their owners. Expert compute is the grouped-GEMM ops (``lrmoe::gather_grouped_mm``,
+    ``lrmoe::grouped_outer``). Times are device (kernel) time on GPU, CPU time on CPU, medians over the profiled
+    steps, then the mean over ranks (so the parts of a row add up); "other" = each profiled step's own
+    forward+backward latency (perf_counter around the step, after a device sync) minus all of these: routing, the
+    plan and its host read, SwiGLU, scoring and selection, permutations, profiler overhead. The load all-gather
+    (and its wait) is subtracted too; its time is only in the JSON (split_ms.load_allgather). Per-rank values are
+    in the JSON: an all-to-all's time includes waiting for the slowest peer, so it differs between ranks;
+  * bytes each rank sends to its peers per all-to-all (``layer.stats()``: dispatch, combine, backward dispatch,
+    backward combine, replica weights + their gradients), mean over ranks;
+  * retained fraction, load imbalance (busiest rank's rows over the mean, forward and backward), peak memory per
+    rank (CUDA: torch.cuda.max_memory_allocated over the timed steps; CPU: n/a).
+
+Rank 0 prints one table; --json PATH writes every number, per rank where it differs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.distributed as dist
+from layer_fwd_bwd import SHAPES as GPU_SHAPES
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor.parallel import parallelize_module
+from torch.profiler import ProfilerActivity, profile, record_function
+
+from lrmoe.nn import ExpertParallel, LRMoE
+
+SHAPES = {**GPU_SHAPES, "tiny": {"dim": 32, "hidden_dim": 64, "num_experts": 8, "top_k": 2}}
+
+# Per-step split keys (milliseconds) and per-step byte keys, in table order.
+SPLIT_KEYS = ("expert_fwd", "expert_bwd", "dispatch_fwd", "combine_fwd", "dispatch_bwd", "combine_bwd",
+              "replica_fwd", "replica_bwd", "load_allgather")
+BYTE_KEYS = ("dispatch_fwd", "combine_fwd", "dispatch_bwd", "combine_bwd", "replica_fwd", "replica_bwd")
+EXPERT_OPS = ("lrmoe::gather_grouped_mm", "lrmoe::grouped_outer")
+FORWARD_RANGE, BACKWARD_RANGE = "ep_bench.forward", "ep_bench.backward"
+
+
+@dataclass(frozen=True)
+class Config:
+    name: str
+    retain: float
+    max_replicas: int
+    capacity_factor: float | None
+
+
+def configurations(retains: list[float], max_replicas: int, capacity_factor: float | None) -> list[Config]:
+    cap = f" c={capacity_factor:g}" if capacity_factor is not None else ""
+    configs = []
+    for reps in dict.fromkeys((0, max_replicas)):  # (0,) when --max-replicas 0
+        configs.append(Config(f"dense R={reps}", 1.0, reps, None))
+        configs += [Config(f"lrmoe r={r:g} R={reps}{cap}", r, reps, capacity_factor) for r in retains]
+    return configs
+
+
+# ------------------------------------------------------------------------------------------------- profile
+
+
+def _outermost(events: list) -> list:
+    """Drop events nested inside another kept event of the same thread (an op and the ops it calls)."""
+    kept, open_end = [], {}
+    for e in sorted(events, key=lambda e: (e.time_range.start, -e.time_range.end)):
+        if e.time_range.end <= open_end.get(e.thread, -1):
+            continue
+        kept.append(e)
+        open_end[e.thread] = e.time_range.end
+    return kept
+
+
+def split_from_profile(events: list, device_time: bool) -> list[dict[str, float]]:
+    """Per profiled step, milliseconds per SPLIT_KEYS from torch.profiler events (see the module docstring).
+
+    Steps are the ``ep_bench.forward`` / ``ep_bench.backward`` ranges the caller recorded; an op belongs to the
+    range in which it starts (backward ops may run on autograd's thread, inside the range in time).
+    """
+    def ms(e) -> float:
+        return (e.device_time_total if device_time else e.cpu_time_total) / 1e3
+
+    ranges = sorted((e for e in events if e.name in (FORWARD_RANGE, BACKWARD_RANGE)), key=lambda e: e.time_range.start)
+    comm = _outermost([e for e in events if e.name.endswith(("::all_to_all_single", "::all_gather_into_tensor"))
+                       or e.name == "_c10d_functional::wait_tensor"])
+    gemms = _outermost([e for e in events if e.name in EXPERT_OPS])
+
+    # Collectives in time order, each with the time of the wait_tensor that completes it (on gloo the transfer
+    # happens there; on NCCL the wait is a stream dependency, the kernel is the collective op's device time).
+    collectives: list[list] = []  # [event, ms]
+    for e in sorted(comm, key=lambda e: e.time_range.start):
+        if e.name != "_c10d_functional::wait_tensor":
+            collectives.append([e, ms(e), False])
+            continue
+        for entry in reversed(collectives):
+            if not entry[2]:
+                entry[1] += ms(e)
+                entry[2] = True
+                break
+
+    def inside(e, r) -> bool:
+        return r.time_range.start <= e.time_range.start < r.time_range.end
+
+    steps = []
+    for fwd, bwd in zip(ranges[::2], ranges[1::2], strict=True):
+        assert fwd.name == FORWARD_RANGE and bwd.name == BACKWARD_RANGE, (fwd.name, bwd.name)
+        row = dict.fromkeys(SPLIT_KEYS, 0.0)
+        row["expert_fwd"] = sum(ms(e) for e in gemms if inside(e, fwd))
+        row["expert_bwd"] = sum(ms(e) for e in gemms if inside(e, bwd))
+        for phase, r in (("fwd", fwd), ("bwd", bwd)):
+            a2a = []
+            for e, t, _ in collectives:
+                if not inside(e, r):
+                    continue
+                if e.name.endswith("all_gather_into_tensor"):
+                    row["load_allgather"] += t
+                else:
+                    a2a.append(t)
+            if len(a2a) < 2:
+                raise RuntimeError(f"expected >= 2 all-to-alls in {phase}, found {len(a2a)}: the layer changed?")
+            if phase == "fwd":  # [replica weights], dispatch, combine
+                *rep, row["dispatch_fwd"], row["combine_fwd"] = a2a
+            else:  # dispatch (retained rows), input-gradient return, [replica weight gradients]
+                row["dispatch_bwd"], row["combine_bwd"], *rep = a2a
+            row[f"replica_{phase}"] = sum(rep)
+        steps.append(row)
+    return steps
+
+
+# --------------------------------------------------------------------------------------------------- run
+
+
+class Ranks:
+    """The process group, device and a few collectives on Python values."""
+
+    def __init__(self, device: str):
+        cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+        dist.init_process_group("nccl" if cuda else "gloo")
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.local_rank = int(os.environ.get("LOCAL_RANK", self.rank))
+        if cuda:
+            torch.cuda.set_device(self.local_rank)
+        self.cuda = cuda
+        self.device = torch.device("cuda", self.local_rank) if cuda else torch.device("cpu")
+        self.mesh = init_device_mesh(self.device.type, (self.world,), mesh_dim_names=("ep",))
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+        dist.barrier(device_ids=[self.local_rank] if self.cuda else None)
+        if self.cuda:
+            torch.cuda.synchronize()
+
+    def gather(self, values: list[float]) -> list[list[float]]:
+        """values of every rank, [W][n] (one all-gather)."""
+        mine = torch.tensor(values, dtype=torch.float64, device=self.device)
+        out = [torch.empty_like(mine) for _ in range(self.world)]
+        dist.all_gather(out, mine)
+        return [t.tolist() for t in out]
+
+    def close(self) -> None:
+        shutdown()
+
+
+def shutdown() -> None:
+    """Leave the process group; under gloo, exit at once (it may abort at interpreter teardown after all work is
+    done, docs/expert_parallel.md)."""
+    gloo = dist.get_backend() == "gloo"
+    dist.barrier()
+    dist.destroy_process_group()
+    if gloo:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+
+
+def build_layer(shape: dict, cfg: Config, args, ranks: Ranks, dtype: torch.dtype) -> LRMoE:
+    torch.manual_seed(args.seed)  # the same layer on every rank
+    layer = LRMoE(**shape, retain=cfg.retain, selection=args.selection)
+    skew_router(layer, args.skew, args.seed)
+    layer = layer.to(ranks.device, dtype)
+    style = ExpertParallel(max_replicas=cfg.max_replicas, capacity_factor=cfg.capacity_factor)
+    return parallelize_module(layer, ranks.mesh, style)
+
+
+@torch.no_grad()
+def skew_router(layer: LRMoE, skew: float, seed: int) -> None:
+    """Give expert e a fixed logit bias skew * sigma * z_e (z_e ~ N(0, 1), seeded; sigma the std of the random
+    logits), through input feature 0, which every benchmark input sets to 1. skew 0: near-balanced loads."""
+    weight_ED = layer.gate.weight
+    sigma = weight_ED[:, 1:].square().sum(1).mean().sqrt()  # std of x . w_e for x ~ N(0, I)
+    z_E = torch.randn(weight_ED.shape[0], generator=torch.Generator().manual_seed(seed + 7))
+    weight_ED[:, 0] = skew * sigma * z_E
+
+
+def measure(layer: LRMoE, cfg: Config, args, ranks: Ranks) -> dict:
+    dim = layer.dim
+    gen = torch.Generator().manual_seed(args.seed + 1 + ranks.rank)  # every rank its own tokens
+    x_TD = torch.randn(args.tokens, dim, generator=gen)
+    x_TD[:, 0] = 1.0  # the router-skew feature
+    dtype = layer.gate.weight.dtype
+    x_TD = x_TD.to(ranks.device, dtype).requires_grad_()
+    grad_TD = torch.randn(args.tokens, dim, generator=gen).to(ranks.device, dtype)
+    params = list(layer.parameters())
+
+    def clear() -> None:
+        x_TD.grad = None
+        for p in params:
+            p.grad = None
+        layer.reset_stats()
+
+    for _ in range(args.warmup):
+        clear()
+        layer(x_TD).backward(grad_TD)
+
+    fwd_ms, step_ms = [], []
+    if ranks.cuda:
+        torch.cuda.reset_peak_memory_stats()
+    for _ in range(args.steps):
+        clear()
+        ranks.sync()
+        if ranks.cuda:
+            ev = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+            ev[0].record()
+            out = layer(x_TD)
+            ev[1].record()
+            out.backward(grad_TD)
+            ev[2].record()
+            torch.cuda.synchronize()
+            fwd_ms.append(ev[0].elapsed_time(ev[1]))
+            step_ms.append(ev[0].elapsed_time(ev[2]))
+        else:
+            t0 = time.perf_counter()
+            out = layer(x_TD)
+            t1 = time.perf_counter()
+            out.backward(grad_TD)
+            t2 = time.perf_counter()
+            fwd_ms.append(1e3 * (t1 - t0))
+            step_ms.append(1e3 * (t2 - t0))
+        del out
+    peak_gib = torch.cuda.max_memory_allocated() / 2**30 if ranks.cuda else float("nan")
+
+    s = layer.stats()  # the last timed step (reset_stats before each step)
+    counts = torch.stack([
+        s.dispatch_bytes.double(), s.combine_bytes.double(), s.backward_dispatch_bytes.double(),
+        s.backward_combine_bytes.double(), s.replica_bytes.double(), s.replica_grad_bytes.double(),
+        s.retained_pairs.double(), s.total_pairs.double(),
+        s.rank_loads.max().double() / s.rank_loads.double().mean().clamp(min=1),
+        s.rank_backward_loads.max().double() / s.rank_backward_loads.double().mean().clamp(min=1),
+        s.loads.sum(0).max().double() / s.loads.sum(0).double().mean().clamp(min=1),
+        (s.instances[:, layer.num_experts // ranks.world:] >= 0).sum().double(),
+    ]).tolist()
+
+    # The split comes from separate, profiled steps; "other" is their own latency minus the classified parts.
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if ranks.cuda else [])
+    profiled_ms = []
+    with profile(activities=activities) as prof:
+        for _ in range(args.profile_steps):
+            clear()
+            ranks.sync()
+            with record_function(FORWARD_RANGE):
+                t0 = time.perf_counter()
+                out = layer(x_TD)
+            with record_function(BACKWARD_RANGE):
+                out.backward(grad_TD)
+                if ranks.cuda:
+                    torch.cuda.synchronize()
+                profiled_ms.append(1e3 * (time.perf_counter() - t0))
+            del out
+    split_steps = split_from_profile(list(prof.events()), device_time=ranks.cuda)
+    for step, total in zip(split_steps, profiled_ms, strict=True):
+        step["other"] = total - sum(step.values())
+    split = [statistics.median(step[k] for step in split_steps) for k in (*SPLIT_KEYS, "other")]
+    # Cross-check on GPU: all NCCL kernel time per step, whichever op launched it. If the split's collectives
+    # show ~0 while this does not, the profiler did not attribute NCCL kernels to the collective ops.
+    nccl_ms = sum(e.self_device_time_total for e in prof.key_averages() if "nccl" in e.key.lower())
+    nccl_ms /= 1e3 * args.profile_steps
+
+    mine = [statistics.median(fwd_ms), statistics.median(step_ms), statistics.median(profiled_ms), peak_gib, nccl_ms,
+            *split, *counts[:6]]
+    per_rank = ranks.gather(mine)  # [W][n]
+    col = dict(zip(["fwd_ms", "step_ms", "profiled_step_ms", "peak_gib", "nccl_kernel_ms",
+                    *(f"split_{k}" for k in (*SPLIT_KEYS, "other")),
+                    *(f"bytes_{k}" for k in BYTE_KEYS)], zip(*per_rank, strict=True), strict=True))
+    retained, total, fwd_imb, bwd_imb, expert_imb, n_replicas = counts[6:]
+    return {
+        **asdict(cfg),
+        "fwd_ms": max(col["fwd_ms"]),
+        "step_ms": max(col["step_ms"]),
+        "profiled_step_ms": statistics.fmean(col["profiled_step_ms"]),
+        "split_ms": {k: statistics.fmean(col[f"split_{k}"]) for k in (*SPLIT_KEYS, "other")},
+        "nccl_kernel_ms": max(col["nccl_kernel_ms"]),
+        "bytes_mean": {k: statistics.fmean(col[f"bytes_{k}"]) for k in BYTE_KEYS},
+        "retained_fraction": retained / max(total, 1.0),
+        "total_pairs": total,
+        "retained_pairs": retained,
+        "rank_imbalance_fwd": fwd_imb,
+        "rank_imbalance_bwd": bwd_imb,
+        "expert_imbalance": expert_imb,
+        "replicas_placed": n_replicas,
+        "peak_gib": None if not ranks.cuda else max(col["peak_gib"]),
+        "per_rank": {k: list(v) if k != "peak_gib" or ranks.cuda else None for k, v in col.items()},
+    }
+
+
+# ------------------------------------------------------------------------------------------------- output
+
+
+def print_table(rows: list[dict], meta: dict) -> None:
+    unit, scale = ("MiB", 2**20) if max(max(r["bytes_mean"].values()) for r in rows) > 2**20 else ("KiB", 2**10)
+    print(f"# {meta['shape_name']} {meta['shape']}, tokens/rank={meta['tokens']}, W={meta['world']} "
+          f"({meta['backend']}, {meta['device_name']}), {meta['dtype']}, torch {meta['torch']}, skew={meta['skew']}, "
+          f"selection={meta['selection']}")
+    print(f"# times: ms, {meta['timing']}; fwd, fwd+bwd: median of {meta['steps']} steps, slowest rank; split: "
+          f"{meta['split_time']}, median of {meta['profile_steps']} profiled steps, mean over ranks. a2a: all-to-all, "
+          "f/b forward/backward, disp dispatch, comb combine (backward: input-gradient return), repl replica weights "
+          "(+ their gradients)")
+    print(f"# bytes: {unit} each rank sends to its peers per all-to-all, mean over ranks. imb: busiest rank's rows "
+          "/ mean (forward, backward). peak: GiB, max over ranks")
+    print(f"# expert loads: busiest expert / mean = {rows[0]['expert_imbalance']:.2f} (--skew)")
+    if meta["backend"] == "nccl":
+        unattributed = [r["name"] for r in rows if r["split_ms"]["dispatch_fwd"] + r["split_ms"]["dispatch_bwd"] == 0
+                        and r["nccl_kernel_ms"] > 0]
+        if unattributed:
+            print(f"# WARNING: NCCL kernel time not attributed to the all-to-all ops in {unattributed}: the a2a "
+                  "columns are wrong there; see nccl_kernel_ms in the JSON")
+    head = (f"{'config':<24} {'kept':>5} {'fwd':>7} {'fwd+bwd':>8} {'expert':>7} {'disp f':>7} {'comb f':>7} "
+            f"{'disp b':>7} {'comb b':>7} {'repl':>7} {'other':>7} | {'disp f':>8} {'comb f':>8} {'disp b':>8} "
+            f"{'comb b':>8} {'repl':>8} | {'imb f':>5} {'imb b':>5} {'peak':>6}")
+    print(head)
+    for r in rows:
+        sp, by = r["split_ms"], r["bytes_mean"]
+        peak = "n/a" if r["peak_gib"] is None else f"{r['peak_gib']:.2f}"
+        print(f"{r['name']:<24} {r['retained_fraction']:>5.3f} {r['fwd_ms']:>7.2f} {r['step_ms']:>8.2f} "
+              f"{sp['expert_fwd'] + sp['expert_bwd']:>7.2f} {sp['dispatch_fwd']:>7.2f} {sp['combine_fwd']:>7.2f} "
+              f"{sp['dispatch_bwd']:>7.2f} {sp['combine_bwd']:>7.2f} {sp['replica_fwd'] + sp['replica_bwd']:>7.2f} "
+              f"{sp['other']:>7.2f} | {by['dispatch_fwd'] / scale:>8.1f} {by['combine_fwd'] / scale:>8.1f} "
+              f"{by['dispatch_bwd'] / scale:>8.1f} {by['combine_bwd'] / scale:>8.1f} "
+              f"{(by['replica_fwd'] + by['replica_bwd']) / scale:>8.1f} | {r['rank_imbalance_fwd']:>5.2f} "
+              f"{r['rank_imbalance_bwd']:>5.2f} {peak:>6}", flush=True)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shape", default="qwen3-30b-a3b", choices=sorted(SHAPES))
+    p.add_argument("--tokens", type=int, default=8192, help="tokens per rank")
+    p.add_argument("--retain", type=float, nargs="+", default=[1.0, 0.75, 0.5])
+    p.add_argument("--selection", choices=("sample", "top"), default="sample")
+    p.add_argument("--max-replicas", type=int, default=2, help="replica slots per rank in the replica rows (0: none)")
+    p.add_argument("--capacity-factor", type=float, default=1.25,
+                   help="LRMoE rows' backward capacity per rank, times the balanced share (0: no capacity)")
+    p.add_argument("--skew", type=float, default=1.0, help="router skew (0: near-balanced loads)")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--profile-steps", type=int, default=3)
+    p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
+    p.add_argument("--dtype", choices=("bf16", "fp32"), default=None, help="default: bf16 on CUDA, fp32 on CPU")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None, help="write the numbers here (rank 0)")
+    args = p.parse_args(argv)
+    if args.steps < 1 or args.profile_steps < 1 or args.warmup < 0:
+        p.error("--steps and --profile-steps must be >= 1, --warmup >= 0")
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    ranks = Ranks(args.device)
+    shape = SHAPES[args.shape]
+    if shape["num_experts"] % ranks.world:
+        raise SystemExit(f"--shape {args.shape}: E={shape['num_experts']} is not divisible by W={ranks.world}")
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype or ("bf16" if ranks.cuda else "fp32")]
+    capacity = args.capacity_factor if args.capacity_factor else None
+    meta = {
+        "shape_name": args.shape, "shape": shape, "tokens": args.tokens, "world": ranks.world,
+        "backend": dist.get_backend(), "device_name": torch.cuda.get_device_name() if ranks.cuda else "cpu",
+        "dtype": str(dtype).removeprefix("torch."),
+        "torch": torch.__version__, "skew": args.skew, "selection": args.selection, "steps": args.steps,
+        "profile_steps": args.profile_steps, "max_replicas": args.max_replicas, "capacity_factor": capacity,
+        "timing": "CUDA events" if ranks.cuda else "perf_counter on CPU ranks: NOT MEANINGFUL as performance",
+        "split_time": "device (kernel) time" if ranks.cuda else "CPU time",
+    }
+    rows = []
+    for cfg in configurations(args.retain, args.max_replicas, capacity):
+        layer = build_layer(shape, cfg, args, ranks, dtype)
+        rows.append(measure(layer, cfg, args, ranks))
+        del layer
+        if ranks.cuda:
+            torch.cuda.empty_cache()
+    if ranks.rank == 0:
+        print_table(rows, meta)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    ranks.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,144 @@
+"""The multi-GPU benchmarks (benchmarks/ep_layer.py, benchmarks/ep_train.py) run end to end on 2 gloo CPU ranks.
+
+Each script is launched once with torchrun (module-scoped fixtures, ~10 s each on two cores); the tests then check
+what the table and JSON say, so a GPU session only has to change the launch line (docs/multi_gpu.md).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+BENCHMARKS = ROOT / "benchmarks"
+
+LAYER_CONFIGS = [
+    "dense R=0", "lrmoe r=1 R=0 c=1.25", "lrmoe r=0.75 R=0 c=1.25", "lrmoe r=0.5 R=0 c=1.25",
+    "dense R=2", "lrmoe r=1 R=2 c=1.25", "lrmoe r=0.75 R=2 c=1.25", "lrmoe r=0.5 R=2 c=1.25",
+]
+TINY_DIM = 32
+
+
+def torchrun(tmp: Path, script: str, *args: str) -> str:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           str(BENCHMARKS / script), *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, check=False, cwd=tmp, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    return proc.stdout
+
+
+def table_rows(stdout: str, header: str) -> list[str]:
+    """The lines after the header line that starts with ``header``, up to the end or the next comment."""
+    lines = stdout.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(header))
+    rows = []
+    for line in lines[start + 1:]:
+        if not line.strip() or line.startswith("#"):
+            break
+        rows.append(line)
+    return rows
+
+
+@pytest.fixture(scope="module")
+def ep_layer(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("ep_layer")
+    out = torchrun(tmp, "ep_layer.py", "--device", "cpu", "--shape", "tiny", "--tokens", "64", "--steps", "2",
+                   "--warmup", "1", "--profile-steps", "1", "--json", str(tmp / "layer.json"))
+    return out, json.loads((tmp / "layer.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def ep_train(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("ep_train")
+    out = torchrun(tmp, "ep_train.py", "--tiny", "--device", "cpu", "--runs", "1", "0.5", "--steps", "8",
+                   "--eval-every", "4", "--json", str(tmp / "train.json"))
+    return out, json.loads((tmp / "train.json").read_text())
+
+
+def _by_name(data: dict) -> dict[str, dict]:
+    return {row["name"]: row for row in data["rows"]}
+
+
+def test_ep_layer_table_has_one_row_per_configuration(ep_layer):
+    stdout, data = ep_layer
+    rows = table_rows(stdout, "config")
+    assert [line[:24].strip() for line in rows] == LAYER_CONFIGS
+    assert [row["name"] for row in data["rows"]] == LAYER_CONFIGS
+    assert all(line.rstrip().endswith("n/a") for line in rows)  # peak memory: CUDA only
+    assert "NOT MEANINGFUL" in stdout  # CPU timings are labelled
+    assert data["meta"]["world"] == 2 and data["meta"]["backend"] == "gloo"
+
+
+def test_ep_layer_backward_bytes_follow_retained_rows(ep_layer):
+    rows = _by_name(ep_layer[1])
+    for reps in (0, 2):
+        dense = rows[f"dense R={reps}"]
+        # Same tokens, same router: the forward moves the same bytes whatever the backward does.
+        assert len({rows[n]["bytes_mean"]["dispatch_fwd"] for n in LAYER_CONFIGS if f"R={reps}" in n}) == 1
+        prev = None
+        for retain in (1.0, 0.75, 0.5):
+            row = rows[f"lrmoe r={retain:g} R={reps} c=1.25"]
+            assert retain - 0.05 <= row["retained_fraction"] <= retain + 1e-9
+            # Retained rows carry D fp32 values plus a 4-byte index (none in the dense path).
+            expected = row["retained_fraction"] * (4 * TINY_DIM + 4) / (4 * TINY_DIM)
+            ratio = row["bytes_mean"]["dispatch_bwd"] / dense["bytes_mean"]["dispatch_bwd"]
+            assert ratio == pytest.approx(expected, abs=0.12), (row["name"], ratio, expected)
+            ret_ratio = row["bytes_mean"]["combine_bwd"] / dense["bytes_mean"]["combine_bwd"]
+            assert ret_ratio == pytest.approx(row["retained_fraction"], abs=0.12), (row["name"], ret_ratio)
+            if prev is not None:
+                assert row["bytes_mean"]["dispatch_bwd"] < prev
+            prev = row["bytes_mean"]["dispatch_bwd"]
+        assert (dense["bytes_mean"]["replica_fwd"] > 0) == (reps > 0)
+
+
+def test_ep_layer_split_finds_every_all_to_all(ep_layer):
+    for row in ep_layer[1]["rows"]:
+        split = row["split_ms"]
+        for key in ("expert_fwd", "expert_bwd", "dispatch_fwd", "combine_fwd", "dispatch_bwd", "combine_bwd"):
+            assert split[key] > 0, (row["name"], key)
+        # A replica-weight all-to-all in forward and its gradient's in backward, only with replica slots.
+        assert (split["replica_fwd"] > 0) == (row["max_replicas"] > 0), row["name"]
+        assert (split["replica_bwd"] > 0) == (row["max_replicas"] > 0), row["name"]
+        assert len(row["per_rank"]["split_dispatch_fwd"]) == 2
+
+
+def test_ep_train_reports_time_to_target(ep_train):
+    stdout, data = ep_train
+    dense, lrmoe = data["runs"]
+    assert dense["dense"] and not lrmoe["dense"]
+    losses = [h["loss"] for h in dense["history"]]
+    assert losses[-1] < losses[0] - 0.3  # it trains
+    assert data["meta"]["target"] == pytest.approx(min(losses) * 1.01)
+    assert dense["reached"] and dense["time_to_target_s"] is not None
+    for run in data["runs"]:
+        assert isinstance(run["reached"], bool)
+        assert (run["time_to_target_s"] is None) == (not run["reached"])
+    assert lrmoe["retained_fraction"] == pytest.approx(0.5, abs=0.05)
+    rows = table_rows(stdout, "run")
+    assert len(rows) == 2 and rows[0].startswith("dense") and rows[1].startswith("lrmoe r=0.5")
+
+
+def _load(name: str, monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))  # the scripts import each other, as when run from benchmarks/
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCHMARKS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_ep_train_settle_marks_unreached_runs(monkeypatch):
+    settle = _load("ep_train", monkeypatch).settle
+    run = {"history": [{"step": 0, "train_s": 0.0, "moe_s": 0.0, "loss": 5.0},
+                       {"step": 4, "train_s": 1.0, "moe_s": 0.5, "loss": 4.0},
+                       {"step": 8, "train_s": 2.0, "moe_s": 1.0, "loss": 3.5}]}
+    hit = settle(run, 4.0)
+    assert hit["reached"] and hit["reached_at"]["step"] == 4 and hit["time_to_target_s"] == 1.0
+    miss = settle(run, 3.0)
+    assert not miss["reached"] and miss["time_to_target_s"] is None and miss["moe_time_to_target_s"] is None
