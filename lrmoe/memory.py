@@ -11,7 +11,7 @@ The model follows the code as it is (``selective_swiglu_experts`` on one device,
 buffer by buffer, so that a change there shows up as a failing test here (tests/test_memory.py measures the
 one-device path on CPU). Components, per layer and rank:
 
-static, for the whole step:
+static, held at the end of the step:
     expert_weights    L * 3FD * b     (gate_up_proj [L, 2F, D] + down_proj [L, D, F])
     expert_grads      L * 3FD * g
     expert_optimizer  L * 3FD * o     (AdamW: 8 = fp32 m + v; 12 with an fp32 master copy)
@@ -19,8 +19,11 @@ static, for the whole step:
     replica_weights   r * 3FD * b
     replica_grads     r * 3FD * g
     Replicas carry no optimiser state: a replica's gradient is summed into its owner's (DESIGN.md §5) and only
-    the owner steps; the replica is fetched again from the owner's weights. Gradients are counted as static
-    (allocated for the whole step), which over-counts by at most their size before the first backward.
+    the owner steps; the replica is fetched again from the owner's weights.
+resident, held through the whole step: static less the gradients, unless ``grads_preallocated``. Gradients that
+    start as None (PyTorch's default zero_grad) are the backward's weight-gradient outputs, counted in the
+    backward phases from the GEMM that makes them; preallocated ones are resident, and the same outputs are
+    transients added into them once the expert function returns.
 
 saved activations (forward to backward), "save" = what the code keeps today:
     router:  x T*D*b (the layer input, also saved by the experts on one device), scores T*E*4 (softmax/sigmoid
@@ -28,31 +31,43 @@ saved activations (forward to backward), "save" = what the code keeps today:
     W = 1:   gates P*b, h P*2F*b, y P*D*b, ||phi||^2 P*4, sort order and inverse 2*P*8, quotas E*8, offsets E*4,
              sampling uniforms E*4 (retain < 1, selection "sample").
     W > 1:   gates P*b, y P*D*b, ||phi||^2 P*4, order and inverse 2*P*8, received rows x_recv N*D*b,
-             h N*2F*b, their expert-major permutation N*8, loads and quotas 2*W*E*8, uniforms E*4 (as above).
-    "recompute" (LRMoE(activations="recompute"), one device): the same without h; backward recomputes h for
-        the retained rows only from x, into the buffer "save" fills by gathering, so the backward buffers are
-        unchanged.
+             h N*2F*b, their expert-major permutation N*8, loads and quotas 2*W*E*8, uniforms E*4 (as above);
+             with replicas, the instance weights torch.cat(owned, replicas) hold a copy of the owned shard,
+             L*3FD*b (the replicas' part is replica_weights).
+    "recompute" (LRMoE(activations="recompute"), one device): the same without h, which is a forward transient
+        instead; backward recomputes h for the retained rows only from x, into the buffer "save" fills by
+        gathering, so the backward buffers are unchanged.
     "offload" (not implemented yet): h parked in pinned host memory (``offloaded``, not device bytes), retained
         rows brought back into the same buffer.
 
-transients (buffers live only inside this layer's forward or backward), each the largest of a few phases
-(``forward_phases`` / ``backward_phases`` name them and their buffers), on top of the saved activations:
-    forward:  the SwiGLU output phi N*F*b, y before reordering N*D*b, the fp32 ||phi||^2 working set
-              N*F*(u + 4), index buffers, the combine product P*D*b and the output T*D*b; with W > 1 the
-              dispatch send buffer P*D*b and the combine payloads N*(D*b + 4) sent and P*(D*b + 4) received.
-    backward: the incoming gradient T*D*b, gate gradients P*b, the router gradient's output P*b (with W > 1
-              its fp32 copies T*D*u + P*D*u), the retained-row buffers (dy M*D*b, h M*2F*b, phi and dphi M*F*b each), the fp32
-              SwiGLU-backward working set M*F*(3u + 20) (+ M*2F*b for its cast when u > 0), dh M*2F*b,
-              dx M*D*b, its pair slots (P+1)*D*b and the input gradient T*D*b; with W > 1 the backward payloads
-              R*(D*b + 4) sent (no index when retain = 1) and M*(D*b + 4) received, and the returned dx R*D*b.
-    Not modelled: buffers inside one custom op (the selection sort, a grouped GEMM's workspace) and the
-    allocator's rounding and fragmentation; the GPU measurement (a later increment) says how much they add.
+transients: ``forward_phases`` and ``backward_phases`` follow the code line by line (``_Timeline``): a local stays
+alive until its function returns (nothing in these functions frees a buffer early), a line's temporaries live
+only on that line, and a phase is a point where a line allocates, with everything live there. The transient is
+the largest phase. Forward: the grouped GEMMs, the SwiGLU, the fp32 ||phi||^2 working set N*F*(u + 4) and the
+combine. Backward (one device; W > 1 adds the payloads and the received and returned rows):
+    dy           alpha * g / p per retained row: the gathered g rows and their fp32 product, R*D*(b + 4)
+    h_rows       h of the retained rows, M*2F*b (gathered from the saved h, or recomputed from x)
+    swiglu       phi M*F*b (and the silu temporary)
+    dphi_gemm    dphi M*F*b
+    grad_down_gemm     the down projection's weight-gradient output, I*DF*b (I = L + r instances)
+    swiglu_backward  fp32 working set M*F*(3u + 20), + its cast M*2F*b when u > 0; everything above still live:
+                 the peak at the Qwen3 shape with retain 1
+    grad_gate_up_gemm  the gate/up projection's weight-gradient output, I*2FD*b, after dh M*2F*b
+    dx_gemm      dx M*D*b
+    input_grad   the per-pair slots (P + 1)*D*b of the K-row sum and the input gradient T*D*b (W = 1), with
+                 every buffer above still live: the peak at retain < 1, and wherever the gradients dominate
+    router_backward  after the expert function returns: gradients, router gradient, three T*D*b input gradients
+On CUDA, a bf16 grouped GEMM with 8-aligned shapes first gathers its input rows into a buffer (``device_type``):
+the phase of that GEMM counts it. Not modelled: other buffers inside one custom op (the selection's sort, GEMM
+workspaces), the allocator's rounding and fragmentation, the compiled path (Inductor plans its own buffers) and,
+with replicas, the buffers of the replica-gradient path back to the owners.
 
-peak = static + saved + max(forward transient, backward transient).
+peak = resident + saved + max(forward transient, backward transient); token_buffers = peak - static.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -71,6 +86,7 @@ __all__ = [
     "MemoryPlan",
     "Rows",
     "balanced_rows",
+    "expert_parallel_kwargs",
     "layer_memory",
     "plan_memory",
     "rows_from_plan",
@@ -96,6 +112,14 @@ class MemoryConfig:
     optimizer_bytes_per_param: optimiser state per owned parameter (ADAMW_FP32, ADAMW_FP32_MASTER, 0 for SGD).
     norm_topk_prob: router renormalises the top-k gates (saves two more small tensors).
     selection: "sample" saves one fp32 uniform per expert when retain < 1; "top" does not.
+    grads_preallocated: False (default, PyTorch's ``zero_grad(set_to_none=True)``): the gradients start the step
+        as None, and the backward's weight-gradient outputs become them, live from the GEMM that makes them.
+        True (``zero_grad(set_to_none=False)``, gradient accumulation, fp32 main gradients of bf16 weights): the
+        gradients are held all step and the weight-gradient outputs are transients added into them. Gradients in
+        a dtype other than ``param_dtype`` exist only outside autograd, so they need True.
+    device_type: "cuda" (default) or "cpu", the grouped-GEMM kernels modelled: on CUDA, bf16 grouped GEMMs with
+        8-aligned shapes (torch._grouped_mm) first gather their input rows into a buffer; the Triton kernels
+        (other dtypes) and the CPU reference do not.
     """
 
     dim: int
@@ -109,6 +133,8 @@ class MemoryConfig:
     optimizer_bytes_per_param: int = ADAMW_FP32
     norm_topk_prob: bool = True
     selection: str = "sample"
+    grads_preallocated: bool = False
+    device_type: str = "cuda"
 
     def __post_init__(self):
         for name in ("dim", "hidden_dim", "num_experts", "top_k", "tokens", "world_size"):
@@ -127,6 +153,15 @@ class MemoryConfig:
             if value is not None and (not isinstance(value, torch.dtype) or not value.is_floating_point):
                 raise TypeError(f"{name} must be a floating-point torch.dtype, got {value!r}")
         check_choice("selection", self.selection, ("sample", "top"))
+        check_choice("device_type", self.device_type, ("cuda", "cpu"))
+        if not isinstance(self.grads_preallocated, bool):
+            raise TypeError(f"grads_preallocated must be a bool, got {self.grads_preallocated!r}")
+        if not self.grads_preallocated and self.grad_dtype not in (None, self.param_dtype):
+            raise ValueError(
+                f"grad_dtype={self.grad_dtype} differs from param_dtype={self.param_dtype}: autograd makes "
+                f"{self.param_dtype} gradients, so {self.grad_dtype} ones are buffers kept outside it, allocated "
+                "before the step; pass grads_preallocated=True"
+            )
 
     @property
     def pairs(self) -> int:
@@ -205,14 +240,15 @@ def rows_from_plan(loads_WE: torch.Tensor, quotas_WE: torch.Tensor, rank: int) -
 class LayerMemory:
     """Modelled bytes of one MoE layer on one rank (formulas in the module docstring).
 
-    The ``*_phases`` mappings give, per phase, the buffers live in it (name -> bytes); the transient is the
-    largest phase total. ``saved`` gives the saved activations tensor by tensor.
+    The ``*_phases`` mappings give, per phase, the buffers live in it beyond the resident bytes and the saved
+    activations (name -> bytes; backward phases include the weight-gradient outputs made so far); the transient
+    is the largest phase total. ``saved`` gives the saved activations tensor by tensor.
     """
 
     expert_weights: int
     expert_grads: int
     expert_optimizer: int
-    router: int
+    router: int  # weight, gradient and optimiser state of gate.weight
     replica_weights: int
     replica_grads: int
     saved: Mapping[str, int]
@@ -223,6 +259,8 @@ class LayerMemory:
     replicas: int
     retain: float
     policy: str
+    router_grad: int = 0
+    grads_preallocated: bool = False
 
     @property
     def base_experts(self) -> int:
@@ -234,7 +272,17 @@ class LayerMemory:
 
     @property
     def static(self) -> int:
+        """Bytes held at the end of the step (weights, gradients, optimiser state, replicas)."""
         return self.base_experts + self.router + self.replica_bytes
+
+    @property
+    def gradients(self) -> int:
+        return self.expert_grads + self.replica_grads + self.router_grad
+
+    @property
+    def resident(self) -> int:
+        """Bytes held through the whole step: ``static`` less the gradients unless they are preallocated."""
+        return self.static - (0 if self.grads_preallocated else self.gradients)
 
     @property
     def saved_activations(self) -> int:
@@ -249,13 +297,16 @@ class LayerMemory:
         return max(sum(p.values()) for p in self.backward_phases.values())
 
     @property
-    def token_buffers(self) -> int:
-        """Saved activations plus the larger transient: the "token buffers" bar of the paper's Figure 7."""
-        return self.saved_activations + max(self.forward_transient, self.backward_transient)
+    def peak(self) -> int:
+        """resident + saved activations + the larger transient."""
+        return self.resident + self.saved_activations + max(self.forward_transient, self.backward_transient)
 
     @property
-    def peak(self) -> int:
-        return self.static + self.token_buffers
+    def token_buffers(self) -> int:
+        """peak - static: what the peak adds to the bytes held at the end of the step, the "token buffers" bar of
+        the paper's Figure 7 (base experts + replicas + router + token buffers = peak). With gradients that start
+        as None this is the saved activations plus the largest transient less the gradients it includes."""
+        return self.peak - self.static
 
 
 def layer_memory(
@@ -292,7 +343,7 @@ def layer_memory(
     g = (config.grad_dtype or config.param_dtype).itemsize
     o = config.optimizer_bytes_per_param
     numel = config.expert_numel
-    saved = _saved(config, rows, retain, b)
+    saved = _saved(config, rows, retain, b, replicas)
     offloaded = 0
     if policy != "save":
         h_bytes = saved.pop("h")
@@ -306,12 +357,14 @@ def layer_memory(
         replica_grads=replicas * numel * g,
         saved=saved,
         offloaded=offloaded,
-        forward_phases=_forward_phases(config, rows, b),
-        backward_phases=_backward_phases(config, rows, retain, b),
+        forward_phases=_forward_phases(config, rows, b, policy),
+        backward_phases=_backward_phases(config, rows, retain, b, policy, replicas),
         rows=rows,
         replicas=replicas,
         retain=retain,
         policy=policy,
+        router_grad=config.num_experts * config.dim * g,
+        grads_preallocated=config.grads_preallocated,
     )
 
 
@@ -320,7 +373,7 @@ def _upcast(b_dtype: torch.dtype) -> int:
     return 0 if b_dtype == torch.float32 else _FP32
 
 
-def _saved(config: MemoryConfig, rows: Rows, retain: float, b: int) -> dict[str, int]:
+def _saved(config: MemoryConfig, rows: Rows, retain: float, b: int, replicas: int) -> dict[str, int]:
     T, D, F, E, P, N = config.tokens, config.dim, config.hidden_dim, config.num_experts, rows.pairs, rows.recv
     saved = {
         "x": T * D * b,
@@ -342,42 +395,72 @@ def _saved(config: MemoryConfig, rows: Rows, retain: float, b: int) -> dict[str,
         saved["x_recv"] = N * D * b
         saved["recv_permutation"] = N * _INT64
         saved["loads_and_quotas"] = 2 * config.world_size * E * _INT64
+        if replicas:
+            # torch.cat of the owned shard and the fetched replicas: the [L + r] instance weights the expert
+            # function saves hold a copy of the owned experts too (the replicas' part is replica_weights).
+            saved["owned_weight_copy"] = config.local_experts * config.expert_numel * b
     if retain < 1.0 and config.selection == "sample":
         saved["uniforms"] = E * _FP32
     return saved
 
 
-def _forward_phases(config: MemoryConfig, rows: Rows, b: int) -> dict[str, dict[str, int]]:
+class _Timeline:
+    """Buffers live at each point of a pass, in the code's order: ``alloc`` what outlives its line (a local that
+    stays referenced until the function returns), ``free`` what is released, ``mark`` a phase (a local maximum:
+    the live buffers plus the temporaries of that line)."""
+
+    def __init__(self):
+        self.live: dict[str, int] = {}
+        self.phases: dict[str, dict[str, int]] = {}
+
+    def alloc(self, **buffers: int) -> None:
+        self.live.update((k, v) for k, v in buffers.items() if v)
+
+    def free(self, *names: str) -> None:
+        for name in names:
+            self.live.pop(name, None)
+
+    def mark(self, phase: str, **temporaries: int) -> None:
+        self.phases[phase] = {**self.live, **{k: v for k, v in temporaries.items() if v}}
+
+
+def _gathers(config: MemoryConfig, *dims: int) -> bool:
+    """Whether a grouped GEMM with these operand dimensions first gathers its rows into a contiguous buffer: the
+    CUDA torch._grouped_mm path (bf16, every dimension a multiple of 8). The Triton kernels (other dtypes) fuse
+    the gather, and the CPU reference gathers one expert's rows at a time."""
+    return (config.device_type == "cuda" and config.param_dtype == torch.bfloat16
+            and all(d % 8 == 0 for d in dims))
+
+
+def _forward_phases(config: MemoryConfig, rows: Rows, b: int, policy: str) -> dict[str, dict[str, int]]:
     T, D, F, P, N = config.tokens, config.dim, config.hidden_dim, rows.pairs, rows.recv
     u = _upcast(config.param_dtype)
-    # Live from the expert GEMMs to the end of the forward.
-    expert = {
-        "token_index": P * _INT64,
-        "row_index": N * _INT64,
-        "phi": N * F * b,
-        "y_rows": N * D * b,
-    }
+    t = _Timeline()
+    t.alloc(token_index=P * _INT64)
     if config.world_size > 1:
-        expert["recv_permutation_tmp"] = N * _INT64
-    phases = {"phi_sq": {**expert, "phi_fp32": N * F * u, "phi_fp32_squared": N * F * _FP32}}
-    combine = {**expert, "weighted_y": P * D * b, "out": T * D * b}
+        t.mark("dispatch", dispatch_send=P * D * b)  # received rows are saved (x_recv)
+        t.alloc(recv_permutation_tmp=N * _INT64)
+    t.alloc(row_index=N * _INT64)
+    src_rows = T if config.world_size == 1 else N
+    # h: saved under "save"; otherwise a forward transient (or, offloaded, until its copy to the host is done).
+    t.mark("gate_up_gemm", x_rows=N * D * b if _gathers(config, src_rows, D, 2 * F) else 0)
+    t.alloc(h=N * 2 * F * b if policy != "save" else 0)
+    t.mark("swiglu", silu=N * F * b, phi=N * F * b)
+    t.alloc(phi=N * F * b)
+    t.mark("down_gemm", phi_rows=N * F * b if _gathers(config, N, F, D) else 0, y_rows=N * D * b)
+    t.alloc(y_rows=N * D * b)
+    t.mark("phi_sq", phi_fp32=N * F * u, phi_fp32_squared=N * F * _FP32)
     if config.world_size > 1:
-        phases["dispatch"] = {"token_index": P * _INT64, "dispatch_send": P * D * b}
-        combine.update({
-            "phi_sq_rows": N * _FP32,
-            "combine_send": N * (D * b + _FP32),
-            "combine_recv": P * (D * b + _FP32),
-            "y_unpacked": P * D * b,
-            "phi_sq_unpacked": P * _FP32,
-            "pair_index": P * _INT64,
-        })
-    phases["combine"] = combine
-    return phases
+        t.alloc(phi_sq_rows=N * _FP32, combine_send=N * (D * b + _FP32), combine_recv=P * (D * b + _FP32),
+                y_unpacked=P * D * b, phi_sq_unpacked=P * _FP32, pair_index=P * _INT64)
+    t.mark("combine", weighted_y=P * D * b, out=T * D * b)
+    return t.phases
 
 
 def _swiglu_backward_workspace(M: int, F: int, b: int, u: int) -> dict[str, int]:
-    """``_swiglu_backward`` at its largest: fp32 h and dphi copies (when not fp32), sigmoid, dgate and dup, their
-    concatenation, and its cast back (when not fp32)."""
+    """``_swiglu_backward`` at its largest (its last line): fp32 h and dphi copies (when not fp32), sigmoid,
+    dgate and dup, their concatenation, and its cast back (when not fp32). Its longest expression, dgate, peaks at
+    three [M, F] fp32 temporaries, one fewer than the last line holds."""
     return {
         "h_fp32": M * 2 * F * u,
         "dphi_fp32": M * F * u,
@@ -387,46 +470,78 @@ def _swiglu_backward_workspace(M: int, F: int, b: int, u: int) -> dict[str, int]
     }
 
 
-def _backward_phases(config: MemoryConfig, rows: Rows, retain: float, b: int) -> dict[str, dict[str, int]]:
-    T, D, F, P = config.tokens, config.dim, config.hidden_dim, rows.pairs
+def _backward_phases(config: MemoryConfig, rows: Rows, retain: float, b: int, policy: str,
+                     replicas: int) -> dict[str, dict[str, int]]:
+    """The backward of ``selective_swiglu_experts`` (W = 1) or of ``ExpertParallel``'s expert function (W > 1),
+    line by line. Every local stays referenced until the function returns, so nothing it allocates is freed
+    before the end; the weight-gradient outputs are live from their GEMM on (they become the gradients, or are
+    added into preallocated ones after the function returns)."""
+    T, D, F, E, P = config.tokens, config.dim, config.hidden_dim, config.num_experts, rows.pairs
     R, M = rows.sent_retained, rows.recv_retained
+    n_inst = config.local_experts + replicas  # weight-gradient outputs cover every instance
     u = _upcast(config.param_dtype)
     dense = retain >= 1.0
-    grad_in = {"grad_out": T * D * b, "grad_gates": P * b}
+    t = _Timeline()
+    t.alloc(grad_out=T * D * b)
     if config.world_size == 1:  # one batched GEMV in the activation dtype, fp32 accumulation inside
-        router = {**grad_in, "grad_gates_bmm": P * b}
-    else:  # the expert-parallel backward still upcasts g and y
-        router = {**grad_in, "grad_out_fp32": T * D * u, "y_fp32": P * D * u, "grad_gates_fp32": P * _FP32}
-    # Source side, live to the end of backward: scores and selection (retain < 1), row indices and weights,
-    # dy = alpha * g / p per retained row.
-    source = dict(grad_in)
-    if not dense:
-        source["scores_and_finite"] = 2 * P * _FP32
-    source["row_index"] = 3 * R * _INT64
-    source["row_weights"] = 2 * R * _FP32
-    source["dy"] = R * D * b
-    if config.world_size > 1:
-        source["backward_send"] = R * (D * b + (0 if dense else _INT32))
-        source["backward_recv"] = M * (D * b + (0 if dense else _INT32))
-        if not dense:
-            source["dy_unpacked"] = M * D * b
-            source["recv_row_index"] = 4 * M * _INT64 + M * _INT32
-        source["dy_expert_major"] = M * D * b
-    # Owner side: retained rows of h, phi and dphi.
-    owner = {**source, "h_rows": M * 2 * F * b, "phi_rows": M * F * b, "dphi_rows": M * F * b}
-    # One device: every kept row lands in its own pair's slot (P + 1 rows), then the K slots of a token are summed.
-    end = {**owner, "dh_rows": M * 2 * F * b, "dx_rows": M * D * b, "dx_pair_slots": (P + 1) * D * b,
-           "dx_dest_index": M * _INT64, "grad_x": T * D * b}
-    if config.world_size > 1:
-        end["dx_rows_source_major"] = M * D * b
-        end["dx_returned"] = R * D * b
-        del end["dx_pair_slots"], end["dx_dest_index"]
-        end["grad_x"] = T * D * b  # index_add_ in place
-    return {
-        "router_grad": router,
-        "swiglu_backward": {**owner, **_swiglu_backward_workspace(M, F, b, u)},
-        "input_grad": end,
-    }
+        t.alloc(grad_gates=P * b)
+    else:  # einsum of fp32 copies of g and y
+        t.mark("router_grad", grad_out_fp32=T * D * u, y_fp32=P * D * u, grad_gates_fp32=P * _FP32)
+        t.alloc(grad_gates=P * b)
+    if dense:
+        t.alloc(row_weights=R * _FP32)  # ones; the rows are the forward's order
+    else:
+        t.alloc(scores=P * _FP32, pair_ids=R * _INT64, row_weights=R * _FP32, finite_scores=P * _FP32)
+    t.alloc(row_index=2 * R * _INT64, row_coef=R * _FP32)  # safe pair ids, token ids; alpha / p
+    if config.world_size == 1:
+        t.mark("dy", dy_gathered=R * D * b, dy_fp32=R * D * _FP32)  # index_select, then the fp32 product
+        t.alloc(dy=R * D * b)
+        src_rows = T
+    else:
+        t.mark("dy", dy_work=max(T * D * u, R * D * _FP32), dy_fp32=R * D * _FP32)
+        t.alloc(dy=R * D * b)
+        if dense:  # the payload is dy itself
+            t.alloc(backward_recv=M * D * b, recv_row_index=M * _INT64)
+        else:
+            t.alloc(send_index=2 * R * _INT64 + R * _INT32, backward_send=R * (D * b + _INT32),
+                    backward_recv=M * (D * b + _INT32), dy_unpacked=M * D * b,
+                    recv_row_index=3 * M * _INT64 + M * _INT32)
+        t.alloc(expert_major_index=2 * M * _INT64)  # perm_M, rows_M
+        t.mark("dy_expert_major", dy_expert_major=M * D * b)
+        t.alloc(dy_expert_major=M * D * b)
+        src_rows = rows.recv
+    if policy == "recompute":  # one device only: from x, gathered by token
+        t.mark("h_rows", x_rows=M * D * b if _gathers(config, T, D, 2 * F) else 0, h_rows=M * 2 * F * b)
+    else:  # "save" gathers the saved h; "offload" copies the rows back into the same buffer
+        t.mark("h_rows", h_row_index=M * _INT64 if policy == "save" else 0, h_rows=M * 2 * F * b)
+    t.alloc(h_rows=M * 2 * F * b)
+    t.mark("swiglu", silu=M * F * b, phi_rows=M * F * b)
+    t.alloc(phi_rows=M * F * b, row_ident=M * _INT64)
+    t.mark("dphi_gemm", dy_gathered=M * D * b if _gathers(config, M, D, F) else 0, dphi_rows=M * F * b)
+    t.alloc(dphi_rows=M * F * b)
+    t.mark("grad_down_gemm", phi_gathered=M * F * b if _gathers(config, M, D, M, F) else 0,
+           grad_down=n_inst * D * F * b)
+    t.alloc(grad_down=n_inst * D * F * b)
+    t.mark("swiglu_backward", **_swiglu_backward_workspace(M, F, b, u))
+    t.alloc(dh_rows=M * 2 * F * b)
+    t.mark("grad_gate_up_gemm", x_gathered=M * D * b if _gathers(config, M, 2 * F, src_rows, D) else 0,
+           grad_gate_up=n_inst * 2 * F * D * b)
+    t.alloc(grad_gate_up=n_inst * 2 * F * D * b)
+    t.mark("dx_gemm", dh_gathered=M * 2 * F * b if _gathers(config, M, 2 * F, D) else 0, dx_rows=M * D * b)
+    t.alloc(dx_rows=M * D * b)
+    if config.world_size == 1:
+        # Every kept row lands in its own pair's slot (P + 1 rows), then the K slots of a token are summed.
+        t.mark("input_grad", dx_dest_index=M * _INT64, dx_pair_slots=(P + 1) * D * b, grad_x=T * D * b)
+    else:
+        t.alloc(dx_source_major=M * D * b, dx_returned=R * D * b)
+        t.mark("input_grad", grad_x=T * D * b)  # index_add_ in place
+    # The function returns: its locals and saved tensors go; autograd runs the router's backward (fp32 gate
+    # gradients, softmax and gate backward) and sums the two input gradients.
+    kept = {"grad_out", "grad_gates", "grad_down", "grad_gate_up"}
+    t.free(*(name for name in list(t.live) if name not in kept))
+    t.mark("router_backward", grad_gates_fp32=P * _FP32, router_grad=E * D * b, grad_x=T * D * b,
+           grad_x_router=T * D * b, grad_x_sum=T * D * b)
+    return t.phases
 
 
 # ---------------------------------------------------------------------------------------------------- planner
@@ -435,13 +550,15 @@ def _backward_phases(config: MemoryConfig, rows: Rows, retain: float, b: int) ->
 @dataclass(frozen=True)
 class MemoryPlan:
     """The planner's choice: ``replicas`` per rank, ``retain``, the backward capacity ``backward_rows`` (M, the
-    retained rows this rank's experts process in backward) and the modelled ``memory`` (peak <= budget)."""
+    retained rows this rank's experts process in backward) and the modelled ``memory`` (peak <= budget), for
+    ``config``. :func:`expert_parallel_kwargs` turns it into ``ExpertParallel`` arguments."""
 
     replicas: int
     retain: float
     backward_rows: int
     memory: LayerMemory
     budget_bytes: int
+    config: MemoryConfig | None = None
 
     @property
     def headroom(self) -> int:
@@ -499,7 +616,7 @@ def plan_memory(
         memory = layer_memory(config, retain=retain, replicas=replicas, policy=policy, rows=rows)
         if memory.peak <= budget_bytes:
             return MemoryPlan(replicas=replicas, retain=retain, backward_rows=rows.recv_retained, memory=memory,
-                              budget_bytes=budget_bytes)
+                              budget_bytes=budget_bytes, config=config)
         # Among equal peaks, name the smallest retain (what the user would lower next).
         if cheapest is None or (memory.peak, retain, replicas) < (cheapest.peak, cheapest.retain, cheapest.replicas):
             cheapest = memory
@@ -510,6 +627,50 @@ def plan_memory(
         f"{cheapest.peak} bytes ({_mib(cheapest.peak)}); raise budget_bytes by {short}, or lower tokens or "
         "min(retain_choices)"
     )
+
+
+def expert_parallel_kwargs(plan: MemoryPlan) -> dict[str, int | float]:
+    """``ExpertParallel`` keyword arguments that enforce ``plan`` (a :func:`plan_memory` result with
+    world_size > 1): ``max_replicas`` = ``plan.replicas``, and the largest ``capacity_factor`` whose per-rank
+    backward capacity, ceil(capacity_factor * floor(retain * W * P) / W) as ``ExpertParallel`` computes it in
+    float64 (``backward_capacity``), is at most ``plan.backward_rows`` (M): the capacity is M itself when the
+    budget is not empty. Build the layer with ``LRMoE(..., retain=plan.retain)``.
+
+    The capacity bounds the backward rows whatever the routing does, so the modelled backward buffers hold; it
+    assumes every rank routes ``config.tokens`` tokens (the capacity scales with the step's actual pairs). At
+    retain = 1 it is P, which makes the backward selective on a rank whose forward rows exceed P (see
+    docs/expert_parallel.md); pass ``capacity_factor=None`` instead to keep the dense backward unbounded. The
+    forward rows N are not bounded by it: the plan takes them as given (``recv_rows``).
+
+    Raises ValueError when the plan has no config or one device, when ``plan.replicas`` exceeds the E - E/W
+    experts a rank does not own, or when M is below the balanced share floor(retain * W * P) / W (possible only
+    with ``recv_rows`` < P), which ``ExpertParallel`` cannot express (capacity_factor >= 1).
+    """
+    config = plan.config
+    if config is None or config.world_size == 1:
+        raise ValueError("expert_parallel_kwargs needs a plan_memory plan of an expert-parallel config "
+                         "(world_size > 1)")
+    n_ranks, rows = config.world_size, plan.backward_rows
+    if plan.replicas > config.num_experts - config.local_experts:
+        raise ValueError(f"plan.replicas={plan.replicas} exceeds the {config.num_experts - config.local_experts} "
+                         "experts a rank does not own (ExpertParallel's limit on max_replicas)")
+    budget = math.floor(float(n_ranks * config.pairs) * plan.retain)  # plan_quotas' budget, in float64
+
+    def capacity(factor: float) -> int:  # backward_capacity's arithmetic, operation by operation
+        return math.ceil(budget * factor / n_ranks)
+
+    if budget == 0:
+        return {"max_replicas": plan.replicas, "capacity_factor": 1.0}
+    factor = rows * n_ranks / budget
+    while capacity(factor) > rows:  # at most a few ulps
+        factor = math.nextafter(factor, 0.0)
+    if factor < 1.0:
+        raise ValueError(
+            f"plan.backward_rows={rows} is below the balanced share {budget}/{n_ranks} of the backward budget "
+            f"floor(retain={plan.retain} * W * P) = {budget}: ExpertParallel's capacity_factor must be >= 1; "
+            "plan with recv_rows >= tokens * top_k"
+        )
+    return {"max_replicas": plan.replicas, "capacity_factor": factor}
 
 
 def _mib(n: int) -> str:
