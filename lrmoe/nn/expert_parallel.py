@@ -39,10 +39,11 @@ a recompute) travel too. The router gradient <g_t, y_u> is exact and local.
 Checkpoints: the sharded experts save and load with torch.distributed.checkpoint (get_state_dict/set_state_dict,
 optimiser state included; tests/nn/test_expert_parallel_checkpoint.py). Replicas are per-step copies, never saved.
 
-torch.compile: the layer compiles with ``fullgraph=True``, forward and backward (tested with
-``torch._dynamo.config.capture_scalar_outputs = True``; torch 2.13 also traces it without). The host read of the
-split sizes becomes unbacked SymInts, so one graph serves every step's loads without recompiling
-(tests/nn/test_expert_parallel_compile.py). Not yet with replicas: tracing raises NotImplementedError (docs).
+torch.compile: the layer compiles with ``fullgraph=True``, forward and backward, with and without replicas (tested
+with ``torch._dynamo.config.capture_scalar_outputs = True``; torch 2.13 also traces it without). The host read of
+the split sizes becomes unbacked SymInts, so one graph serves every step's loads without recompiling
+(tests/nn/test_expert_parallel_compile.py). The plan (step 3) is one opaque op, ``lrmoe::ep_plan``, so every rank
+computes it with the same eager kernels, compiled or not (see ``_ep_plan`` for why).
 
 Not yet here (later increments): a memory-aware placement policy, a padded static-capacity mode without host
 synchronisation.
@@ -208,6 +209,66 @@ def plan_expert_parallel(
         n_ranks, -1))
     return ExpertParallelPlan(loads=loads_WE, instances=inst_WI, routes=routes_SEW, assignment=assign_SWI,
                               instance_quotas=quotas_SWI, quotas=quotas_SE, capacity=capacity_W)
+
+
+# The plan as one opaque op. Every rank must compute the same plan, or the split sizes of the all-to-alls
+# disagree and gloo aborts ("Received data size doesn't match expected size"). Compiled, each rank traces its own
+# graph (its rank is a constant in it), so inductor fuses and orders the plan's kernels differently on every rank.
+# On 2 gloo ranks with replicas (torch 2.13), rank 1's kernels read balanced_capacity's index_add_ result (an
+# IndexPutFallback into a zeros buffer) before the index_add_ ran: the ordering edge in the pre-fusion IR was lost
+# in scheduling (reorder_for_peak_memory=False or no horizontal fusion avoids it). Rank 1 planned with zero
+# instances per expert, rank 0 planned right. Behind this op the plan runs the same eager kernels on every rank,
+# compiled or not: the same plan everywhere by construction, not by trusting every rank's compiled code (float64
+# sums in the placement policy included). It is [W, E]-sized integer work: nothing worth fusing is lost.
+
+# Placement policies by key, so that the op (whose arguments are tensors and scalars) can reach the callable.
+# Filled by ExpertParallel.__init__, never emptied: a key always names the same function.
+_PLACEMENT_POLICIES: dict[str, PlacementPolicy] = {}
+
+
+def _placement_key(policy: PlacementPolicy) -> str:
+    name = getattr(policy, "__qualname__", type(policy).__name__)
+    key = f"{getattr(policy, '__module__', '')}.{name}@{id(policy):x}"
+    _PLACEMENT_POLICIES.setdefault(key, policy)
+    return key
+
+
+@torch.library.custom_op("lrmoe::ep_plan", mutates_args=())
+def _ep_plan(
+    loads_WE: torch.Tensor, retain: float, min_retain: float, policy: str, max_replicas: int,
+    capacity_factor: float | None, placement_key: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(instances, routes, assignment, instance_quotas, quotas, capacity) of ``plan_expert_parallel``; capacity
+    is a [W] tensor of -1 without ``capacity_factor``."""
+    plan = plan_expert_parallel(
+        loads_WE, retain, min_retain=min_retain, policy=policy, max_replicas=max_replicas,
+        capacity_factor=capacity_factor, placement_policy=_PLACEMENT_POLICIES[placement_key],
+    )
+    capacity_W = plan.capacity if plan.capacity is not None else torch.full_like(plan.loads[:, 0], -1)
+    return plan.instances, plan.routes, plan.assignment, plan.instance_quotas, plan.quotas, capacity_W
+
+
+@_ep_plan.register_fake
+def _(loads_WE, retain, min_retain, policy, max_replicas, capacity_factor, placement_key):
+    n_ranks, n_exp = loads_WE.shape
+    n_inst = n_exp // n_ranks + max_replicas
+
+    def new(*shape):
+        return loads_WE.new_empty(shape, dtype=torch.int64)
+
+    return (new(n_ranks, n_inst), new(n_ranks, n_exp, n_ranks), new(n_ranks, n_ranks, n_inst),
+            new(n_ranks, n_ranks, n_inst), new(n_ranks, n_exp), new(n_ranks))
+
+
+def _plan_step(loads_WE: torch.Tensor, layer: LRMoE, rep: _Replication) -> ExpertParallelPlan:
+    """``plan_expert_parallel`` for one layer step, through the opaque op (uniform None)."""
+    inst, routes, assign, inst_quotas, quotas, capacity = _ep_plan(
+        loads_WE.long(), layer.retain, layer.min_retain, layer.policy, rep.max_replicas, rep.capacity_factor,
+        rep.placement_key,
+    )
+    return ExpertParallelPlan(loads=loads_WE.long(), instances=inst, routes=routes, assignment=assign,
+                              instance_quotas=inst_quotas, quotas=quotas,
+                              capacity=None if rep.capacity_factor is None else capacity)
 
 
 def instance_slots(instances_WI: torch.Tensor, num_experts: int) -> torch.Tensor:
@@ -562,6 +623,7 @@ class _Replication:
     max_replicas: int
     capacity_factor: float | None
     placement_policy: PlacementPolicy
+    placement_key: str  # the policy's key in _PLACEMENT_POLICIES, for the plan op
 
 
 class ExpertParallel(ParallelStyle):
@@ -612,7 +674,8 @@ class ExpertParallel(ParallelStyle):
             raise TypeError(f"placement_policy must be callable (loads_WE, max_replicas) -> replicas_WR, got "
                             f"{type(placement_policy).__name__}")
         self.mesh_dim_name = mesh_dim_name
-        self.replication = _Replication(max_replicas, capacity_factor, placement_policy)
+        self.replication = _Replication(max_replicas, capacity_factor, placement_policy,
+                                        _placement_key(placement_policy))
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         if not isinstance(module, LRMoE):
@@ -713,10 +776,7 @@ class _ExpertParallelMixin:
         # The tiny [W, E] load matrix, all-gathered (no host sync), then the same plan on every rank.
         loads_E = expert_loads(routing.expert_ids, self.num_experts)
         loads_WE = funcol.wait_tensor(funcol.all_gather_single(loads_E, 0, ep.group)).view(ep.size, -1)
-        plan = plan_expert_parallel(
-            loads_WE, self.retain, min_retain=self.min_retain, policy=self.policy, max_replicas=rep.max_replicas,
-            capacity_factor=rep.capacity_factor, placement_policy=rep.placement_policy,
-        )
+        plan = _plan_step(loads_WE, self, rep)  # plan_expert_parallel, opaque to the compiler (see _ep_plan)
         n_local = self.num_experts // ep.size
         n_inst = plan.instances.shape[1]
         dense = self.retain >= 1.0 and rep.capacity_factor is None
@@ -734,13 +794,6 @@ class _ExpertParallelMixin:
 
         gate_up_LFD, down_LDF = gate_up.to_local(), down.to_local()
         weight_bytes = 0
-        if rep.max_replicas and torch.compiler.is_compiling():
-            # Compiled, the ranks of a 2-rank gloo test issued their all-to-alls with mismatched sizes (a collective
-            # order or split mismatch not diagnosed yet); fail at trace time rather than hang or abort a job.
-            raise NotImplementedError(
-                "torch.compile of an expert-parallel layer with max_replicas > 0 is not supported yet; compile "
-                "with max_replicas=0 (capacity_factor works) or run this layer eagerly"
-            )
         if rep.max_replicas:
             # Replica weights from their owners, differentiably: their gradients return and sum into the shards.
             flat_LX = torch.cat([gate_up_LFD.reshape(n_local, -1), down_LDF.reshape(n_local, -1)], dim=1)
