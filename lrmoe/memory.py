@@ -447,7 +447,7 @@ def _forward_phases(config: MemoryConfig, rows: Rows, b: int, policy: str) -> di
     t.alloc(h=N * 2 * F * b if policy != "save" else 0)
     t.mark("swiglu", silu=N * F * b, phi=N * F * b)
     t.alloc(phi=N * F * b)
-    t.mark("down_gemm", phi_rows=N * F * b if _gathers(config, N, F, D) else 0, y_rows=N * D * b)
+    t.mark("down_gemm", y_rows=N * D * b)  # phi read in place (rows_R=None)
     t.alloc(y_rows=N * D * b)
     t.mark("phi_sq", phi_fp32=N * F * u, phi_fp32_squared=N * F * _FP32)
     if config.world_size > 1:
@@ -483,11 +483,7 @@ def _backward_phases(config: MemoryConfig, rows: Rows, retain: float, b: int, po
     dense = retain >= 1.0
     t = _Timeline()
     t.alloc(grad_out=T * D * b)
-    if config.world_size == 1:  # one batched GEMV in the activation dtype, fp32 accumulation inside
-        t.alloc(grad_gates=P * b)
-    else:  # einsum of fp32 copies of g and y
-        t.mark("router_grad", grad_out_fp32=T * D * u, y_fp32=P * D * u, grad_gates_fp32=P * _FP32)
-        t.alloc(grad_gates=P * b)
+    t.alloc(grad_gates=P * b)  # router_gradient: one batched GEMV in the activation dtype, fp32 accumulation inside
     if dense:
         t.alloc(row_weights=R * _FP32)  # ones; the rows are the forward's order
     else:
@@ -517,18 +513,25 @@ def _backward_phases(config: MemoryConfig, rows: Rows, retain: float, b: int, po
     t.alloc(h_rows=M * 2 * F * b)
     t.mark("swiglu", silu=M * F * b, phi_rows=M * F * b)
     t.alloc(phi_rows=M * F * b, row_ident=M * _INT64)
-    t.mark("dphi_gemm", dy_gathered=M * D * b if _gathers(config, M, D, F) else 0, dphi_rows=M * F * b)
+    # The next three GEMMs read their rows in place (rows_R=None): no gather copy.
+    t.mark("dphi_gemm", dphi_rows=M * F * b)
     t.alloc(dphi_rows=M * F * b)
-    t.mark("grad_down_gemm", phi_gathered=M * F * b if _gathers(config, M, D, M, F) else 0,
-           grad_down=n_inst * D * F * b)
+    t.mark("grad_down_gemm", grad_down=n_inst * D * F * b)
     t.alloc(grad_down=n_inst * D * F * b)
+    one_device = config.world_size == 1
+    if one_device:  # del dy_RD, phi_RF
+        t.free("dy", "phi_rows")
     t.mark("swiglu_backward", **_swiglu_backward_workspace(M, F, b, u))
     t.alloc(dh_rows=M * 2 * F * b)
+    if one_device:  # del h_RF2, dphi_RF
+        t.free("h_rows", "dphi_rows")
     t.mark("grad_gate_up_gemm", x_gathered=M * D * b if _gathers(config, M, 2 * F, src_rows, D) else 0,
            grad_gate_up=n_inst * 2 * F * D * b)
     t.alloc(grad_gate_up=n_inst * 2 * F * D * b)
-    t.mark("dx_gemm", dh_gathered=M * 2 * F * b if _gathers(config, M, 2 * F, D) else 0, dx_rows=M * D * b)
+    t.mark("dx_gemm", dx_rows=M * D * b)
     t.alloc(dx_rows=M * D * b)
+    if one_device:  # del dh_RF2
+        t.free("dh_rows")
     if config.world_size == 1:
         # Every kept row lands in its own pair's slot (P + 1 rows), then the K slots of a token are summed.
         t.mark("input_grad", dx_dest_index=M * _INT64, dx_pair_slots=(P + 1) * D * b, grad_x=T * D * b)

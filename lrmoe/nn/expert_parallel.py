@@ -63,7 +63,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from lrmoe.functional.experts import _swiglu, _swiglu_backward
+from lrmoe.functional.experts import _swiglu, _swiglu_backward, router_gradient
 from lrmoe.functional.quotas import plan_quotas
 from lrmoe.functional.replicas import (
     balanced_capacity,
@@ -440,7 +440,7 @@ class _ExpertParallelSwiGLU(torch.autograd.Function):
         ident_N = torch.arange(n_rows, device=x_TD.device)
         h_NF2 = gather_grouped_mm(x_recv_ND, gate_up_IFD, perm_N, offsets_I)
         phi_NF = _swiglu(h_NF2)
-        y_ND = gather_grouped_mm(phi_NF, down_IDF, ident_N, offsets_I)
+        y_ND = gather_grouped_mm(phi_NF, down_IDF, None, offsets_I)  # rows in place
         inv_perm_N = torch.empty_like(perm_N).scatter_(0, perm_N, ident_N)
         phi_sq_N = phi_NF.float().square().sum(-1)
 
@@ -474,7 +474,7 @@ class _ExpertParallelSwiGLU(torch.autograd.Function):
         g_TD = grad_out_TD
 
         # Exact router gradient, local: dL/d alpha_u = <g_t, y_u>.
-        grad_gates_TK = torch.einsum("td,tkd->tk", g_TD.float(), y_TKD.float()).to(gates_TK.dtype)
+        grad_gates_TK = router_gradient(g_TD, y_TKD).to(gates_TK.dtype)
 
         # --- source side: score and select own pairs within quotas[rank, w, i], before any communication.
         if cfg.dense:
@@ -532,16 +532,15 @@ class _ExpertParallelSwiGLU(torch.autograd.Function):
         perm_M = expert_major_order(quota_SI, n_kept)
         offsets_I = torch.cumsum(quota_SI.sum(0), 0).int()
         rows_M = fwd_row_M.index_select(0, perm_M)  # instance-major retained rows -> source-major forward rows
-        ident_M = torch.arange(n_kept, device=device)
 
         dy_em_MD = dy_MD.index_select(0, perm_M)
         h_MF2 = h_NF2.index_select(0, inv_perm_N.index_select(0, rows_M))
         phi_MF = _swiglu(h_MF2)
-        dphi_MF = gather_grouped_mm(dy_em_MD, down_IDF.transpose(1, 2), ident_M, offsets_I)
-        grad_down = grouped_outer(dy_em_MD, phi_MF, ident_M, offsets_I)
+        dphi_MF = gather_grouped_mm(dy_em_MD, down_IDF.transpose(1, 2), None, offsets_I)
+        grad_down = grouped_outer(dy_em_MD, phi_MF, None, offsets_I)
         dh_MF2 = _swiglu_backward(h_MF2, dphi_MF)
         grad_gu = grouped_outer(dh_MF2, x_recv_ND, rows_M, offsets_I)
-        dx_em_MD = gather_grouped_mm(dh_MF2, gate_up_IFD.transpose(1, 2), ident_M, offsets_I)
+        dx_em_MD = gather_grouped_mm(dh_MF2, gate_up_IFD.transpose(1, 2), None, offsets_I)
         # Return the input-gradient rows in the order they arrived (the reverse of the backward dispatch).
         dx_MD = torch.empty_like(dx_em_MD).index_copy_(0, perm_M, dx_em_MD)
         dx_RD = _all_to_all(dx_MD, splits.bwd_send, splits.bwd_recv, ep)
