@@ -34,9 +34,9 @@ saved activations (forward to backward), "save" = what the code keeps today:
              h N*2F*b, their expert-major permutation N*8, loads and quotas 2*W*E*8, uniforms E*4 (as above);
              with replicas, the instance weights torch.cat(owned, replicas) hold a copy of the owned shard,
              L*3FD*b (the replicas' part is replica_weights).
-    "recompute" (LRMoE(activations="recompute"), one device): the same without h, which is a forward transient
-        instead; backward recomputes h for the retained rows only from x, into the buffer "save" fills by
-        gathering, so the backward buffers are unchanged.
+    "recompute" (LRMoE(activations="recompute"), one device or expert-parallel): the same without h, which is
+        a forward transient instead; backward recomputes h for the retained rows only from x, into the buffer
+        "save" fills by gathering, so the backward buffers are unchanged.
     "offload" (not implemented yet): h parked in pinned host memory (``offloaded``, not device bytes), retained
         rows brought back into the same buffer.
 
@@ -506,8 +506,8 @@ def _backward_phases(config: MemoryConfig, rows: Rows, retain: float, b: int, po
         t.mark("dy_expert_major", dy_expert_major=M * D * b)
         t.alloc(dy_expert_major=M * D * b)
         src_rows = rows.recv
-    if policy == "recompute":  # one device only: from x, gathered by token
-        t.mark("h_rows", x_rows=M * D * b if _gathers(config, T, D, 2 * F) else 0, h_rows=M * 2 * F * b)
+    if policy == "recompute":  # from x (one device: by token; W > 1: the received rows), gathered
+        t.mark("h_rows", x_rows=M * D * b if _gathers(config, src_rows, D, 2 * F) else 0, h_rows=M * 2 * F * b)
     else:  # "save" gathers the saved h; "offload" copies the rows back into the same buffer
         t.mark("h_rows", h_row_index=M * _INT64 if policy == "save" else 0, h_rows=M * 2 * F * b)
     t.alloc(h_rows=M * 2 * F * b)
@@ -518,20 +518,17 @@ def _backward_phases(config: MemoryConfig, rows: Rows, retain: float, b: int, po
     t.alloc(dphi_rows=M * F * b)
     t.mark("grad_down_gemm", grad_down=n_inst * D * F * b)
     t.alloc(grad_down=n_inst * D * F * b)
-    one_device = config.world_size == 1
-    if one_device:  # del dy_RD, phi_RF
-        t.free("dy", "phi_rows")
+    # expert_rows_backward (both layers) releases each row buffer after its last use.
+    t.free("dy" if config.world_size == 1 else "dy_expert_major", "phi_rows")
     t.mark("swiglu_backward", **_swiglu_backward_workspace(M, F, b, u))
     t.alloc(dh_rows=M * 2 * F * b)
-    if one_device:  # del h_RF2, dphi_RF
-        t.free("h_rows", "dphi_rows")
+    t.free("h_rows", "dphi_rows")
     t.mark("grad_gate_up_gemm", x_gathered=M * D * b if _gathers(config, M, 2 * F, src_rows, D) else 0,
            grad_gate_up=n_inst * 2 * F * D * b)
     t.alloc(grad_gate_up=n_inst * 2 * F * D * b)
     t.mark("dx_gemm", dx_rows=M * D * b)
     t.alloc(dx_rows=M * D * b)
-    if one_device:  # del dh_RF2
-        t.free("dh_rows")
+    t.free("dh_rows")  # a local of expert_rows_backward, gone when it returns dx
     if config.world_size == 1:
         # Every kept row lands in its own pair's slot (P + 1 rows), then the K slots of a token are summed.
         t.mark("input_grad", dx_dest_index=M * _INT64, dx_pair_slots=(P + 1) * D * b, grad_x=T * D * b)

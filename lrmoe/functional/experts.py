@@ -251,6 +251,37 @@ def router_gradient(g_TD: torch.Tensor, y_TKD: torch.Tensor) -> torch.Tensor:
     return torch.bmm(y_TKD, g_TD.to(y_TKD.dtype).unsqueeze(-1)).squeeze(-1)
 
 
+def expert_rows_backward(
+    rows: list[torch.Tensor],
+    x_ND: torch.Tensor,
+    src_rows_R: torch.Tensor | None,
+    offsets_E: torch.Tensor,
+    gate_up_EFD: torch.Tensor,
+    down_EDF: torch.Tensor,
+    needs: tuple[bool, bool, bool] = (True, True, True),
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """The compact expert backward over retained rows, grouped by expert (``offsets_E``): shared by the
+    single-device and the expert-parallel layer.
+
+    ``rows`` = [dy_RD, h_RF2] (output gradient and gate/up pre-activations of the retained rows) is consumed:
+    the caller drops its own references, so each buffer is released right after its last use here (the
+    lifetimes lrmoe.memory models). ``x_ND`` with ``src_rows_R`` gives each row's input (for the gate/up weight
+    gradient). ``needs`` = (dx, gate/up grad, down grad). Returns (dx_RD, grad_gate_up_EFD, grad_down_EDF), None
+    where not needed.
+    """
+    dy_RD, h_RF2 = rows.pop(0), rows.pop(0)
+    need_x, need_gu, need_down = needs
+    phi_RF = _swiglu(h_RF2)
+    dphi_RF = gather_grouped_mm(dy_RD, down_EDF.transpose(1, 2), None, offsets_E)
+    grad_down = grouped_outer(dy_RD, phi_RF, None, offsets_E) if need_down else None
+    del dy_RD, phi_RF
+    dh_RF2 = _swiglu_backward(h_RF2, dphi_RF)
+    del h_RF2, dphi_RF
+    grad_gu = grouped_outer(dh_RF2, x_ND, src_rows_R, offsets_E) if need_gu else None
+    dx_RD = gather_grouped_mm(dh_RF2, gate_up_EFD.transpose(1, 2), None, offsets_E) if need_x else None
+    return dx_RD, grad_gu, grad_down
+
+
 def _sum_rows_per_token(dx_RD: torch.Tensor, pair_R: torch.Tensor, n_tok: int, top_k: int) -> torch.Tensor:
     """grad_x[t] = sum of the rows of token t's kept pairs. Each row goes to its own pair's slot of a [T*K, D]
     buffer (pair ids are unique, so no atomics; padding rows, zero, go to a spare slot), then the K slots of each
@@ -332,22 +363,12 @@ class _SelectiveSwiGLU(torch.autograd.Function):
             h_RF2 = gather_grouped_mm(x_TD, gate_up_EFD, tok_R, off_E)
         else:
             h_RF2 = h_PF2.index_select(0, inv_P.index_select(0, safe_R))
-        phi_RF = _swiglu(h_RF2)
-
-        # Row buffers are released as soon as their last use has run (lrmoe.memory models these lifetimes).
-        grad_x = grad_gu = grad_down = None
-        dphi_RF = gather_grouped_mm(dy_RD, down_EDF.transpose(1, 2), None, off_E)
-        if ctx.needs_input_grad[2]:
-            grad_down = grouped_outer(dy_RD, phi_RF, None, off_E)
-        del dy_RD, phi_RF
-        dh_RF2 = _swiglu_backward(h_RF2, dphi_RF)
-        del h_RF2, dphi_RF
-        if ctx.needs_input_grad[1]:
-            grad_gu = grouped_outer(dh_RF2, x_TD, tok_R, off_E)
-        if ctx.needs_input_grad[0]:
-            dx_RD = gather_grouped_mm(dh_RF2, gate_up_EFD.transpose(1, 2), None, off_E)
-            del dh_RF2
-            grad_x = _sum_rows_per_token(dx_RD, pair_R, n_tok, top_k)
+        rows = [dy_RD, h_RF2]
+        del dy_RD, h_RF2  # expert_rows_backward releases them after their last use
+        dx_RD, grad_gu, grad_down = expert_rows_backward(
+            rows, x_TD, tok_R, off_E, gate_up_EFD, down_EDF, needs=tuple(ctx.needs_input_grad[:3])
+        )
+        grad_x = None if dx_RD is None else _sum_rows_per_token(dx_RD, pair_R, n_tok, top_k)
 
         grad_probe = None
         if ctx.has_probe:

@@ -63,7 +63,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from lrmoe.functional.experts import _swiglu, _swiglu_backward, router_gradient
+from lrmoe.functional.experts import _swiglu, expert_rows_backward, router_gradient
 from lrmoe.functional.quotas import plan_quotas
 from lrmoe.functional.replicas import (
     balanced_capacity,
@@ -75,7 +75,7 @@ from lrmoe.functional.routing import expert_loads, route_topk
 from lrmoe.functional.scoring import score_pairs
 from lrmoe.functional.selection import select_within_quota
 from lrmoe.nn.lrmoe import LRMoE
-from lrmoe.ops import gather_grouped_mm, grouped_outer
+from lrmoe.ops import gather_grouped_mm
 
 __all__ = ["ExpertParallel", "ExpertParallelPlan", "ExpertParallelStats", "backward_capacity", "plan_expert_parallel"]
 
@@ -416,6 +416,7 @@ class _Config:
     metric: str
     selection: str
     generator: torch.Generator | None
+    recompute: bool = False  # activations="recompute": h is not saved; backward recomputes the retained rows
 
 
 class _ExpertParallelSwiGLU(torch.autograd.Function):
@@ -458,7 +459,8 @@ class _ExpertParallelSwiGLU(torch.autograd.Function):
         ctx.has_probe = probe is not None
         ctx.x_shape = x_TD.shape
         ctx.save_for_backward(gate_up_IFD, down_IDF, gates_TK, group_P, assign_SWI, quotas_SWI, uniform_G,
-                              y_TKD, phi_sq_TK, order_P, inv_order_P, x_recv_ND, h_NF2, inv_perm_N)
+                              y_TKD, phi_sq_TK, order_P, inv_order_P, x_recv_ND, None if cfg.recompute else h_NF2,
+                              inv_perm_N)
         return out_TD
 
     @staticmethod
@@ -534,13 +536,15 @@ class _ExpertParallelSwiGLU(torch.autograd.Function):
         rows_M = fwd_row_M.index_select(0, perm_M)  # instance-major retained rows -> source-major forward rows
 
         dy_em_MD = dy_MD.index_select(0, perm_M)
-        h_MF2 = h_NF2.index_select(0, inv_perm_N.index_select(0, rows_M))
-        phi_MF = _swiglu(h_MF2)
-        dphi_MF = gather_grouped_mm(dy_em_MD, down_IDF.transpose(1, 2), None, offsets_I)
-        grad_down = grouped_outer(dy_em_MD, phi_MF, None, offsets_I)
-        dh_MF2 = _swiglu_backward(h_MF2, dphi_MF)
-        grad_gu = grouped_outer(dh_MF2, x_recv_ND, rows_M, offsets_I)
-        dx_em_MD = gather_grouped_mm(dh_MF2, gate_up_IFD.transpose(1, 2), None, offsets_I)
+        if cfg.recompute:  # from the received x rows this rank kept for the gate/up weight gradient anyway
+            h_MF2 = gather_grouped_mm(x_recv_ND, gate_up_IFD, rows_M, offsets_I)
+        else:
+            h_MF2 = h_NF2.index_select(0, inv_perm_N.index_select(0, rows_M))
+        rows = [dy_em_MD, h_MF2]
+        del dy_em_MD, h_MF2  # expert_rows_backward releases them after their last use
+        dx_em_MD, grad_gu, grad_down = expert_rows_backward(
+            rows, x_recv_ND, rows_M, offsets_I, gate_up_IFD, down_IDF
+        )
         # Return the input-gradient rows in the order they arrived (the reverse of the backward dispatch).
         dx_MD = torch.empty_like(dx_em_MD).index_copy_(0, perm_M, dx_em_MD)
         dx_RD = _all_to_all(dx_MD, splits.bwd_send, splits.bwd_recv, ep)
@@ -681,10 +685,6 @@ class ExpertParallel(ParallelStyle):
             raise TypeError(f"ExpertParallel applies to lrmoe.nn.LRMoE layers, got {type(module).__name__}")
         if isinstance(module, _ExpertParallelMixin):
             raise ValueError("this LRMoE layer is already expert-parallel")
-        if module.activations != "save":
-            raise NotImplementedError(
-                f"ExpertParallel supports activations='save' only for now, got activations={module.activations!r}"
-            )
         ep_mesh = self._ep_mesh(device_mesh)
         n_ranks = ep_mesh.size()
         if module.num_experts % n_ranks:
@@ -824,7 +824,7 @@ class _ExpertParallelMixin:
                 self.ep_forward_bytes[3].fill_(_peer_bytes(splits.rep_recv, weight_bytes, ep.rank))
 
         cfg = _Config(retain=self.retain, dense=dense, metric=self.metric, selection=self.selection,
-                      generator=self.generator)
+                      generator=self.generator, recompute=self.activations == "recompute")
         out_TD = _ExpertParallelSwiGLU.apply(
             x_TD, gate_up_IFD, down_IDF, routing.gates.to(x.dtype), group_P, plan.assignment, plan.instance_quotas,
             plan.uniform, probe, cfg, splits, ep,

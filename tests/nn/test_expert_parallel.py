@@ -166,8 +166,21 @@ def _configurations(rank, world):
         parallelize_module(LRMoE(D, FF, world + 1, K), mesh, ExpertParallel())
     with pytest.raises(TypeError, match="LRMoE"):
         parallelize_module(torch.nn.Linear(D, D), mesh, ExpertParallel())
-    with pytest.raises(NotImplementedError, match="activations"):
-        parallelize_module(LRMoE(D, FF, E, K, activations="recompute"), mesh, ExpertParallel())
+    # activations="recompute" (h not saved, recomputed for the kept rows) gives the gradients of "save".
+    torch.manual_seed(0)
+    results = []
+    for activations in ("save", "recompute"):
+        torch.manual_seed(0)
+        layer = parallelize_module(LRMoE(D, FF, E, K, retain=0.5, selection="top", activations=activations), mesh,
+                                   ExpertParallel(max_replicas=1))
+        torch.manual_seed(1 + rank)
+        xi, c = torch.randn(12, D, requires_grad=True), torch.randn(12, D)
+        (layer(xi) * c).sum().backward()
+        results.append([xi.grad, layer.gate.weight.grad, layer.experts.gate_up_proj.grad.to_local(),
+                        layer.experts.down_proj.grad.to_local()])
+    for got, want in zip(results[1], results[0]):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert results[0][2].abs().sum() > 0
     twice = parallelize_module(LRMoE(D, FF, E, K), mesh, ExpertParallel())
     with pytest.raises(ValueError, match="already"):
         parallelize_module(twice, mesh, ExpertParallel())
