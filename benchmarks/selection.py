@@ -6,7 +6,7 @@ Times, with triton.testing.do_bench (median, us), for modes "top" and "sample":
 - reference: lrmoe.ops.selection.select_within_quota_reference (pure PyTorch, the op's CPU kernel) on CUDA;
 - triton: lrmoe.ops.selection.select_within_quota_triton (the op's CUDA kernel);
 - and, for "top", the pieces of the Triton path: keys + torch.sort (lrmoe_kernels.selection.group_order), the
-  one-program plan, the compaction.
+  one-program plan, the compaction; for "sample", its per-group probabilities kernel.
 Before timing, each Triton result must equal the reference exactly, and one call runs under
 torch.cuda.set_sync_debug_mode("error") to show that it never synchronises with the host.
 
@@ -90,6 +90,9 @@ def main() -> None:
     row("top", "  torch.sort alone", lambda: torch.sort(keys, stable=True))
     row("top", "  plan (1 program)", lambda: kernels.plan_groups(sorted_P, quotas, R))
     row("top", "  compact", lambda: kernels.compact(order_P, sorted_P, plan, ids_R, w_R))
+    # The "sample" path's probabilities kernel (one program per group, the same score order and plan).
+    w_P = scores.double().clamp(min=0).sqrt()
+    row("sample", "  probabilities (program/group)", lambda: kernels.sample_probabilities(w_P, order_P, plan))
 
 
 if __name__ == "__main__":

@@ -16,6 +16,12 @@ The selection is a group sort plus a compaction (DESIGN.md section 4, item 3). T
    inside the buffer, writes its pair id and weight at ``group base + slot``. "top": slot = rank in the group.
    "sample": slot and keep test from the group's cumulative inclusion probabilities (systematic sampling), with
    the reference's fp64 arithmetic so the result is bit-identical.
+5. ``_sample_probabilities_kernel`` ("sample", one program per group, over its members in the score order of
+   steps 1-2): the inclusion probabilities of the reference's ``probabilities``, op for op in fp64: finite
+   weights, the segmented suffix sums by the same Hillis-Steele rounds restricted to the group (rounds with
+   distance >= the group size add nothing, so the additions and their order are the reference's), the capped
+   count m and the scale. A hot group is one program's work (log2(size) passes over it): the next thing to
+   measure on the GPU.
 
 Score keys: NaN counts as +inf (as in the reference), -0.0 as +0.0 (equal floats must tie, to go to the lower pair
 id), then the usual monotone map of the fp32 bit pattern to a signed int (flip the magnitude bits of negatives),
@@ -28,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["compact", "group_order", "plan_groups"]
+__all__ = ["compact", "group_order", "plan_groups", "sample_probabilities"]
 
 BLOCK = 1024  # elements per program of the elementwise kernels: memory-bound, 4 warps, 8 elements a thread
 BLOCK_G = 256  # groups per step of the one-program plan kernel (it loops over larger G)
@@ -132,6 +138,99 @@ def _compact_kernel(
     ids = tl.load(order_ptr + i, mask=kept, other=-1)
     tl.store(pair_ids_ptr + dest, ids, mask=kept)
     tl.store(weights_ptr + dest, w, mask=kept)
+
+
+@triton.jit
+def _sample_probabilities_kernel(
+    w_ptr, order_ptr, starts_ptr, sizes_ptr, takes_ptr, tail_a_ptr, tail_b_ptr, p_ptr, BLOCK: tl.constexpr,
+):
+    # One program per group, over its members in score order (+inf first, then weight descending, ties to the
+    # lower pair id): the reference's ``probabilities``, op for op in fp64, so the result is bit-identical.
+    g = tl.program_id(0)
+    start = tl.load(starts_ptr + g)
+    size = tl.load(sizes_ptr + g)
+    take = tl.load(takes_ptr + g)
+    offs = tl.arange(0, BLOCK)
+
+    # Finite weights (+inf -> 0) into the scan buffer; count the infinite ones (they come first).
+    n_inf = tl.sum(tl.zeros((BLOCK,), tl.int64), 0)
+    for j0 in range(0, size, BLOCK):
+        j = j0 + offs
+        ok = j < size
+        pair = tl.load(order_ptr + start + j, mask=ok, other=0)
+        w = tl.load(w_ptr + pair, mask=ok, other=0.0)
+        is_inf = ok & (w == float("inf"))
+        n_inf += tl.sum(is_inf.to(tl.int64), 0)
+        tl.store(tail_a_ptr + start + j, tl.where(is_inf, 0.0, w), mask=ok)
+
+    # tail(r) = sum of the finite weights from rank r to the group's end: the reference's segmented
+    # Hillis-Steele scan (out[i] += out[i + d] while i + d is in the group, d = 1, 2, 4, ...), whose rounds with
+    # d >= size add nothing, so one group's scan is the same additions in the same order.
+    src = tail_a_ptr
+    dst = tail_b_ptr
+    d = 1
+    while d < size:
+        tl.debug_barrier()  # this round reads what the previous one wrote
+        for j0 in range(0, size, BLOCK):
+            j = j0 + offs
+            ok = j < size
+            has = ok & (j + d < size)
+            a = tl.load(src + start + j, mask=ok, other=0.0)
+            b = tl.load(src + start + j + d, mask=has, other=0.0)
+            tl.store(dst + start + j, tl.where(has, a + b, a), mask=ok)
+        tmp = src
+        src = dst
+        dst = tmp
+        d *= 2
+    tl.debug_barrier()
+
+    # m: the in-quota finite pairs that do not "fit" ((q - r) w_r > tail(r)), capped at p = 1.
+    q = tl.maximum(take - n_inf, 0)
+    room = q < size - n_inf
+    m = tl.sum(tl.zeros((BLOCK,), tl.int64), 0)
+    for j0 in range(0, size, BLOCK):
+        j = j0 + offs
+        ok = j < size
+        pair = tl.load(order_ptr + start + j, mask=ok, other=0)
+        w = tl.load(w_ptr + pair, mask=ok, other=0.0)
+        tail = tl.load(src + start + j, mask=ok, other=0.0)
+        is_inf = w == float("inf")
+        wf = tl.where(is_inf, 0.0, w)
+        rf = j - n_inf
+        fits = room & ((q - rf).to(tl.float64) * wf <= tail)
+        m += tl.sum((ok & ~is_inf & (rf < q) & ~fits).to(tl.int64), 0)
+    at_m = n_inf + m  # the first fitting rank (finite: the infinite pairs come first)
+    tail_m = tl.load(src + start + at_m, mask=at_m < size, other=0.0)
+    left = (q - m).to(tl.float64)
+    scale = left / tl.maximum(tail_m, 2.2250738585072014e-308)  # float64 tiny
+    uniform = left / tl.maximum(size - n_inf - m, 1).to(tl.float64)
+    for j0 in range(0, size, BLOCK):
+        j = j0 + offs
+        ok = j < size
+        pair = tl.load(order_ptr + start + j, mask=ok, other=0)
+        w = tl.load(w_ptr + pair, mask=ok, other=0.0)
+        is_inf = w == float("inf")
+        wf = tl.where(is_inf, 0.0, w)
+        rf = j - n_inf
+        free = tl.where(tail_m > 0, tl.minimum(scale * wf, 1.0), uniform)
+        p = tl.where(is_inf, (j < take).to(tl.float64), tl.where(rf < m, 1.0, free))
+        tl.store(p_ptr + pair, p, mask=ok)
+
+
+def sample_probabilities(w_P: torch.Tensor, order_P: torch.Tensor, plan: dict[str, torch.Tensor]) -> torch.Tensor:
+    """[P] fp64 inclusion probabilities in pair order (the reference's ``probabilities``, bit for bit), from the
+    fp64 weights sqrt(max(score, 0)) in pair order, the score order of ``group_order(scores, ...)`` and its plan.
+    One program per group; scratch of 2 * P fp64."""
+    P, G = w_P.shape[0], plan["starts"].shape[0]
+    p_P = torch.empty(P, dtype=torch.float64, device=w_P.device)
+    if P == 0 or G == 0:
+        return p_P
+    scratch = torch.empty(2, P, dtype=torch.float64, device=w_P.device)
+    _sample_probabilities_kernel[(G,)](
+        w_P, order_P, plan["starts"], plan["sizes"], plan["takes"], scratch[0], scratch[1], p_P,
+        BLOCK=BLOCK, num_warps=4,
+    )
+    return p_P
 
 
 def group_order(

@@ -87,9 +87,10 @@ def select_within_quota(
         uniform_G = torch.rand(quotas_G.shape[0], generator=generator, device=scores_P.device)
     # One custom op: the reference on CPU, Triton kernels on CUDA. The selection is not differentiated, so the
     # scores are detached: callers may pass tensors that require grad.
-    # Exception, until "sample" has its own kernel: under torch.compile, "sample" traces the reference's PyTorch
-    # (bit-identical to the op) so that Inductor fuses it. Inside the op that PyTorch runs op by op, launch-bound:
-    # ~3 ms for P = 65,536 on an H200, more than the layer's GEMMs (docs/performance.md).
+    # Exception: under torch.compile, "sample" traces the reference's PyTorch (bit-identical to the op) so that
+    # Inductor fuses it. Measured on an H200 when the op's probabilities were PyTorch run op by op inside it
+    # (~3 ms for P = 65,536, launch-bound; docs/performance.md); the op now computes them in one Triton kernel,
+    # and which of the two is faster compiled is for the next GPU measurement to say.
     select = select_within_quota_op
     if mode == "sample" and torch.compiler.is_compiling():
         select = select_within_quota_reference

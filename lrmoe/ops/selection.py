@@ -15,9 +15,10 @@ kernels in lrmoe_kernels.selection around one torch.sort); without Triton it fal
 
 What runs where on CUDA, per mode:
 - "top": Triton computes the sort keys, the per-group plan and the compaction; the one sort is torch.sort (CUB).
-- "sample": the sort and the plan as for "top"; the inclusion probabilities (``probabilities``) and their
-  per-group cumulative sum stay in PyTorch, shared with the reference so the result is bit-identical (the
-  systematic sampling depends on the exact fp64 rounding of that sum); Triton does the sampling and compaction.
+- "sample": the inclusion probabilities in Triton, one program per group over its members in score order (after
+  the "top" sort and plan), the reference's ``probabilities`` op for op in fp64, so bit-identical (the
+  systematic sampling depends on the exact fp64 rounding); their per-group cumulative sum in pair order stays in
+  PyTorch, shared with the reference (a second, pair-order sort); Triton does the sampling and compaction.
 
 No gradient formula: the selection only decides which pairs the backward keeps. The autograd registration marks
 every output non-differentiable, as for lrmoe::score_pairs.
@@ -217,15 +218,20 @@ def select_within_quota_triton(
     top = mode == "top"
     scores_P = scores_P.contiguous()
     gids_P = group_ids_P.contiguous()
-    sorted_P, order_P, pair_ids_R, weights_R = kernels.group_order(scores_P if top else None, gids_P, max_rows)
-    plan = kernels.plan_groups(sorted_P, quotas_G.contiguous(), max_rows)
+    quotas_G = quotas_G.contiguous()
     if top:
+        sorted_P, order_P, pair_ids_R, weights_R = kernels.group_order(scores_P, gids_P, max_rows)
+        plan = kernels.plan_groups(sorted_P, quotas_G, max_rows)
         kernels.compact(order_P, sorted_P, plan, pair_ids_R, weights_R)
     else:
-        # The probabilities and their cumulative sum in PyTorch, op for op as in the reference (see the module
-        # docstring); sorted_P >> 32 is the group of each sorted position, order_P the reference's stable order.
-        gid_P = gids_P.long()
-        p_P = probabilities(nan_as_inf(scores_P), gid_P, plan["takes"], plan["sizes"], plan["starts"])
+        # Inclusion probabilities: one Triton program per group over its members in score order, the reference's
+        # arithmetic op for op (bit-identical); then their per-group cumulative sum in pair order in PyTorch, as
+        # in the reference, and the sampling and compaction in Triton.
+        scored_P, by_score_P, _, _ = kernels.group_order(scores_P, gids_P, 0)
+        plan = kernels.plan_groups(scored_P, quotas_G, max_rows)
+        w_P = nan_as_inf(scores_P).double().clamp(min=0).sqrt()  # the reference's weights, the same ops
+        p_P = kernels.sample_probabilities(w_P, by_score_P, plan)
+        sorted_P, order_P, pair_ids_R, weights_R = kernels.group_order(None, gids_P, max_rows)
         p_sorted = p_P[order_P]
         cum_hi = _segment_cumsum(p_sorted, sorted_P >> 32, plan["starts"])
         kernels.compact(

@@ -110,3 +110,50 @@ def cases(draw):
 @example(([1.0, 1.0, 1.0], [0, 0, 0], [2], 3, [0.999]))
 def test_random_cases_equal_reference(case):
     assert_same(*case)
+
+
+def _probabilities_both(scores, gids, quotas):
+    """(Triton, reference) fp64 inclusion probabilities in pair order for one case."""
+    from lrmoe.ops._kernels import kernel_module
+    from lrmoe.ops.selection import group_sizes, nan_as_inf, probabilities
+
+    kernels = kernel_module("selection")
+    s = torch.tensor(scores, dtype=torch.float32, device=DEVICE)
+    g = torch.tensor(gids, dtype=torch.int64, device=DEVICE)
+    q = torch.tensor(quotas, dtype=torch.int64, device=DEVICE)
+    keys, by_score, _, _ = kernels.group_order(s, g, 0)
+    plan = kernels.plan_groups(keys, q, len(scores))
+    w = nan_as_inf(s).double().clamp(min=0).sqrt()
+    got = kernels.sample_probabilities(w, by_score, plan)
+    sizes, starts, take = group_sizes(g, q)
+    return got, probabilities(nan_as_inf(s), g, take, sizes, starts)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_sample_probabilities_kernel_is_bit_identical(name):
+    scores, gids, quotas, _ = CASES[name]
+    got, want = _probabilities_both(scores, gids, quotas)
+    assert got.dtype == torch.float64 and torch.equal(got, want), (got.tolist(), want.tolist())
+    assert torch.equal(torch.signbit(got), torch.signbit(want))  # +-0 too
+
+
+@given(cases())
+@example(([3.0] * 9 + [1e-30] * 4, [0] * 13, [5], 13, [0.5]))  # a tail of tiny weights after large ones, 4 rounds
+def test_sample_probabilities_random_cases(case):
+    scores, gids, quotas, _, _ = case
+    got, want = _probabilities_both(scores, gids, quotas)
+    assert torch.equal(got, want) and torch.equal(torch.signbit(got), torch.signbit(want))
+
+
+def test_sample_probabilities_groups_larger_than_a_block():
+    # Groups of 2,500 and 1,100 members (more than one 1,024-wide block, scan distances up to 2,048) and an empty
+    # one, with ties, zeros, negatives and +inf among the scores.
+    gen = torch.Generator().manual_seed(5)
+    gids = torch.cat([torch.zeros(2500, dtype=torch.int64), torch.full((1100,), 2, dtype=torch.int64)])
+    gids = gids[torch.randperm(gids.shape[0], generator=gen)]
+    scores = torch.rand(gids.shape[0], generator=gen).mul(4).round().sub(0.5)  # ties, negatives
+    scores[::97] = float("inf")
+    scores[5::13] *= 1e-6
+    got, want = _probabilities_both(scores.tolist(), gids.tolist(), [900, 7, 1000])
+    assert torch.equal(got, want)
+    assert abs(float(got[gids == 0].sum()) - 900) < 1e-6 and abs(float(got[gids == 2].sum()) - 1000) < 1e-6
