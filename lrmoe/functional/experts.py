@@ -252,24 +252,31 @@ def router_gradient(g_TD: torch.Tensor, y_TKD: torch.Tensor) -> torch.Tensor:
 
 
 def expert_rows_backward(
-    rows: list[torch.Tensor],
+    dy: list[torch.Tensor],
     x_ND: torch.Tensor,
     src_rows_R: torch.Tensor | None,
     offsets_E: torch.Tensor,
     gate_up_EFD: torch.Tensor,
     down_EDF: torch.Tensor,
+    h_saved: torch.Tensor | None,
+    h_index_R: torch.Tensor | None,
     needs: tuple[bool, bool, bool] = (True, True, True),
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """The compact expert backward over retained rows, grouped by expert (``offsets_E``): shared by the
     single-device and the expert-parallel layer.
 
-    ``rows`` = [dy_RD, h_RF2] (output gradient and gate/up pre-activations of the retained rows) is consumed:
-    the caller drops its own references, so each buffer is released right after its last use here (the
-    lifetimes lrmoe.memory models). ``x_ND`` with ``src_rows_R`` gives each row's input (for the gate/up weight
-    gradient). ``needs`` = (dx, gate/up grad, down grad). Returns (dx_RD, grad_gate_up_EFD, grad_down_EDF), None
-    where not needed.
+    ``dy`` = [dy_RD], the output gradient of the retained rows, is consumed (the caller drops its reference), so
+    every row buffer is released right after its last use here: the lifetimes lrmoe.memory models. Row i's input
+    is ``x_ND[src_rows_R[i]]``. Its gate/up pre-activation h is ``h_saved[h_index_R[i]]`` (activations "save"),
+    or recomputed from that input when ``h_saved`` is None ("recompute": one grouped GEMM over the kept rows).
+    ``needs`` = (dx, gate/up grad, down grad). Returns (dx_RD, grad_gate_up_EFD, grad_down_EDF), None where not
+    needed.
     """
-    dy_RD, h_RF2 = rows.pop(0), rows.pop(0)
+    dy_RD = dy.pop()
+    if h_saved is None:  # rows past the last offset come back as zeros
+        h_RF2 = gather_grouped_mm(x_ND, gate_up_EFD, src_rows_R, offsets_E)
+    else:
+        h_RF2 = h_saved.index_select(0, h_index_R)
     need_x, need_gu, need_down = needs
     phi_RF = _swiglu(h_RF2)
     dphi_RF = gather_grouped_mm(dy_RD, down_EDF.transpose(1, 2), None, offsets_E)
@@ -359,14 +366,12 @@ class _SelectiveSwiGLU(torch.autograd.Function):
         tok_R = torch.div(safe_R, top_k, rounding_mode="floor")
         coef_R = gates_TK.detach().reshape(-1).float().index_select(0, safe_R) * weight_R
         dy_RD = (g_TD.index_select(0, tok_R) * coef_R.unsqueeze(1)).to(x_TD.dtype)  # product in fp32 (promotion)
-        if cfg.recompute:  # only the retained rows (rows past the last offset come back as zeros)
-            h_RF2 = gather_grouped_mm(x_TD, gate_up_EFD, tok_R, off_E)
-        else:
-            h_RF2 = h_PF2.index_select(0, inv_P.index_select(0, safe_R))
-        rows = [dy_RD, h_RF2]
-        del dy_RD, h_RF2  # expert_rows_backward releases them after their last use
+        dy = [dy_RD]
+        del dy_RD  # expert_rows_backward releases it after its last use
         dx_RD, grad_gu, grad_down = expert_rows_backward(
-            rows, x_TD, tok_R, off_E, gate_up_EFD, down_EDF, needs=tuple(ctx.needs_input_grad[:3])
+            dy, x_TD, tok_R, off_E, gate_up_EFD, down_EDF, h_saved=h_PF2,
+            h_index_R=None if h_PF2 is None else inv_P.index_select(0, safe_R),
+            needs=tuple(ctx.needs_input_grad[:3]),
         )
         grad_x = None if dx_RD is None else _sum_rows_per_token(dx_RD, pair_R, n_tok, top_k)
 

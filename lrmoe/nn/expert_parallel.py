@@ -535,15 +535,11 @@ class _ExpertParallelSwiGLU(torch.autograd.Function):
         offsets_I = torch.cumsum(quota_SI.sum(0), 0).int()
         rows_M = fwd_row_M.index_select(0, perm_M)  # instance-major retained rows -> source-major forward rows
 
-        dy_em_MD = dy_MD.index_select(0, perm_M)
-        if cfg.recompute:  # from the received x rows this rank kept for the gate/up weight gradient anyway
-            h_MF2 = gather_grouped_mm(x_recv_ND, gate_up_IFD, rows_M, offsets_I)
-        else:
-            h_MF2 = h_NF2.index_select(0, inv_perm_N.index_select(0, rows_M))
-        rows = [dy_em_MD, h_MF2]
-        del dy_em_MD, h_MF2  # expert_rows_backward releases them after their last use
+        # "recompute" (h_NF2 None): h from the received x rows, which this rank keeps for the weight gradient anyway.
+        dy = [dy_MD.index_select(0, perm_M)]
         dx_em_MD, grad_gu, grad_down = expert_rows_backward(
-            rows, x_recv_ND, rows_M, offsets_I, gate_up_IFD, down_IDF
+            dy, x_recv_ND, rows_M, offsets_I, gate_up_IFD, down_IDF, h_saved=h_NF2,
+            h_index_R=None if h_NF2 is None else inv_perm_N.index_select(0, rows_M),
         )
         # Return the input-gradient rows in the order they arrived (the reverse of the backward dispatch).
         dx_MD = torch.empty_like(dx_em_MD).index_copy_(0, perm_M, dx_em_MD)
