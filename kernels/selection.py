@@ -141,6 +141,17 @@ def _compact_kernel(
 
 
 @triton.jit
+def _group_block(w_ptr, order_ptr, start, size, j0, offs):
+    """One block of a group in score order: (position j, in group, pair id, weight is +inf, finite weight)."""
+    j = j0 + offs
+    ok = j < size
+    pair = tl.load(order_ptr + start + j, mask=ok, other=0)
+    w = tl.load(w_ptr + pair, mask=ok, other=0.0)
+    is_inf = w == float("inf")
+    return j, ok, pair, is_inf, tl.where(is_inf, 0.0, w)
+
+
+@triton.jit
 def _sample_probabilities_kernel(
     w_ptr, order_ptr, starts_ptr, sizes_ptr, takes_ptr, tail_a_ptr, tail_b_ptr, p_ptr, BLOCK: tl.constexpr,
 ):
@@ -155,13 +166,9 @@ def _sample_probabilities_kernel(
     # Finite weights (+inf -> 0) into the scan buffer; count the infinite ones (they come first).
     n_inf = tl.sum(tl.zeros((BLOCK,), tl.int64), 0)
     for j0 in range(0, size, BLOCK):
-        j = j0 + offs
-        ok = j < size
-        pair = tl.load(order_ptr + start + j, mask=ok, other=0)
-        w = tl.load(w_ptr + pair, mask=ok, other=0.0)
-        is_inf = ok & (w == float("inf"))
-        n_inf += tl.sum(is_inf.to(tl.int64), 0)
-        tl.store(tail_a_ptr + start + j, tl.where(is_inf, 0.0, w), mask=ok)
+        j, ok, pair, is_inf, wf = _group_block(w_ptr, order_ptr, start, size, j0, offs)
+        n_inf += tl.sum((ok & is_inf).to(tl.int64), 0)
+        tl.store(tail_a_ptr + start + j, wf, mask=ok)
 
     # tail(r) = sum of the finite weights from rank r to the group's end: the reference's segmented
     # Hillis-Steele scan (out[i] += out[i + d] while i + d is in the group, d = 1, 2, 4, ...), whose rounds with
@@ -189,13 +196,8 @@ def _sample_probabilities_kernel(
     room = q < size - n_inf
     m = tl.sum(tl.zeros((BLOCK,), tl.int64), 0)
     for j0 in range(0, size, BLOCK):
-        j = j0 + offs
-        ok = j < size
-        pair = tl.load(order_ptr + start + j, mask=ok, other=0)
-        w = tl.load(w_ptr + pair, mask=ok, other=0.0)
+        j, ok, pair, is_inf, wf = _group_block(w_ptr, order_ptr, start, size, j0, offs)
         tail = tl.load(src + start + j, mask=ok, other=0.0)
-        is_inf = w == float("inf")
-        wf = tl.where(is_inf, 0.0, w)
         rf = j - n_inf
         fits = room & ((q - rf).to(tl.float64) * wf <= tail)
         m += tl.sum((ok & ~is_inf & (rf < q) & ~fits).to(tl.int64), 0)
@@ -205,12 +207,7 @@ def _sample_probabilities_kernel(
     scale = left / tl.maximum(tail_m, 2.2250738585072014e-308)  # float64 tiny
     uniform = left / tl.maximum(size - n_inf - m, 1).to(tl.float64)
     for j0 in range(0, size, BLOCK):
-        j = j0 + offs
-        ok = j < size
-        pair = tl.load(order_ptr + start + j, mask=ok, other=0)
-        w = tl.load(w_ptr + pair, mask=ok, other=0.0)
-        is_inf = w == float("inf")
-        wf = tl.where(is_inf, 0.0, w)
+        j, ok, pair, is_inf, wf = _group_block(w_ptr, order_ptr, start, size, j0, offs)
         rf = j - n_inf
         free = tl.where(tail_m > 0, tl.minimum(scale * wf, 1.0), uniform)
         p = tl.where(is_inf, (j < take).to(tl.float64), tl.where(rf < m, 1.0, free))
