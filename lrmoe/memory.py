@@ -489,13 +489,11 @@ def _backward_phases(config: MemoryConfig, rows: Rows, retain: float, b: int, po
     else:
         t.alloc(scores=P * _FP32, pair_ids=R * _INT64, row_weights=R * _FP32, finite_scores=P * _FP32)
     t.alloc(row_index=2 * R * _INT64, row_coef=R * _FP32)  # safe pair ids, token ids; alpha / p
+    t.mark("dy", dy_gathered=R * D * b, dy_fp32=R * D * _FP32)  # retained_dy: index_select, the fp32 product
+    t.alloc(dy=R * D * b)
     if config.world_size == 1:
-        t.mark("dy", dy_gathered=R * D * b, dy_fp32=R * D * _FP32)  # index_select, then the fp32 product
-        t.alloc(dy=R * D * b)
         src_rows = T
     else:
-        t.mark("dy", dy_work=max(T * D * u, R * D * _FP32), dy_fp32=R * D * _FP32)
-        t.alloc(dy=R * D * b)
         if dense:  # the payload is dy itself
             t.alloc(backward_recv=M * D * b, recv_row_index=M * _INT64)
         else:

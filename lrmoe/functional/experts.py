@@ -251,6 +251,40 @@ def router_gradient(g_TD: torch.Tensor, y_TKD: torch.Tensor) -> torch.Tensor:
     return torch.bmm(y_TKD, g_TD.to(y_TKD.dtype).unsqueeze(-1)).squeeze(-1)
 
 
+def select_retained(
+    gates_TK: torch.Tensor,
+    g_TD: torch.Tensor,
+    phi_sq_TK: torch.Tensor,
+    groups_P: torch.Tensor,
+    quotas_G: torch.Tensor,
+    max_rows: int,
+    *,
+    metric: str,
+    selection: str,
+    generator: torch.Generator | None,
+    uniform_G: torch.Tensor | None,
+):
+    """Score the pairs and keep each group's quota (the source side of the selective backward, both layers).
+    Returns (Selection, fraction of the finite score mass the kept pairs carry)."""
+    scores_P = score_pairs(gates_TK.detach(), g_TD, phi_sq_TK, metric=metric, generator=generator).reshape(-1)
+    sel = select_within_quota(scores_P, groups_P, quotas_G, max_rows=max_rows, mode=selection, generator=generator,
+                              uniform_G=uniform_G)
+    finite_P = torch.where(torch.isfinite(scores_P), scores_P, 0.0)
+    kept_mass = finite_P.index_select(0, sel.pair_ids.clamp(min=0)).mul(sel.pair_ids >= 0).sum()
+    return sel, kept_mass / finite_P.sum().clamp(min=torch.finfo(torch.float32).tiny)
+
+
+def retained_dy(
+    g_TD: torch.Tensor, gates_TK: torch.Tensor, pair_R: torch.Tensor, weight_R: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dy_RD = alpha * g / p per kept row, token of each row, pair id with padding -1 read as 0). Padding rows get
+    weight 0, hence zero rows; the product is computed in fp32 (type promotion), without an fp32 copy of g."""
+    safe_R = pair_R.clamp(min=0)
+    tok_R = torch.div(safe_R, gates_TK.shape[1], rounding_mode="floor")
+    coef_R = gates_TK.detach().reshape(-1).float().index_select(0, safe_R) * weight_R
+    return (g_TD.index_select(0, tok_R) * coef_R.unsqueeze(1)).to(dtype), tok_R, safe_R
+
+
 def expert_rows_backward(
     dy: list[torch.Tensor],
     x_ND: torch.Tensor,
@@ -346,26 +380,17 @@ class _SelectiveSwiGLU(torch.autograd.Function):
             weight_R = torch.ones(n_pairs, device=g_TD.device)
             mass_kept = torch.ones((), device=g_TD.device)
         else:
-            scores_TK = score_pairs(gates_TK.detach(), g_TD, phi_sq_TK, metric=cfg.metric, generator=cfg.generator)
             # Groups are experts, or (source, expert) pairs g = e * S + s: expert-major, so one expert's kept rows
             # stay contiguous and its grouped-GEMM offset is the end of its last source group.
             groups_P = expert_ids_TK.reshape(-1) if group_ids_P is None else group_ids_P
-            sel = select_within_quota(
-                scores_TK.reshape(-1), groups_P, quotas_G,
-                max_rows=retained_rows_bound(n_pairs, n_exp, cfg.retain), mode=cfg.selection,
-                generator=cfg.generator, uniform_G=uniform_G,
+            sel, mass_kept = select_retained(
+                gates_TK, g_TD, phi_sq_TK, groups_P, quotas_G, retained_rows_bound(n_pairs, n_exp, cfg.retain),
+                metric=cfg.metric, selection=cfg.selection, generator=cfg.generator, uniform_G=uniform_G,
             )
             pair_R, weight_R = sel.pair_ids, sel.weights
             off_E = sel.offsets.view(n_exp, -1)[:, -1]
-            finite_P = torch.where(torch.isfinite(scores_TK.reshape(-1)), scores_TK.reshape(-1), 0.0)
-            kept_mass = finite_P.index_select(0, pair_R.clamp(min=0)).mul(pair_R >= 0).sum()
-            mass_kept = kept_mass / finite_P.sum().clamp(min=torch.finfo(torch.float32).tiny)
 
-        # Compact the kept rows: padding (pair -1) reads pair 0 with weight 0, past the last offset.
-        safe_R = pair_R.clamp(min=0)
-        tok_R = torch.div(safe_R, top_k, rounding_mode="floor")
-        coef_R = gates_TK.detach().reshape(-1).float().index_select(0, safe_R) * weight_R
-        dy_RD = (g_TD.index_select(0, tok_R) * coef_R.unsqueeze(1)).to(x_TD.dtype)  # product in fp32 (promotion)
+        dy_RD, tok_R, safe_R = retained_dy(g_TD, gates_TK, pair_R, weight_R, x_TD.dtype)
         dy = [dy_RD]
         del dy_RD  # expert_rows_backward releases it after its last use
         dx_RD, grad_gu, grad_down = expert_rows_backward(

@@ -63,7 +63,13 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from lrmoe.functional.experts import _swiglu, expert_rows_backward, router_gradient
+from lrmoe.functional.experts import (
+    _swiglu,
+    expert_rows_backward,
+    retained_dy,
+    router_gradient,
+    select_retained,
+)
 from lrmoe.functional.quotas import plan_quotas
 from lrmoe.functional.replicas import (
     balanced_capacity,
@@ -72,8 +78,6 @@ from lrmoe.functional.replicas import (
     route_to_replicas,
 )
 from lrmoe.functional.routing import expert_loads, route_topk
-from lrmoe.functional.scoring import score_pairs
-from lrmoe.functional.selection import select_within_quota
 from lrmoe.nn.lrmoe import LRMoE
 from lrmoe.ops import gather_grouped_mm
 
@@ -470,7 +474,6 @@ class _ExpertParallelSwiGLU(torch.autograd.Function):
         cfg: _Config = ctx.cfg
         splits: _Splits = ctx.splits
         ep: _EPGroup = ctx.ep
-        top_k = gates_TK.shape[1]
         n_inst = gate_up_IFD.shape[0]
         dtype, device = y_TKD.dtype, y_TKD.device
         g_TD = grad_out_TD
@@ -485,25 +488,18 @@ class _ExpertParallelSwiGLU(torch.autograd.Function):
             weight_R = torch.ones(order_P.shape[0], device=device)
             mass_kept = torch.ones((), device=device)
         else:
-            scores_P = score_pairs(gates_TK, g_TD, phi_sq_TK, metric=cfg.metric, generator=cfg.generator).reshape(-1)
             # Groups are this rank's (source, instance) pairs; the buffer holds exactly sum quotas[rank] rows
             # (every group keeps min(quota, load) = quota), grouped by instance ascending, so by destination rank:
             # its per-rank blocks are exactly splits.bwd_send.
-            sel = select_within_quota(
-                scores_P, group_P, quotas_SWI[ep.rank].reshape(-1), max_rows=sum(splits.bwd_send),
-                mode=cfg.selection, generator=cfg.generator, uniform_G=uniform_G,
+            sel, mass_kept = select_retained(
+                gates_TK, g_TD, phi_sq_TK, group_P, quotas_SWI[ep.rank].reshape(-1), sum(splits.bwd_send),
+                metric=cfg.metric, selection=cfg.selection, generator=cfg.generator, uniform_G=uniform_G,
             )
             pair_R, weight_R = sel.pair_ids, sel.weights
-            finite_P = torch.where(torch.isfinite(scores_P), scores_P, 0.0)
-            kept_mass = finite_P.index_select(0, pair_R.clamp(min=0)).mul(pair_R >= 0).sum()
-            mass_kept = kept_mass / finite_P.sum().clamp(min=torch.finfo(torch.float32).tiny)
 
         # Retained rows alpha_u * g_t * (1/p_u). A slot "sample" skipped (pair -1) sends a zero row: it keeps the
         # split sizes planned, and a zero dy contributes nothing to any gradient.
-        safe_R = pair_R.clamp(min=0)
-        tok_R = torch.div(safe_R, top_k, rounding_mode="floor")
-        coef_R = gates_TK.detach().reshape(-1).float().index_select(0, safe_R) * weight_R
-        dy_RD = (g_TD.float().index_select(0, tok_R) * coef_R.unsqueeze(1)).to(dtype)
+        dy_RD, tok_R, safe_R = retained_dy(g_TD, gates_TK, pair_R, weight_R, dtype)
 
         fwd_recv_W = assign_SWI[:, ep.rank].sum(-1)  # on device: no host-to-device copy
         if cfg.dense:
