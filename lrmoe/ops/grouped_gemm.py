@@ -54,6 +54,11 @@ def _take(x_NI: torch.Tensor, rows_R: torch.Tensor | None, start: int, end: int)
     return x_NI[start:end] if rows_R is None else x_NI[rows_R[start:end]]
 
 
+def _rows_in_order(x_NI: torch.Tensor, rows_R: torch.Tensor | None) -> torch.Tensor:
+    """x's rows gathered into buffer order, contiguous (torch._grouped_mm's stride rules); padding rows read row 0."""
+    return x_NI.contiguous() if rows_R is None else x_NI.index_select(0, rows_R.clamp(min=0))
+
+
 def _identity_rows(x_NI: torch.Tensor, rows_R: torch.Tensor | None) -> torch.Tensor:
     """Explicit row indices, for kernels that need them."""
     return torch.arange(x_NI.shape[0], device=x_NI.device) if rows_R is None else rows_R
@@ -87,8 +92,7 @@ def _(x_NI, weight_EOI, rows_R, offsets_E):
         if kernels is None:
             return _loop_mm(x_NI, weight_EOI, rows_R, offsets_E)
         return kernels.gather_grouped_mm_triton(x_NI, weight_EOI, _identity_rows(x_NI, rows_R), offsets_E)
-    x_RI = x_NI.contiguous() if rows_R is None else x_NI.index_select(0, rows_R.clamp(min=0))
-    y_RO = torch._grouped_mm(x_RI, weight_EOI.transpose(-2, -1), offs=offsets_E.int())
+    y_RO = torch._grouped_mm(_rows_in_order(x_NI, rows_R), weight_EOI.transpose(-2, -1), offs=offsets_E.int())
     # _grouped_mm leaves rows past the last offset uninitialised: zero them (only them, with the Triton kernel).
     kernels = kernel_module("grouped_gemm")
     if kernels is None:
@@ -148,9 +152,8 @@ def _(a_RO, b_NI, rows_R, offsets_E):
             return _loop_outer(a_RO, b_NI, rows_R, offsets_E)
         return kernels.grouped_outer_triton(a_RO, b_NI, _identity_rows(b_NI, rows_R), offsets_E)
     # Rows past the last offset belong to no group, and _grouped_mm's grouped-K form reads none of them (NaN there
-    # cannot leak: tests/ops/test_grouped_gemm.py), so no masking pass; padding rows gather row 0.
-    b_RI = b_NI.contiguous() if rows_R is None else b_NI.index_select(0, rows_R.clamp(min=0))
-    return torch._grouped_mm(a_RO.t(), b_RI, offs=offsets_E.int())
+    # cannot leak: tests/ops/test_grouped_gemm.py), so no masking pass.
+    return torch._grouped_mm(a_RO.t(), _rows_in_order(b_NI, rows_R), offs=offsets_E.int())
 
 
 @grouped_outer.register_fake
