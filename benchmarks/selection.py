@@ -23,7 +23,7 @@ import math
 import torch
 
 from lrmoe.ops._kernels import kernel_module
-from lrmoe.ops.selection import select_within_quota_reference, select_within_quota_triton
+from lrmoe.ops.selection import sample_weights, select_within_quota_reference, select_within_quota_triton
 
 
 def make_inputs(P: int, G: int, retain: float, skew: float, device: str = "cuda", seed: int = 0):
@@ -91,7 +91,7 @@ def main() -> None:
     row("top", "  plan (1 program)", lambda: kernels.plan_groups(sorted_P, quotas, R))
     row("top", "  compact", lambda: kernels.compact(order_P, sorted_P, plan, ids_R, w_R))
     # The "sample" path's probabilities kernel (one program per group, the same score order and plan).
-    w_P = scores.double().clamp(min=0).sqrt()
+    w_P = sample_weights(scores)
     row("sample", "  probabilities (program/group)", lambda: kernels.sample_probabilities(w_P, order_P, plan))
 
 

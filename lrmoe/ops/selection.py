@@ -35,6 +35,7 @@ __all__ = [
     "group_sizes",
     "nan_as_inf",
     "probabilities",
+    "sample_weights",
     "select_within_quota",
     "select_within_quota_reference",
     "select_within_quota_triton",
@@ -146,10 +147,16 @@ def _segment_suffix_sum(v_S: torch.Tensor, g_S: torch.Tensor) -> torch.Tensor:
     return out_S
 
 
+def sample_weights(scores_P: torch.Tensor) -> torch.Tensor:
+    """[P] fp64 sampling weights sqrt(max(score, 0)) of scores with NaN already +inf: one function for the
+    reference and the Triton path, whose probabilities must agree bit for bit."""
+    return scores_P.double().clamp(min=0).sqrt()
+
+
 def probabilities(scores_P, gid_P, take_G, sizes_G, starts_G) -> torch.Tensor:
     """[P] fp64 inclusion probabilities of mode "sample" (see lrmoe.functional.inclusion_probabilities), from
     scores with NaN already +inf and the int64 group sizes, starts and takes of ``group_sizes``."""
-    w_P = scores_P.double().clamp(min=0).sqrt()
+    w_P = sample_weights(scores_P)
     order_P = _group_sort(gid_P, w_P, descending=True)  # +inf first, then by weight
     g_S = gid_P[order_P]
     w_S = w_P[order_P]
@@ -229,8 +236,7 @@ def select_within_quota_triton(
         # in the reference, and the sampling and compaction in Triton.
         scored_P, by_score_P, _, _ = kernels.group_order(scores_P, gids_P, 0)
         plan = kernels.plan_groups(scored_P, quotas_G, max_rows)
-        w_P = nan_as_inf(scores_P).double().clamp(min=0).sqrt()  # the reference's weights, the same ops
-        p_P = kernels.sample_probabilities(w_P, by_score_P, plan)
+        p_P = kernels.sample_probabilities(sample_weights(nan_as_inf(scores_P)), by_score_P, plan)
         sorted_P, order_P, pair_ids_R, weights_R = kernels.group_order(None, gids_P, max_rows)
         p_sorted = p_P[order_P]
         cum_hi = _segment_cumsum(p_sorted, sorted_P >> 32, plan["starts"])

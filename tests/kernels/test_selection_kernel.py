@@ -115,7 +115,7 @@ def test_random_cases_equal_reference(case):
 def _probabilities_both(scores, gids, quotas):
     """(Triton, reference) fp64 inclusion probabilities in pair order for one case."""
     from lrmoe.ops._kernels import kernel_module
-    from lrmoe.ops.selection import group_sizes, nan_as_inf, probabilities
+    from lrmoe.ops.selection import group_sizes, nan_as_inf, probabilities, sample_weights
 
     kernels = kernel_module("selection")
     s = torch.tensor(scores, dtype=torch.float32, device=DEVICE)
@@ -123,8 +123,7 @@ def _probabilities_both(scores, gids, quotas):
     q = torch.tensor(quotas, dtype=torch.int64, device=DEVICE)
     keys, by_score, _, _ = kernels.group_order(s, g, 0)
     plan = kernels.plan_groups(keys, q, len(scores))
-    w = nan_as_inf(s).double().clamp(min=0).sqrt()
-    got = kernels.sample_probabilities(w, by_score, plan)
+    got = kernels.sample_probabilities(sample_weights(nan_as_inf(s)), by_score, plan)
     sizes, starts, take = group_sizes(g, q)
     return got, probabilities(nan_as_inf(s), g, take, sizes, starts)
 
