@@ -1,7 +1,7 @@
 """lrmoe_kernels: the Triton kernels behind lrmoe's custom ops (installed under this name so it cannot clash).
 
 Modules: ``scoring`` (pair scores in one pass over g), ``selection`` (per-group top-quota and systematic-sampling
-compaction), ``grouped_gemm`` (gather-fused grouped GEMM and grouped weight gradient). Each module holds the
-@triton.jit kernels and their launchers, nothing else; lrmoe.ops registers them as the CUDA kernels of the custom
-ops, whose CPU kernels are the pure-PyTorch references.
+compaction), ``grouped_gemm`` (gather-fused grouped GEMM and grouped weight gradient), ``offload`` (a row gather
+that reads pinned host memory). Each module holds the @triton.jit kernels and their launchers, nothing else;
+lrmoe.ops registers them as the CUDA kernels of the custom ops, whose CPU kernels are the pure-PyTorch references.
 """

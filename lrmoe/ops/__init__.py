@@ -5,7 +5,15 @@ kernel.
 """
 
 from lrmoe.ops.grouped_gemm import gather_grouped_mm, grouped_outer
+from lrmoe.ops.offload import gather_host_rows, offload_to_host
 from lrmoe.ops.scoring import score_pairs
 from lrmoe.ops.selection import select_within_quota
 
-__all__ = ["gather_grouped_mm", "grouped_outer", "score_pairs", "select_within_quota"]
+__all__ = [
+    "gather_grouped_mm",
+    "gather_host_rows",
+    "grouped_outer",
+    "offload_to_host",
+    "score_pairs",
+    "select_within_quota",
+]

@@ -1,0 +1,97 @@
+"""A row gather that reads its source straight from pinned host memory (the kernel behind
+``lrmoe::gather_host_rows``).
+
+Shapes: N source rows, C columns, R gathered rows.
+
+``gather_host_rows_triton(src_NC, rows_R) -> out_RC``
+    out[i] = src[rows[i]], on rows' device. ``src`` may be a pinned CPU tensor: memory that cudaHostAlloc pinned
+    (PyTorch's pin_memory) is mapped into the device's address space at the same address on systems with unified
+    virtual addressing (every 64-bit Linux system), and Triton's launcher translates such a pointer to its device
+    address (cuPointerGetAttribute), so the kernel's loads cross PCIe for the gathered rows only, never for the
+    whole buffer. A CUDA ``src`` works the same way.
+
+Rows outside [0, N) are not read (the kernel cannot report them without a host synchronisation): their output
+rows are zero. Offsets are int64: the source is the [P, 2F] activations, and P * 2F reaches 2^31 elements at
+131,072 tokens with K = 8 and 2F = 2048.
+
+The work is a copy, bound by the PCIe read bandwidth (~55 GB/s on a Gen5 x16 link, against ~4 TB/s from HBM).
+Each program copies a BLOCK_R x BLOCK_C tile: whole contiguous runs of a row per load, so the reads over the
+link are full 128-byte transactions, and many programs in flight to cover the ~1-2 us latency of a read across
+PCIe. The blocks below are a first guess; benchmarks on the GPU should tune them (and compare against a
+cudaMemcpy of the whole buffer, which wins when nearly every row is gathered).
+
+Under the Triton interpreter (TRITON_INTERPRET=1, CPU tensors: how the tests run without a GPU) the blocks are
+small, so the odd test shapes cross several tiles and masked edges.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["gather_host_rows_triton"]
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@triton.jit
+def _gather_rows_kernel(
+    src_ptr, rows_ptr, out_ptr,
+    R, N, C,
+    stride_sn, stride_sc, stride_or, stride_oc,
+    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+):  # fmt: skip
+    pid_r = tl.program_id(0)
+    pid_c = tl.program_id(1)
+    r_R = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    c_C = (pid_c * BLOCK_C + tl.arange(0, BLOCK_C)).to(tl.int64)
+    r_ok_R = r_R < R
+    c_ok_C = c_C < C
+    row_R = tl.load(rows_ptr + r_R, mask=r_ok_R, other=0).to(tl.int64)
+    # An index outside the source is not read: a stray host address would fault or read another buffer.
+    read_R = r_ok_R & (row_R >= 0) & (row_R < N)
+    tile_RC = tl.load(
+        src_ptr + row_R[:, None] * stride_sn + c_C[None, :] * stride_sc,
+        mask=read_R[:, None] & c_ok_C[None, :],
+        other=0,
+    )
+    out_RC = out_ptr + r_R.to(tl.int64)[:, None] * stride_or + c_C[None, :] * stride_oc
+    tl.store(out_RC, tile_RC, mask=r_ok_R[:, None] & c_ok_C[None, :])
+
+
+def _blocks(n_cols: int, elem_bytes: int) -> dict:
+    """Tile sizes. GPU: up to 1 KiB of one row per program row (BLOCK_C), 8 rows, so a program issues 8 KiB of
+    independent loads; narrow rows get a narrower BLOCK_C instead of masked lanes."""
+    if _INTERPRET:
+        return {"BLOCK_R": 4, "BLOCK_C": 16, "num_warps": 1}
+    block_c = min(triton.next_power_of_2(max(n_cols, 1)), max(1024 // elem_bytes, 16))
+    return {"BLOCK_R": 8, "BLOCK_C": block_c, "num_warps": 4}
+
+
+def gather_host_rows_triton(src_NC: torch.Tensor, rows_R: torch.Tensor) -> torch.Tensor:
+    """out_RC[i] = src_NC[rows_R[i]] on rows_R's device (zero where rows_R[i] is outside [0, N)). ``src_NC`` is a
+    pinned CPU tensor or a tensor on rows_R's device; the caller orders the stream after whatever writes it."""
+    if src_NC.dim() != 2 or rows_R.dim() != 1:
+        raise ValueError(f"src_NC must be 2-D and rows_R 1-D, got shapes {tuple(src_NC.shape)} and "
+                         f"{tuple(rows_R.shape)}")
+    if not _INTERPRET and rows_R.device.type != "cuda":
+        raise ValueError("gather_host_rows_triton needs rows_R on CUDA (or TRITON_INTERPRET=1 for CPU tensors)")
+    n_rows, n_cols = src_NC.shape
+    out_RC = torch.empty(rows_R.shape[0], n_cols, dtype=src_NC.dtype, device=rows_R.device)
+    if out_RC.numel() == 0:  # nothing to read (an empty source may not even be pinned)
+        return out_RC
+    if not _INTERPRET and src_NC.device != rows_R.device and not src_NC.is_pinned():
+        raise ValueError(f"src_NC must be pinned host memory or on {rows_R.device}, got {src_NC.device} memory "
+                         "that is not pinned (not mapped into the device's address space)")
+    cfg = _blocks(n_cols, src_NC.element_size())
+    grid = (triton.cdiv(rows_R.shape[0], cfg["BLOCK_R"]), triton.cdiv(n_cols, cfg["BLOCK_C"]))
+    _gather_rows_kernel[grid](
+        src_NC, rows_R, out_RC,
+        rows_R.shape[0], n_rows, n_cols,
+        src_NC.stride(0), src_NC.stride(1), out_RC.stride(0), out_RC.stride(1),
+        **cfg,
+    )  # fmt: skip
+    return out_RC
