@@ -37,8 +37,11 @@ saved activations (forward to backward), "save" = what the code keeps today:
     "recompute" (LRMoE(activations="recompute"), one device or expert-parallel): the same without h, which is
         a forward transient instead; backward recomputes h for the retained rows only from x, into the buffer
         "save" fills by gathering, so the backward buffers are unchanged.
-    "offload" (not implemented yet): h parked in pinned host memory (``offloaded``, not device bytes), retained
-        rows brought back into the same buffer.
+    "offload" (LRMoE(activations="offload"), one device or expert-parallel): the same without h on the device:
+        forward copies h to pinned host memory (``offloaded``, not device bytes; the pinned allocator rounds a
+        block up to a power of two, so the host may hold up to twice that) and h is a forward transient, as
+        under "recompute"; backward reads the retained rows back from the host into the buffer "save" fills by
+        gathering, with the same row index, so the backward buffers are those of "save".
 
 transients: ``forward_phases`` and ``backward_phases`` follow the code line by line (``_Timeline``): a local stays
 alive until its function returns (nothing in these functions frees a buffer early), a line's temporaries live
@@ -46,7 +49,7 @@ only on that line, and a phase is a point where a line allocates, with everythin
 the largest phase. Forward: the grouped GEMMs, the SwiGLU, the fp32 ||phi||^2 working set N*F*(u + 4) and the
 combine. Backward (one device; W > 1 adds the payloads and the received and returned rows):
     dy           alpha * g / p per retained row: the gathered g rows and their fp32 product, R*D*(b + 4)
-    h_rows       h of the retained rows, M*2F*b (gathered from the saved h, or recomputed from x)
+    h_rows       h of the retained rows, M*2F*b (gathered from the saved h or its host copy, or recomputed from x)
     swiglu       phi M*F*b (and the silu temporary)
     dphi_gemm    dphi M*F*b
     grad_down_gemm     the down projection's weight-gradient output, I*DF*b (I = L + r instances)
@@ -323,8 +326,7 @@ def layer_memory(
         config: the layer and rank (:class:`MemoryConfig`).
         retain: backward retention target in (0, 1]; sizes the retained-row buffers when ``rows`` is None.
         replicas: extra expert instances this rank holds (W > 1 only).
-        policy: activation policy, "save" or "recompute" (LRMoE's ``activations``), or "offload" (planned;
-            modelled as the module docstring says).
+        policy: activation policy, "save", "recompute" or "offload" (LRMoE's ``activations``).
         rows: row counts, e.g. from :func:`rows_from_plan`; default :func:`balanced_rows`.
     """
     check_retain(retain)
@@ -442,7 +444,8 @@ def _forward_phases(config: MemoryConfig, rows: Rows, b: int, policy: str) -> di
         t.alloc(recv_permutation_tmp=N * _INT64)
     t.alloc(row_index=N * _INT64)
     src_rows = T if config.world_size == 1 else N
-    # h: saved under "save"; otherwise a forward transient (or, offloaded, until its copy to the host is done).
+    # h: saved under "save"; otherwise a forward transient (offloaded: and, on a GPU, until its copy to the host is
+    # done, which the copy overlaps with the rest of the forward).
     t.mark("gate_up_gemm", x_rows=N * D * b if _gathers(config, src_rows, D, 2 * F) else 0)
     t.alloc(h=N * 2 * F * b if policy != "save" else 0)
     t.mark("swiglu", silu=N * F * b, phi=N * F * b)
@@ -506,8 +509,8 @@ def _backward_phases(config: MemoryConfig, rows: Rows, retain: float, b: int, po
         src_rows = rows.recv
     if policy == "recompute":  # from x (one device: by token; W > 1: the received rows), gathered
         t.mark("h_rows", x_rows=M * D * b if _gathers(config, src_rows, D, 2 * F) else 0, h_rows=M * 2 * F * b)
-    else:  # "save" gathers the saved h; "offload" copies the rows back into the same buffer
-        t.mark("h_rows", h_row_index=M * _INT64 if policy == "save" else 0, h_rows=M * 2 * F * b)
+    else:  # "save" gathers the saved h; "offload" reads the same rows back from the host into the same buffer
+        t.mark("h_rows", h_row_index=M * _INT64, h_rows=M * 2 * F * b)
     t.alloc(h_rows=M * 2 * F * b)
     t.mark("swiglu", silu=M * F * b, phi_rows=M * F * b)
     t.alloc(phi_rows=M * F * b, row_ident=M * _INT64)

@@ -3,7 +3,8 @@
 Shapes: T tokens, D model dim, F expert hidden dim, E experts, K top-k, P = T*K pairs, R = retained-row buffer.
 
 Forward computes every routed pair: h_u = W_gu[e] x_t, phi_u = silu(h_u[:F]) * h_u[F:], y_u = W_d[e] phi_u,
-out_t = sum_u alpha_u y_u, and saves h (per pair), y (for the router gradient) and ||phi_u||^2 (fp32).
+out_t = sum_u alpha_u y_u, and saves h (per pair: on the device, in pinned host memory, or not at all, see
+``activations``), y (for the router gradient) and ||phi_u||^2 (fp32).
 
 Backward: the router gradient dL/d alpha_u = <g_t, y_u> is exact for every pair. Then every pair is scored
 (score_pairs), each expert keeps its quota (select_within_quota), kept rows are scaled by their selection weight,
@@ -24,11 +25,11 @@ from lrmoe.functional.quotas import POLICIES, plan_quotas
 from lrmoe.functional.routing import expert_loads
 from lrmoe.functional.scoring import METRICS, score_pairs
 from lrmoe.functional.selection import MODES, select_within_quota
-from lrmoe.ops import gather_grouped_mm, grouped_outer
+from lrmoe.ops import gather_grouped_mm, gather_host_rows, grouped_outer, offload_to_host
 
 __all__ = ["ACTIVATION_POLICIES", "ExpertPlan", "plan_experts", "retained_rows_bound", "selective_swiglu_experts"]
 
-ACTIVATION_POLICIES = ("save", "recompute")  # what forward keeps for backward (see selective_swiglu_experts)
+ACTIVATION_POLICIES = ("save", "recompute", "offload")  # what forward keeps for backward (selective_swiglu_experts)
 
 N_BACKWARD_STATS = 3  # score-mass fraction kept, retained pairs, backward calls
 
@@ -154,7 +155,12 @@ def selective_swiglu_experts(
         activations: what forward keeps for backward. "save": the gate/up projection h of every pair
             ([P, 2F]); backward gathers the retained rows. "recompute": not h; backward recomputes h for the
             retained rows only (one grouped GEMM over them, from x, which is saved either way), so the saved
-            activations shrink by P*2F elements and the extra work scales with retain. Same gradients.
+            activations shrink by P*2F elements and the extra work scales with retain. "offload": h goes to
+            pinned host memory, copied on a side stream while forward goes on (lrmoe.ops.offload_to_host), and
+            backward reads back the retained rows only (lrmoe.ops.gather_host_rows): the device memory of
+            "recompute" without its GEMM, for P*2F elements over PCIe in forward and M*2F in backward. The same
+            gradients for all three; "offload" reads back the very values "save" keeps, so its gradients are
+            bit-identical to those of "save".
 
     Returns: out_TD, dtype of x.
     """
@@ -189,8 +195,11 @@ def selective_swiglu_experts(
             generator=generator, source_ids_T=source_ids_T, num_sources=num_sources,
         )
     quotas_G, uniform_G, group_ids_P = _flat_groups(plan, n_exp, expert_ids_TK.shape)
-    cfg = _Config(retain=retain, metric=metric, selection=selection, generator=generator,
-                  recompute=activations == "recompute")
+    differentiable = (x_TD, gate_up_EFD, down_EDF, gates_TK, stats_probe)
+    if activations == "offload" and not (torch.is_grad_enabled() and any(t is not None and t.requires_grad
+                                                                         for t in differentiable)):
+        activations = "recompute"  # no backward will run: nothing to keep, so no copy to the host either
+    cfg = _Config(retain=retain, metric=metric, selection=selection, generator=generator, activations=activations)
     return _SelectiveSwiGLU.apply(
         x_TD, gate_up_EFD, down_EDF, gates_TK, expert_ids_TK, quotas_G, uniform_G, stats_probe, cfg, group_ids_P
     )
@@ -222,7 +231,7 @@ class _Config:
     metric: str
     selection: str
     generator: torch.Generator | None
-    recompute: bool = False
+    activations: str = "save"
 
 
 def _swiglu(h_PF2: torch.Tensor) -> torch.Tensor:
@@ -285,6 +294,18 @@ def retained_dy(
     return (g_TD.index_select(0, tok_R) * coef_R.unsqueeze(1)).to(dtype), tok_R, safe_R
 
 
+def saved_h(h_NF2: torch.Tensor, activations: str) -> torch.Tensor | None:
+    """What forward keeps of the gate/up projection (both layers): h itself ("save"), nothing ("recompute"), or
+    its pinned host copy ("offload"). Called as soon as h exists, so the copy to the host overlaps the rest of the
+    forward. While compiling, the copy joins the current stream (lrmoe.ops.offload, point 1): the compiler may
+    hand h's memory to a later buffer without the caching allocator, which is what protects it in eager mode."""
+    if activations == "save":
+        return h_NF2
+    if activations == "recompute":
+        return None
+    return offload_to_host(h_NF2, join=torch.compiler.is_compiling())
+
+
 def expert_rows_backward(
     dy: list[torch.Tensor],
     x_ND: torch.Tensor,
@@ -295,20 +316,23 @@ def expert_rows_backward(
     h_saved: torch.Tensor | None,
     h_index_R: torch.Tensor | None,
     needs: tuple[bool, bool, bool] = (True, True, True),
+    h_on_host: bool = False,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """The compact expert backward over retained rows, grouped by expert (``offsets_E``): shared by the
     single-device and the expert-parallel layer.
 
     ``dy`` = [dy_RD], the output gradient of the retained rows, is consumed (the caller drops its reference), so
     every row buffer is released right after its last use here: the lifetimes lrmoe.memory models. Row i's input
-    is ``x_ND[src_rows_R[i]]``. Its gate/up pre-activation h is ``h_saved[h_index_R[i]]`` (activations "save"),
-    or recomputed from that input when ``h_saved`` is None ("recompute": one grouped GEMM over the kept rows).
-    ``needs`` = (dx, gate/up grad, down grad). Returns (dx_RD, grad_gate_up_EFD, grad_down_EDF), None where not
-    needed.
+    is ``x_ND[src_rows_R[i]]``. Its gate/up pre-activation h is ``h_saved[h_index_R[i]]`` (activations "save"; with
+    ``h_on_host``, "offload": read from the pinned host copy, only these rows crossing the link), or recomputed
+    from that input when ``h_saved`` is None ("recompute": one grouped GEMM over the kept rows). ``needs`` = (dx,
+    gate/up grad, down grad). Returns (dx_RD, grad_gate_up_EFD, grad_down_EDF), None where not needed.
     """
     dy_RD = dy.pop()
     if h_saved is None:  # rows past the last offset come back as zeros
         h_RF2 = gather_grouped_mm(x_ND, gate_up_EFD, src_rows_R, offsets_E)
+    elif h_on_host:
+        h_RF2 = gather_host_rows(h_saved, h_index_R)
     else:
         h_RF2 = h_saved.index_select(0, h_index_R)
     need_x, need_gu, need_down = needs
@@ -347,6 +371,7 @@ class _SelectiveSwiGLU(torch.autograd.Function):
         ident_P = torch.arange(flat_P.shape[0], device=flat_P.device)
 
         h_PF2 = gather_grouped_mm(x_TD, gate_up_EFD, tok_P, offsets_E)
+        h_saved = saved_h(h_PF2, cfg.activations)
         phi_PF = _swiglu(h_PF2)
         y_PD = gather_grouped_mm(phi_PF, down_EDF, None, offsets_E)  # rows in place: no gather
         # Back to pair order (t, k): y_TKD[t, k] is pair t*K + k.
@@ -358,14 +383,13 @@ class _SelectiveSwiGLU(torch.autograd.Function):
         ctx.cfg = cfg
         ctx.has_probe = stats_probe is not None
         ctx.save_for_backward(x_TD, gate_up_EFD, down_EDF, gates_TK, expert_ids_TK, quotas_G, uniform_G,
-                              None if cfg.recompute else h_PF2, y_TKD, phi_sq_TK, order_P, inv_P, offsets_E,
-                              group_ids_P)
+                              h_saved, y_TKD, phi_sq_TK, order_P, inv_P, offsets_E, group_ids_P)
         return out_TD
 
     @staticmethod
     def backward(ctx, grad_out_TD):
         (x_TD, gate_up_EFD, down_EDF, gates_TK, expert_ids_TK, quotas_G, uniform_G,
-         h_PF2, y_TKD, phi_sq_TK, order_P, inv_P, offsets_E, group_ids_P) = ctx.saved_tensors
+         h_saved, y_TKD, phi_sq_TK, order_P, inv_P, offsets_E, group_ids_P) = ctx.saved_tensors
         cfg: _Config = ctx.cfg
         n_tok, top_k = expert_ids_TK.shape
         n_pairs = n_tok * top_k
@@ -394,9 +418,9 @@ class _SelectiveSwiGLU(torch.autograd.Function):
         dy = [dy_RD]
         del dy_RD  # expert_rows_backward releases it after its last use
         dx_RD, grad_gu, grad_down = expert_rows_backward(
-            dy, x_TD, tok_R, off_E, gate_up_EFD, down_EDF, h_saved=h_PF2,
-            h_index_R=None if h_PF2 is None else inv_P.index_select(0, safe_R),
-            needs=tuple(ctx.needs_input_grad[:3]),
+            dy, x_TD, tok_R, off_E, gate_up_EFD, down_EDF, h_saved=h_saved,
+            h_index_R=None if h_saved is None else inv_P.index_select(0, safe_R),
+            needs=tuple(ctx.needs_input_grad[:3]), h_on_host=cfg.activations == "offload",
         )
         grad_x = None if dx_RD is None else _sum_rows_per_token(dx_RD, pair_R, n_tok, top_k)
 

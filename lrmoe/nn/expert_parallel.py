@@ -34,7 +34,9 @@ pairs of every instance; only those rows (alpha * g / p, plus a 4-byte row index
 each instance runs the compact backward (grouped GEMMs over the retained rows only) and returns the input-gradient
 rows in a second all-to-all. A retained pair goes back to the instance that ran its forward (no rebalancing): that
 instance holds its saved activations, so only the alpha * g row travels; moving it would make its x row (and h, or
-a recompute) travel too. The router gradient <g_t, y_u> is exact and local.
+a recompute) travel too. The router gradient <g_t, y_u> is exact and local. The activation policies are those of
+the single-device layer: the instance keeps h of its received rows ("save"), recomputes the retained ones from the
+received x rows ("recompute"), or parks h in pinned host memory and reads back the retained rows ("offload").
 
 Checkpoints: the sharded experts save and load with torch.distributed.checkpoint (get_state_dict/set_state_dict,
 optimiser state included; tests/nn/test_expert_parallel_checkpoint.py). Replicas are per-step copies, never saved.
@@ -68,6 +70,7 @@ from lrmoe.functional.experts import (
     expert_rows_backward,
     retained_dy,
     router_gradient,
+    saved_h,
     select_retained,
 )
 from lrmoe.functional.quotas import plan_quotas
@@ -420,7 +423,7 @@ class _Config:
     metric: str
     selection: str
     generator: torch.Generator | None
-    recompute: bool = False  # activations="recompute": h is not saved; backward recomputes the retained rows
+    activations: str = "save"  # what forward keeps of h: "save", "recompute" or "offload" (see saved_h)
 
 
 class _ExpertParallelSwiGLU(torch.autograd.Function):
@@ -444,6 +447,7 @@ class _ExpertParallelSwiGLU(torch.autograd.Function):
         offsets_I = torch.cumsum(counts_SI.sum(0), 0).int()
         ident_N = torch.arange(n_rows, device=x_TD.device)
         h_NF2 = gather_grouped_mm(x_recv_ND, gate_up_IFD, perm_N, offsets_I)
+        h_saved = saved_h(h_NF2, cfg.activations)
         phi_NF = _swiglu(h_NF2)
         y_ND = gather_grouped_mm(phi_NF, down_IDF, None, offsets_I)  # rows in place
         inv_perm_N = torch.empty_like(perm_N).scatter_(0, perm_N, ident_N)
@@ -463,14 +467,13 @@ class _ExpertParallelSwiGLU(torch.autograd.Function):
         ctx.has_probe = probe is not None
         ctx.x_shape = x_TD.shape
         ctx.save_for_backward(gate_up_IFD, down_IDF, gates_TK, group_P, assign_SWI, quotas_SWI, uniform_G,
-                              y_TKD, phi_sq_TK, order_P, inv_order_P, x_recv_ND, None if cfg.recompute else h_NF2,
-                              inv_perm_N)
+                              y_TKD, phi_sq_TK, order_P, inv_order_P, x_recv_ND, h_saved, inv_perm_N)
         return out_TD
 
     @staticmethod
     def backward(ctx, grad_out_TD):
         (gate_up_IFD, down_IDF, gates_TK, group_P, assign_SWI, quotas_SWI, uniform_G,
-         y_TKD, phi_sq_TK, order_P, inv_order_P, x_recv_ND, h_NF2, inv_perm_N) = ctx.saved_tensors
+         y_TKD, phi_sq_TK, order_P, inv_order_P, x_recv_ND, h_saved, inv_perm_N) = ctx.saved_tensors
         cfg: _Config = ctx.cfg
         splits: _Splits = ctx.splits
         ep: _EPGroup = ctx.ep
@@ -531,11 +534,13 @@ class _ExpertParallelSwiGLU(torch.autograd.Function):
         offsets_I = torch.cumsum(quota_SI.sum(0), 0).int()
         rows_M = fwd_row_M.index_select(0, perm_M)  # instance-major retained rows -> source-major forward rows
 
-        # "recompute" (h_NF2 None): h from the received x rows, which this rank keeps for the weight gradient anyway.
+        # "recompute" (h_saved None): h from the received x rows, which this rank keeps for the weight gradient
+        # anyway; "offload": the retained rows of the host copy.
         dy = [dy_MD.index_select(0, perm_M)]
         dx_em_MD, grad_gu, grad_down = expert_rows_backward(
-            dy, x_recv_ND, rows_M, offsets_I, gate_up_IFD, down_IDF, h_saved=h_NF2,
-            h_index_R=None if h_NF2 is None else inv_perm_N.index_select(0, rows_M),
+            dy, x_recv_ND, rows_M, offsets_I, gate_up_IFD, down_IDF, h_saved=h_saved,
+            h_index_R=None if h_saved is None else inv_perm_N.index_select(0, rows_M),
+            h_on_host=cfg.activations == "offload",
         )
         # Return the input-gradient rows in the order they arrived (the reverse of the backward dispatch).
         dx_MD = torch.empty_like(dx_em_MD).index_copy_(0, perm_M, dx_em_MD)
@@ -815,8 +820,10 @@ class _ExpertParallelMixin:
                 self.ep_forward_bytes[2].fill_(_peer_bytes(splits.rep_send, weight_bytes, ep.rank))
                 self.ep_forward_bytes[3].fill_(_peer_bytes(splits.rep_recv, weight_bytes, ep.rank))
 
+        # No backward will run without a probe: then "offload" would copy h to the host for nothing.
+        activations = "recompute" if self.activations == "offload" and probe is None else self.activations
         cfg = _Config(retain=self.retain, dense=dense, metric=self.metric, selection=self.selection,
-                      generator=self.generator, recompute=self.activations == "recompute")
+                      generator=self.generator, activations=activations)
         out_TD = _ExpertParallelSwiGLU.apply(
             x_TD, gate_up_IFD, down_IDF, routing.gates.to(x.dtype), group_P, plan.assignment, plan.instance_quotas,
             plan.uniform, probe, cfg, splits, ep,

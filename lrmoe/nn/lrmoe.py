@@ -72,8 +72,10 @@ class LRMoE(nn.Module):
         policy: quota policy, "waterfill" or "proportional". min_retain: per-expert floor, <= retain.
         score_func, norm_topk_prob: router as in Qwen3-MoE (softmax, renormalised top-k).
         generator: RNG for sampling; the global RNG when None, so a seeded run is reproducible.
-        activations: "save" (forward keeps every pair's gate/up projection) or "recompute" (backward recomputes
-            it for the retained rows only; less memory, one more grouped GEMM over the retained rows).
+        activations: "save" (forward keeps every pair's gate/up projection), "recompute" (backward recomputes
+            it for the retained rows only; less memory, one more grouped GEMM over the retained rows) or "offload"
+            (forward copies it to pinned host memory on a side stream, backward reads back the retained rows
+            only; the device memory of "recompute" without its GEMM, the gradients of "save" bit for bit).
 
     Input [..., dim] -> output of the same shape and dtype.
     """

@@ -88,3 +88,39 @@ def test_no_host_sync_in_forward_backward(dtype, retain, selection):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert torch.isfinite(x.grad).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("retain", [1.0, 0.75])
+def test_offload_gives_the_gradients_of_save_keeps_h_pinned_and_never_syncs(dtype, retain):
+    T, D, F, E, K = 512, 128, 64, 16, 4
+    results, saved = {}, {}
+    for activations in ("save", "offload"):
+        torch.manual_seed(0)
+        layer = LRMoE(D, F, E, K, retain=retain, selection="sample", activations=activations).cuda().to(dtype)
+        x = torch.randn(T, D, device="cuda", dtype=dtype, requires_grad=True)
+        c = torch.randn_like(x)
+        layer(x).sum().backward()  # first call: lazy initialisation, kernel compilation, the side stream
+        torch.cuda.synchronize()
+        for t in (x, *layer.parameters()):
+            t.grad = None
+        saved[activations] = kept = []
+
+        def pack(t, kept=kept):
+            kept.append((t.device.type, t.is_pinned(), tuple(t.shape)))
+            return t
+
+        torch.manual_seed(1)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                out = layer(x)
+            (out * c).sum().backward()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        results[activations] = [out, x.grad, *(p.grad for p in layer.parameters())]
+    for got, want in zip(results["offload"], results["save"]):
+        assert torch.equal(got, want)  # the same h values: bit-identical
+    h = (T * K, 2 * F)
+    assert ("cuda", False, h) in saved["save"]
+    assert ("cpu", True, h) in saved["offload"] and ("cuda", False, h) not in saved["offload"]

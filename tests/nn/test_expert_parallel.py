@@ -166,10 +166,11 @@ def _configurations(rank, world):
         parallelize_module(LRMoE(D, FF, world + 1, K), mesh, ExpertParallel())
     with pytest.raises(TypeError, match="LRMoE"):
         parallelize_module(torch.nn.Linear(D, D), mesh, ExpertParallel())
-    # activations="recompute" (h not saved, recomputed for the kept rows) gives the gradients of "save".
+    # activations="recompute" (h not saved, recomputed for the kept rows) gives the gradients of "save";
+    # "offload" (h kept in host memory, the kept rows read back) gives them bit for bit.
     torch.manual_seed(0)
     results = []
-    for activations in ("save", "recompute"):
+    for activations in ("save", "recompute", "offload"):
         torch.manual_seed(0)
         layer = parallelize_module(LRMoE(D, FF, E, K, retain=0.5, selection="top", activations=activations), mesh,
                                    ExpertParallel(max_replicas=1))
@@ -180,6 +181,8 @@ def _configurations(rank, world):
                         layer.experts.down_proj.grad.to_local()])
     for got, want in zip(results[1], results[0]):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    for got, want in zip(results[2], results[0]):
+        assert torch.equal(got, want)
     assert results[0][2].abs().sum() > 0
     twice = parallelize_module(LRMoE(D, FF, E, K), mesh, ExpertParallel())
     with pytest.raises(ValueError, match="already"):

@@ -260,6 +260,55 @@ def test_recompute_gives_the_same_gradients_and_saves_less(retain, selection):
     assert saved["save"] - saved["recompute"] == T * K * 2 * FF * 4
 
 
+@pytest.mark.parametrize("retain, selection", [(1.0, "sample"), (0.75, "sample"), (0.75, "top"), (0.5, "sample")])
+def test_offload_gives_the_gradients_of_save_bit_for_bit(retain, selection):
+    # Backward reads back the very h "save" keeps (from the host copy), so everything is bit-identical.
+    results, saved = {}, {}
+    for activations in ("save", "offload"):
+        layer, x, c = make(retain=retain, selection=selection, activations=activations)
+        shapes = []
+
+        def pack(t, shapes=shapes):
+            shapes.append((tuple(t.shape), t.untyped_storage().nbytes()))
+            return t
+
+        torch.manual_seed(3)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            results[activations] = grads(layer, x, layer, c)
+        saved[activations] = shapes
+    (out_s, dx_s, g_s), (out_o, dx_o, g_o) = results["save"], results["offload"]
+    assert torch.equal(out_s, out_o) and torch.equal(dx_s, dx_o)
+    for name in g_s:
+        assert torch.equal(g_o[name], g_s[name]), name
+    # On CPU the host copy is CPU memory too: the same tensors are saved, h as its copy ([T*K, 2F] fp32).
+    assert saved["offload"] == saved["save"] and ((T * K, 2 * FF), T * K * 2 * FF * 4) in saved["offload"]
+
+
+class _OpCalls(torch.utils._python_dispatch.TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def test_offload_copies_h_once_and_only_when_a_backward_will_run():
+    layer, x, c = make(retain=0.75, activations="offload")
+    for grad_enabled, copies, reads in ((True, 1, 1), (False, 0, 0)):
+        calls = _OpCalls()
+        with torch.set_grad_enabled(grad_enabled), calls:
+            out = layer(x.requires_grad_(grad_enabled))
+            if grad_enabled:
+                (out * c).sum().backward()
+        assert calls.names.count("lrmoe.offload_to_host.default") == copies
+        assert calls.names.count("lrmoe.gather_host_rows.default") == reads
+    # Without grad the layer computes the same output (nothing is kept: the "recompute" layout).
+    with torch.no_grad():
+        assert torch.equal(layer(x), make(retain=0.75)[0](x))
+
+
 def test_bad_activation_policy_names_the_argument():
     with pytest.raises(ValueError, match="activations"):
         LRMoE(D, FF, E, K, activations="offload-to-disk")
