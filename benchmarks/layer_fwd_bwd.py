@@ -5,7 +5,9 @@ torch._grouped_mm layer, eager and compiled, all in the same run.
     python benchmarks/layer_fwd_bwd.py --shape glm-4.5-air
 
 Prints one table: medians of CUDA-event timings (triton.testing.do_bench), peak memory over the timed steps, and
-the host synchronisations torch.cuda.set_sync_debug_mode("warn") reported in one eager step (-1: not measured).
+the host synchronisations torch.cuda.set_sync_debug_mode("warn") reported in one step after warm-up (-1: not
+measured, CUDA graphs). --modes adds compiled-cg (torch.compile mode="reduce-overhead": CUDA graphs, no launch
+cost); --compiled-sample op makes compiled "sample" selection call the custom op instead of the inlined reference.
 The GEMM floor is 6·T·k·3·d·f FLOP forward+backward (2× for forward alone) at the measured matmul rate.
 """
 
@@ -18,7 +20,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import lrmoe.functional.selection as selection_module
 from lrmoe.nn import LRMoE
+from lrmoe.ops.selection import select_within_quota as select_within_quota_op
 
 SHAPES = {
     "qwen3-30b-a3b": dict(dim=2048, hidden_dim=768, num_experts=128, top_k=8),
@@ -77,6 +81,9 @@ class _Tokens3D(nn.Module):
         return (out[0] if isinstance(out, tuple) else out).reshape(x_TD.shape)
 
 
+_COMPILE_MODES = {"eager": None, "compiled": None, "compiled-cg": "reduce-overhead"}
+
+
 def count_syncs(step) -> int:
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("warn")
@@ -97,7 +104,13 @@ def main() -> None:
     parser.add_argument("--retain", type=float, nargs="+", default=[1.0, 0.75, 0.5])
     parser.add_argument("--selection", default="sample")
     parser.add_argument("--skip-baselines", action="store_true")
+    parser.add_argument("--modes", nargs="+", default=["eager", "compiled"], choices=list(_COMPILE_MODES),
+                        help="compiled-cg: torch.compile(mode='reduce-overhead'), CUDA graphs")
+    parser.add_argument("--compiled-sample", default="reference", choices=["reference", "op"],
+                        help="what compiled 'sample' selection runs (lrmoe.functional.selection._COMPILED_SAMPLE)")
     args = parser.parse_args()
+    if args.compiled_sample == "op":
+        selection_module._COMPILED_SAMPLE = select_within_quota_op
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/layer_fwd_bwd.py needs a CUDA GPU")
     from triton.testing import do_bench
@@ -116,8 +129,12 @@ def main() -> None:
         torch.manual_seed(0)
         layer = make().cuda().bfloat16()
         x = torch.randn(T, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-        for mode in ("eager", "compiled"):
-            fn = layer if mode == "eager" else torch.compile(layer, fullgraph=name.startswith("lrmoe"))
+        for mode in args.modes:
+            # A fresh Dynamo cache per layer and mode: recompiling LRMoE.forward for another layer would otherwise
+            # count towards the recompile limit and make the layer's float attributes (retain) dynamic.
+            torch._dynamo.reset()
+            fn = layer if mode == "eager" else torch.compile(layer, fullgraph=name.startswith("lrmoe"),
+                                                             mode=_COMPILE_MODES[mode])
 
             def fwd():
                 with torch.no_grad():
@@ -127,7 +144,8 @@ def main() -> None:
                 fn(x).sum().backward()
 
             step()
-            syncs = count_syncs(step) if mode == "eager" else -1
+            step()
+            syncs = count_syncs(step) if mode != "compiled-cg" else -1
             fwd_ms = do_bench(fwd, warmup=5, rep=40, return_mode="median")
             torch.cuda.reset_peak_memory_stats()
             step_ms = do_bench(step, warmup=5, rep=40, return_mode="median", grad_to_none=[x, *layer.parameters()])

@@ -2,7 +2,8 @@
 
     python benchmarks/profile_layer.py --shape qwen3-30b-a3b --retain 0.75 [--compiled] [--forward-only]
 
-Prints one table per run: the operators (eager) or generated kernels (--compiled) with the largest self GPU time
+Prints the wall time per step (unprofiled) next to the GPU time, so a host-bound step shows as a gap, then one
+table per run: the operators (eager) or generated kernels (--compiled) with the largest self GPU time
 over --steps forward+backward steps, as a share of the total, so the next kernel to fuse or speed up is the one
 at the top.
 """
@@ -10,9 +11,11 @@ at the top.
 from __future__ import annotations
 
 import argparse
+import time
 
 import torch
 from layer_fwd_bwd import SHAPES
+from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 from lrmoe.nn import LRMoE
@@ -51,19 +54,37 @@ def main() -> None:
     for _ in range(3):
         step()
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    start = time.perf_counter()
+    for _ in range(args.steps):
+        step()
+    torch.cuda.synchronize()
+    wall_ms = (time.perf_counter() - start) / args.steps * 1e3
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(args.steps):
             step()
         torch.cuda.synchronize()
-    events = [e for e in prof.key_averages() if e.self_device_time_total > 0]
+    averages = prof.key_averages()
+    events = [e for e in averages if e.device_type == DeviceType.CUDA and e.self_device_time_total > 0]  # kernels
     total = sum(e.self_device_time_total for e in events)
     mode = ("compiled" if args.compiled else "eager") + (", forward only" if args.forward_only else "")
     print(f"# {args.shape}, tokens={args.tokens}, retain={args.retain:g}, {mode}: "
-          f"{total / args.steps / 1e3:.3f} ms GPU time per step")
+          f"{total / args.steps / 1e3:.3f} ms GPU time per step, {wall_ms:.3f} ms wall per step (unprofiled)")
     print(f"{'share':>6} {'ms/step':>8} {'calls/step':>10}  kernel")
     for e in sorted(events, key=lambda e: -e.self_device_time_total)[: args.rows]:
         print(f"{e.self_device_time_total / total:>6.1%} {e.self_device_time_total / args.steps / 1e3:>8.3f} "
               f"{e.count / args.steps:>10.1f}  {e.key[:110]}")
+    # Where the host waits or launches: CUDA runtime calls (a synchronising one is a host sync) and the host ops
+    # with the most self CPU time, per step.
+    runtime = sorted((e for e in averages if e.key.startswith("cuda") and e.self_device_time_total == 0),
+                     key=lambda e: -e.self_cpu_time_total)
+    print(f"# CUDA runtime calls per step: {'ms/step':>8} {'calls/step':>10}")
+    for e in runtime[:8]:
+        print(f"{e.self_cpu_time_total / args.steps / 1e3:>8.3f} {e.count / args.steps:>10.1f}  {e.key[:60]}")
+    host = sorted((e for e in averages if not e.key.startswith("cuda") and e.self_device_time_total == 0),
+                  key=lambda e: -e.self_cpu_time_total)
+    print(f"# host ops by self CPU time per step: {'ms/step':>8} {'calls/step':>10}")
+    for e in host[:12]:
+        print(f"{e.self_cpu_time_total / args.steps / 1e3:>8.3f} {e.count / args.steps:>10.1f}  {e.key[:80]}")
 
 
 if __name__ == "__main__":

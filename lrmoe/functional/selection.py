@@ -26,6 +26,13 @@ from lrmoe.ops.selection import select_within_quota as select_within_quota_op
 __all__ = ["Selection", "select_within_quota", "inclusion_probabilities", "MODES"]
 
 
+# What a compiled graph runs for mode "sample": the reference's PyTorch traced inline (bit-identical to the op),
+# so that Inductor fuses it, or the op. Measured on an H200 when the op's probabilities were PyTorch run op by op
+# inside it (~3 ms for P = 65,536, launch-bound; docs/performance.md); the op now computes them in one Triton
+# kernel. benchmarks/layer_fwd_bwd.py --compiled-sample swaps this to time both.
+_COMPILED_SAMPLE = select_within_quota_reference
+
+
 @dataclass(frozen=True)
 class Selection:
     """Compact index buffer of the kept pairs.
@@ -87,13 +94,10 @@ def select_within_quota(
         uniform_G = torch.rand(quotas_G.shape[0], generator=generator, device=scores_P.device)
     # One custom op: the reference on CPU, Triton kernels on CUDA. The selection is not differentiated, so the
     # scores are detached: callers may pass tensors that require grad.
-    # Exception: under torch.compile, "sample" traces the reference's PyTorch (bit-identical to the op) so that
-    # Inductor fuses it. Measured on an H200 when the op's probabilities were PyTorch run op by op inside it
-    # (~3 ms for P = 65,536, launch-bound; docs/performance.md); the op now computes them in one Triton kernel,
-    # and which of the two is faster compiled is for the next GPU measurement to say.
+    # Exception: under torch.compile, "sample" runs _COMPILED_SAMPLE (see there).
     select = select_within_quota_op
     if mode == "sample" and torch.compiler.is_compiling():
-        select = select_within_quota_reference
+        select = _COMPILED_SAMPLE
     pair_ids_R, weights_R, counts_G, offsets_G = select(
         scores_P.detach(), group_ids_P, quotas_G, max_rows, mode, uniform_G if mode == "sample" else None
     )
