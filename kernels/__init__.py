@@ -2,6 +2,7 @@
 
 Modules: ``scoring`` (pair scores in one pass over g), ``selection`` (per-group top-quota and systematic-sampling
 compaction), ``grouped_gemm`` (gather-fused grouped GEMM and grouped weight gradient), ``offload`` (a row gather
-that reads pinned host memory). Each module holds the @triton.jit kernels and their launchers, nothing else;
-lrmoe.ops registers them as the CUDA kernels of the custom ops, whose CPU kernels are the pure-PyTorch references.
+that reads pinned host memory), ``token_rows`` (per-token sums and dot products over K gathered rows). Each module
+holds the @triton.jit kernels and their launchers, nothing else; lrmoe.ops registers them as the CUDA kernels of
+the custom ops, whose CPU kernels are the pure-PyTorch references.
 """

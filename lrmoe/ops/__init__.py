@@ -5,15 +5,19 @@ kernel.
 """
 
 from lrmoe.ops.grouped_gemm import gather_grouped_mm, grouped_outer
-from lrmoe.ops.offload import gather_host_rows, offload_to_host
+from lrmoe.ops.offload import gather_host_rows, offload_to_host, offload_wait
 from lrmoe.ops.scoring import score_pairs
 from lrmoe.ops.selection import select_within_quota
+from lrmoe.ops.token_rows import gather_dot_rows, gather_sum_rows
 
 __all__ = [
+    "gather_dot_rows",
     "gather_grouped_mm",
     "gather_host_rows",
+    "gather_sum_rows",
     "grouped_outer",
     "offload_to_host",
+    "offload_wait",
     "score_pairs",
     "select_within_quota",
 ]

@@ -1,0 +1,166 @@
+"""Per-token reductions over K gathered rows, as custom ops.
+
+Shapes: N source rows, C columns, T tokens, K rows per token.
+
+``lrmoe::gather_sum_rows(src_NC, rows_TK, weights_TK=None) -> out_TC``
+    out[t] = sum over k with rows[t, k] >= 0 of w[t, k] * src[rows[t, k]] (w = 1 without weights), accumulated in
+    fp32 and returned in src's dtype. The MoE combine (src = expert outputs in expert order, rows = each pair's
+    position there, w = gates) and the input gradient's sum over a token's kept pairs (rows = each pair's row in
+    the retained buffer, -1 for a dropped pair).
+``lrmoe::gather_dot_rows(src_NC, rows_TK, g_TC) -> out_TK``
+    out[t, k] = <g[t], src[rows[t, k]]> in fp32, 0 where rows[t, k] < 0. The router gradient <g_t, y_tk>.
+fp64 inputs accumulate (and gather_dot_rows returns) in fp64, on the reference path on every device.
+
+Rows must be < N (not checked: that would need a host sync). The CPU kernel is the reference (gathers into pair
+order, fp32 arithmetic); the CUDA kernel is lrmoe_kernels.token_rows, which reads each token's K rows in place,
+without the [T*K, C] pair-order copy. Both ops are differentiable in src, weights and g, each one's gradient being
+the other op plus an index_add (they are transposes of each other).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lrmoe.ops._kernels import kernel_module
+
+__all__ = ["gather_dot_rows", "gather_sum_rows"]
+
+
+def _check(name: str, src_NC: torch.Tensor, rows_TK: torch.Tensor, other_TX: torch.Tensor | None, other: str,
+           cols: int | None) -> None:
+    if src_NC.dim() != 2 or not src_NC.is_floating_point():
+        raise ValueError(f"lrmoe::{name}: src_NC must be a 2-D float tensor, got shape {tuple(src_NC.shape)} and "
+                         f"dtype {src_NC.dtype}")
+    if rows_TK.dim() != 2 or rows_TK.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"lrmoe::{name}: rows_TK must be a 2-D int32 or int64 tensor, got shape "
+                         f"{tuple(rows_TK.shape)} and dtype {rows_TK.dtype}")
+    if other_TX is not None:
+        want = (rows_TK.shape[0], rows_TK.shape[1] if cols is None else cols)
+        if tuple(other_TX.shape) != want or not other_TX.is_floating_point():
+            raise ValueError(f"lrmoe::{name}: {other} must be a float tensor of shape {want}, got "
+                             f"{tuple(other_TX.shape)} and dtype {other_TX.dtype}")
+
+
+def _acc_dtype(*tensors: torch.Tensor | None) -> torch.dtype:
+    """fp32, or fp64 when an input is fp64 (so gradcheck can differentiate the reference numerically)."""
+    return torch.float64 if any(t is not None and t.dtype == torch.float64 for t in tensors) else torch.float32
+
+
+def _gathered(src_NC: torch.Tensor, rows_TK: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
+    """[T, K, C] rows in pair order in the accumulation dtype, zero where rows < 0."""
+    shape = (*rows_TK.shape, src_NC.shape[1])
+    vals_TKC = src_NC.index_select(0, rows_TK.clamp(min=0).reshape(-1).long()).view(shape).to(acc)
+    return torch.where((rows_TK >= 0).unsqueeze(-1), vals_TKC, 0.0)
+
+
+def gather_sum_rows_reference(src_NC, rows_TK, weights_TK=None):
+    acc = _acc_dtype(src_NC, weights_TK)
+    vals_TKC = _gathered(src_NC, rows_TK, acc)
+    if weights_TK is not None:
+        vals_TKC = vals_TKC * weights_TK.to(acc).unsqueeze(-1)
+    return vals_TKC.sum(1).to(src_NC.dtype)
+
+
+def gather_dot_rows_reference(src_NC, rows_TK, g_TC):
+    acc = _acc_dtype(src_NC, g_TC)
+    return (_gathered(src_NC, rows_TK, acc) * g_TC.to(acc).unsqueeze(1)).sum(-1)
+
+
+def _scatter_rows(rows_TK: torch.Tensor, coef_TK: torch.Tensor, vec_TC: torch.Tensor, n_src: int,
+                  dtype: torch.dtype) -> torch.Tensor:
+    """d_src[n] = sum over (t, k) with rows[t, k] = n of coef[t, k] * vec[t]: the transpose of both ops."""
+    acc = _acc_dtype(coef_TK, vec_TC)
+    contrib_TKC = torch.where((rows_TK >= 0).unsqueeze(-1), coef_TK.to(acc).unsqueeze(-1) * vec_TC.to(acc).unsqueeze(1),
+                              0.0)
+    out_NC = contrib_TKC.new_zeros(n_src, vec_TC.shape[1])
+    out_NC.index_add_(0, rows_TK.clamp(min=0).reshape(-1).long(), contrib_TKC.reshape(-1, vec_TC.shape[1]))
+    return out_NC.to(dtype)
+
+
+# ------------------------------------------------------------------------------------------------ gather_sum_rows
+
+
+@torch.library.custom_op("lrmoe::gather_sum_rows", mutates_args=())
+def gather_sum_rows(src_NC: torch.Tensor, rows_TK: torch.Tensor, weights_TK: torch.Tensor | None = None
+                    ) -> torch.Tensor:
+    _check("gather_sum_rows", src_NC, rows_TK, weights_TK, "weights_TK", None)
+    return gather_sum_rows_reference(src_NC, rows_TK, weights_TK)
+
+
+@gather_sum_rows.register_kernel("cuda")
+def _(src_NC, rows_TK, weights_TK=None):
+    _check("gather_sum_rows", src_NC, rows_TK, weights_TK, "weights_TK", None)
+    kernels = kernel_module("token_rows")
+    if kernels is None or _acc_dtype(src_NC, weights_TK) == torch.float64:  # the kernel accumulates in fp32
+        return gather_sum_rows_reference(src_NC, rows_TK, weights_TK)
+    return kernels.gather_sum_rows_triton(src_NC, rows_TK, weights_TK)
+
+
+@gather_sum_rows.register_fake
+def _(src_NC, rows_TK, weights_TK=None):
+    _check("gather_sum_rows", src_NC, rows_TK, weights_TK, "weights_TK", None)
+    return src_NC.new_empty(rows_TK.shape[0], src_NC.shape[1])
+
+
+def _sum_setup(ctx, inputs, output):
+    src_NC, rows_TK, weights_TK = inputs
+    ctx.n_src, ctx.src_dtype = src_NC.shape[0], src_NC.dtype
+    # Which inputs want a gradient, from the inputs themselves (needs_input_grad does not count an optional one).
+    ctx.wants = (src_NC.requires_grad, weights_TK is not None and weights_TK.requires_grad)
+    ctx.save_for_backward(src_NC, rows_TK, weights_TK)
+
+
+def _sum_backward(ctx, grad_TC):
+    src_NC, rows_TK, weights_TK = ctx.saved_tensors
+    coef_TK = torch.ones_like(rows_TK, dtype=torch.float32) if weights_TK is None else weights_TK
+    grad_src = _scatter_rows(rows_TK, coef_TK, grad_TC, ctx.n_src, ctx.src_dtype) if ctx.wants[0] else None
+    grad_w = None
+    if ctx.wants[1]:
+        grad_w = gather_dot_rows(src_NC, rows_TK, grad_TC).to(weights_TK.dtype)
+    return grad_src, None, grad_w
+
+
+gather_sum_rows.register_autograd(_sum_backward, setup_context=_sum_setup)
+
+
+# ------------------------------------------------------------------------------------------------ gather_dot_rows
+
+
+@torch.library.custom_op("lrmoe::gather_dot_rows", mutates_args=())
+def gather_dot_rows(src_NC: torch.Tensor, rows_TK: torch.Tensor, g_TC: torch.Tensor) -> torch.Tensor:
+    _check("gather_dot_rows", src_NC, rows_TK, g_TC, "g_TC", src_NC.shape[1])
+    return gather_dot_rows_reference(src_NC, rows_TK, g_TC)
+
+
+@gather_dot_rows.register_kernel("cuda")
+def _(src_NC, rows_TK, g_TC):
+    _check("gather_dot_rows", src_NC, rows_TK, g_TC, "g_TC", src_NC.shape[1])
+    kernels = kernel_module("token_rows")
+    if kernels is None or _acc_dtype(src_NC, g_TC) == torch.float64:
+        return gather_dot_rows_reference(src_NC, rows_TK, g_TC)
+    return kernels.gather_dot_rows_triton(src_NC, rows_TK, g_TC)
+
+
+@gather_dot_rows.register_fake
+def _(src_NC, rows_TK, g_TC):
+    _check("gather_dot_rows", src_NC, rows_TK, g_TC, "g_TC", src_NC.shape[1])
+    return src_NC.new_empty(rows_TK.shape, dtype=_acc_dtype(src_NC, g_TC))
+
+
+def _dot_setup(ctx, inputs, output):
+    src_NC, rows_TK, g_TC = inputs
+    ctx.n_src, ctx.src_dtype, ctx.g_dtype = src_NC.shape[0], src_NC.dtype, g_TC.dtype
+    ctx.wants = (src_NC.requires_grad, g_TC.requires_grad)
+    ctx.save_for_backward(src_NC, rows_TK, g_TC)
+
+
+def _dot_backward(ctx, grad_TK):
+    src_NC, rows_TK, g_TC = ctx.saved_tensors
+    grad_src = _scatter_rows(rows_TK, grad_TK, g_TC, ctx.n_src, ctx.src_dtype) if ctx.wants[0] else None
+    grad_g = None
+    if ctx.wants[1]:
+        grad_g = gather_sum_rows(src_NC, rows_TK, grad_TK).to(ctx.g_dtype)
+    return grad_src, None, grad_g
+
+
+gather_dot_rows.register_autograd(_dot_backward, setup_context=_dot_setup)
