@@ -25,7 +25,7 @@ from lrmoe.functional.quotas import POLICIES, plan_quotas
 from lrmoe.functional.routing import expert_loads
 from lrmoe.functional.scoring import METRICS, score_pairs
 from lrmoe.functional.selection import MODES, select_within_quota
-from lrmoe.ops import gather_grouped_mm, gather_host_rows, grouped_outer, offload_to_host
+from lrmoe.ops import gather_grouped_mm, gather_host_rows, grouped_outer, offload_to_host, offload_wait
 
 __all__ = ["ACTIVATION_POLICIES", "ExpertPlan", "plan_experts", "retained_rows_bound", "selective_swiglu_experts"]
 
@@ -297,13 +297,22 @@ def retained_dy(
 def saved_h(h_NF2: torch.Tensor, activations: str) -> torch.Tensor | None:
     """What forward keeps of the gate/up projection (both layers): h itself ("save"), nothing ("recompute"), or
     its pinned host copy ("offload"). Called as soon as h exists, so the copy to the host overlaps the rest of the
-    forward. While compiling, the copy joins the current stream (lrmoe.ops.offload, point 1): the compiler may
-    hand h's memory to a later buffer without the caching allocator, which is what protects it in eager mode."""
+    forward, compiled too: there the forward ends with ``release_h``, which keeps h's memory from being reused
+    before the copy has read it (lrmoe.ops.offload, point 1)."""
     if activations == "save":
         return h_NF2
     if activations == "recompute":
         return None
-    return offload_to_host(h_NF2, join=torch.compiler.is_compiling())
+    return offload_to_host(h_NF2)
+
+
+def release_h(h_NF2: torch.Tensor, h_saved: torch.Tensor | None, out: torch.Tensor, activations: str) -> None:
+    """The forward's last use of h (both layers, given their output). Compiled with "offload": lrmoe::offload_wait,
+    so h's buffer stays live until the current stream waits (on the GPU) for the copy saved_h started, after the
+    forward's work, and no later buffer in h's memory is written before the copy has read it (lrmoe.ops.offload,
+    point 1). Eager: nothing, the caching allocator protects h (record_stream)."""
+    if activations == "offload" and torch.compiler.is_compiling():
+        offload_wait(h_NF2, h_saved, out)
 
 
 def expert_rows_backward(
@@ -384,6 +393,7 @@ class _SelectiveSwiGLU(torch.autograd.Function):
         ctx.has_probe = stats_probe is not None
         ctx.save_for_backward(x_TD, gate_up_EFD, down_EDF, gates_TK, expert_ids_TK, quotas_G, uniform_G,
                               h_saved, y_TKD, phi_sq_TK, order_P, inv_P, offsets_E, group_ids_P)
+        release_h(h_PF2, h_saved, out_TD, cfg.activations)
         return out_TD
 
     @staticmethod

@@ -68,6 +68,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from lrmoe.functional.experts import (
     _swiglu,
     expert_rows_backward,
+    release_h,
     retained_dy,
     router_gradient,
     saved_h,
@@ -468,6 +469,7 @@ class _ExpertParallelSwiGLU(torch.autograd.Function):
         ctx.x_shape = x_TD.shape
         ctx.save_for_backward(gate_up_IFD, down_IDF, gates_TK, group_P, assign_SWI, quotas_SWI, uniform_G,
                               y_TKD, phi_sq_TK, order_P, inv_order_P, x_recv_ND, h_saved, inv_perm_N)
+        release_h(h_NF2, h_saved, out_TD, cfg.activations)
         return out_TD
 
     @staticmethod

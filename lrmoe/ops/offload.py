@@ -14,24 +14,36 @@ Shapes: N rows, C columns, R gathered rows.
     buffer through unified virtual addressing (lrmoe_kernels.offload), so only the gathered rows cross PCIe.
     Memory that is not pinned, or no Triton: the whole buffer is copied to the device and gathered there. A host
     tensor already on rows' device is gathered in place. CPU: index_select.
+``lrmoe::offload_wait(x, host, after) -> ()``
+    CUDA: the current stream waits for the side stream, so for every offload copy enqueued so far (a wait on the
+    GPU, not on the host); what the current stream had enqueued before the wait still overlaps the copies. CPU:
+    nothing. No output: x (an offloaded tensor), host (its copy) and after are arguments only to place the op in a
+    compiled graph, after all three (point 1 below).
 With mixed CPU and CUDA arguments (host on the CPU, rows on the GPU) the dispatcher picks the CUDA kernel.
 
-Both ops are differentiable (a copy; a gather, whose gradient is an index_add onto the host tensor's device),
-though the layer calls them only where autograd does not record (inside its autograd.Function).
+offload_to_host and gather_host_rows are differentiable (a copy; a gather, whose gradient is an index_add onto the
+host tensor's device), though the layer calls them only where autograd does not record (inside its
+autograd.Function).
 
 Under torch.compile: only backward reads the host copy, so AOTAutograd's partitioner would move offload_to_host
 into the backward graph and save x on the device instead, undoing the policy; offload_to_host is registered as an
-effectful op (EffectType.ORDERED), which keeps it in the forward where it was called and saves its output. And the
-layer passes join=True (point 1 below), so compiled, the copy runs where Inductor places the op (right after the
-gate/up GEMM) but the forward waits for it.
+effectful op (EffectType.ORDERED), which keeps it in the forward and saves its output. offload_wait, which has no
+output, is effectful too, or it would be dropped. Where the copy runs is Inductor's choice: its peak-memory
+reordering (config.reorder_for_peak_memory, on by default) counts the host buffer as memory and delays the op as far
+as it can. Generated for the CPU, the single-device layer's copy then runs just before offload_wait, overlapping
+nothing; the expert-parallel layer's before the combine all-to-all. Without that pass it runs where it was called,
+right after the gate/up GEMM.
 
 Memory safety: three places where a stream could read memory that something else reuses too early.
 1. x while the side stream copies it. The caller may drop x as soon as the op returns (the layer does: x is the
    gate/up projection h, which "offload" does not keep). x.record_stream(side) keeps the caching allocator from
    handing x's block out before the copy has ended. A compiler that plans its own buffers does not go through the
    allocator: Inductor reuses a dead buffer's memory for a later buffer of the same size and dtype on the same
-   stream, which record_stream cannot see. So the layer passes join=True while it is being compiled: every later
-   kernel of the current stream then runs after the copy. Safe, but the copy no longer overlaps this stream's work.
+   stream, which record_stream cannot see. So, compiled, the layer ends its forward with offload_wait(h, host,
+   out): h's buffer is live until that op (an argument, so Inductor frees or reuses it only after), and the op
+   orders the current stream after the copy, so whatever reuses h's memory is enqueued behind the copy. host and
+   the layer's output are arguments too, so the wait comes after the copy and after the forward's work, which
+   overlaps the copy. (join=True, the current stream waiting at once, is for callers without such a point.)
 2. The pinned block while gather_host_rows's kernel reads it. PyTorch's pinned-memory allocator learns of stream
    uses only through copies (Tensor.record_stream is CUDA-only), and hands a freed block to the next pin_memory
    user at once, e.g. a DataLoader's pinning thread, which writes it from the CPU. So after the kernel the op
@@ -53,7 +65,7 @@ import torch
 
 from lrmoe.ops._kernels import kernel_module
 
-__all__ = ["gather_host_rows", "offload_to_host"]
+__all__ = ["gather_host_rows", "offload_to_host", "offload_wait"]
 
 
 @functools.cache
@@ -104,9 +116,10 @@ offload_to_host.register_autograd(_offload_backward, setup_context=_offload_setu
 # The forward's outputs do not depend on the host copy, only backward reads it, so AOTAutograd's partitioner would
 # move the op into the backward graph and save h on the device instead, undoing the policy. An effectful op stays in
 # the forward, where it was called, and its output is saved (torch.compile threads effect tokens through the graph).
-def _register_ordered_effect(op) -> None:
-    """CustomOpDef.register_effect where torch has it (2.13); older releases (2.11, the GPU machine's) register
-    effectful ops through torch._higher_order_ops.effects."""
+def _register_ordered_effect(op: torch._library.custom_ops.CustomOpDef) -> None:
+    """Registers the custom op ``op`` as effectful (EffectType.ORDERED): CustomOpDef.register_effect where torch has it
+    (2.13); older releases (2.11, the GPU machine's) register effectful ops through torch._higher_order_ops.effects.
+    Ops without outputs too (offload_wait): with_effects then returns the new token alone."""
     if hasattr(op, "register_effect"):
         from torch._library.effects import EffectType
 
@@ -115,10 +128,34 @@ def _register_ordered_effect(op) -> None:
     from torch._higher_order_ops import effects
 
     effect = getattr(effects, "_EffectType", None) or effects.EffectType
-    effects._register_effectful_op(torch.ops.lrmoe.offload_to_host.default, effect.ORDERED)
+    effects._register_effectful_op(op._opoverload, effect.ORDERED)
 
 
 _register_ordered_effect(offload_to_host)
+
+
+# --------------------------------------------------------------------------------------------------- offload_wait
+
+
+@torch.library.custom_op("lrmoe::offload_wait", mutates_args=())
+def offload_wait(x: torch.Tensor, host: torch.Tensor, after: torch.Tensor) -> None:
+    pass  # CPU: the copy was done when offload_to_host returned
+
+
+@offload_wait.register_kernel("cuda")
+def _(x, host, after):
+    torch.cuda.current_stream(x.device).wait_stream(_side_stream(x.device.index))  # on the GPU: no host sync
+
+
+@offload_wait.register_fake
+def _(x, host, after):
+    return None
+
+
+# Nothing reads an op without outputs, so the compiler would drop it (AOTAutograd does): the effect keeps it. Its
+# arguments, not the effect token, place it: Inductor 2.13 drops the token's ordering edge between effectful ops
+# (pytorch/pytorch#189209) and its peak-memory reordering hoists h's last use, which put the wait before the copy.
+_register_ordered_effect(offload_wait)
 
 
 # ----------------------------------------------------------------------------------------------- gather_host_rows

@@ -51,11 +51,12 @@ def test_compiled_offload_copies_in_forward_and_reads_back_in_backward(fwd_bwd):
     from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
     from torch._dynamo.backends.common import aot_autograd
 
-    graphs = {}
+    graphs, modules = {}, {}
 
     def capture(name):
         def compiler(gm, example_inputs):
             graphs[name] = {str(t) for n in gm.graph.nodes for t in (n.target, *n.args)}
+            modules[name] = gm
             return make_boxed_func(gm.forward)
         return compiler
 
@@ -69,5 +70,37 @@ def test_compiled_offload_copies_in_forward_and_reads_back_in_backward(fwd_bwd):
     assert "lrmoe.offload_to_host.default" in graphs["forward"]
     assert "lrmoe.offload_to_host.default" not in graphs["backward"]
     assert "lrmoe.gather_host_rows.default" in graphs["backward"]
+    # The forward ends with offload_wait(h, host, out): kept (effectful, no output), in the forward only, after the
+    # copy. Its arguments, not only the effect token, order it after the copy and the layer's output.
+    assert "lrmoe.offload_wait.default" not in graphs["backward"]
+    nodes = list(modules["forward"].graph.nodes)
+    copy, wait = (next(n for n in nodes if f"lrmoe.{op}.default" in map(str, n.args))
+                  for op in ("offload_to_host", "offload_wait"))
+    assert nodes.index(copy) < nodes.index(wait)
+    h, host, out = wait.args[2:]
+    assert h is copy.args[2] and host.args[0] is copy  # host: the copy's output, getitem(with_effects(...), 1)
+    assert out.meta["val"].shape == x.shape
+    for g, w in zip(got, fwd_bwd(layer, x, c)):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+
+
+def test_inductor_runs_the_offload_wait_after_the_copy(fwd_bwd):
+    # What Inductor makes of it: the wait after the copy (Inductor 2.13 drops the effect token's ordering edge,
+    # pytorch/pytorch#189209, and without the copy's output as an argument placed the wait first), on h itself, so
+    # h's buffer is live until the wait; and the values of eager.
+    import re
+
+    from torch._inductor.utils import run_and_get_code
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    layer = LRMoE(32, 24, 8, 2, retain=0.75, selection="top", activations="offload")
+    x, c = torch.randn(64, 32), torch.randn(64, 32)
+    compiled = torch.compile(layer, fullgraph=True)
+    got, (code, *_) = run_and_get_code(lambda: fwd_bwd(compiled, x, c))
+    copy = re.search(r"(\w+) = torch\.ops\.lrmoe\.offload_to_host\.default\((\w+)\)", code)
+    wait = re.search(r"torch\.ops\.lrmoe\.offload_wait\.default\((\w+), (\w+), (\w+)\)", code)
+    assert copy and wait and copy.start() < wait.start()
+    assert wait.group(1) == copy.group(2)  # h
     for g, w in zip(got, fwd_bwd(layer, x, c)):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)

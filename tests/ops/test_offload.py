@@ -1,13 +1,13 @@
-"""lrmoe::offload_to_host and lrmoe::gather_host_rows: torch.library.opcheck (schema, fake, autograd registration,
-AOT dispatch) on odd shapes and dtypes, values, gradients, argument errors, and the GPU contract where there is one
-(pinned host copy, rows gathered onto the device, no host synchronisation)."""
+"""lrmoe::offload_to_host, lrmoe::gather_host_rows and lrmoe::offload_wait: torch.library.opcheck (schema, fake,
+autograd registration, AOT dispatch) on odd shapes and dtypes, values, gradients, argument errors, and the GPU
+contract where there is one (pinned host copy, rows gathered onto the device, no host synchronisation)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from lrmoe.ops import gather_host_rows, offload_to_host
+from lrmoe.ops import gather_host_rows, offload_to_host, offload_wait
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -41,6 +41,24 @@ def test_opcheck_offload_to_host(case, requires_grad, join):
 def test_opcheck_gather_host_rows(case, requires_grad, index_dtype):
     host, rows = _case(*case, index_dtype=index_dtype)
     torch.library.opcheck(gather_host_rows, (host.requires_grad_(requires_grad), rows))
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("requires_grad", [False, True])
+def test_opcheck_offload_wait(case, requires_grad):
+    # No output: the arguments only place the op in a compiled graph (after the copy and the layer's output).
+    x, _ = _case(*case)
+    host, after = offload_to_host(x), torch.randn(3, 2)
+    torch.library.opcheck(offload_wait, (x.requires_grad_(requires_grad), host, after.requires_grad_(requires_grad)))
+    assert offload_wait(x, host, after) is None
+
+
+def test_offload_ops_are_ordered_effects():
+    # An effectful op stays in the forward graph (offload_to_host) and is kept though nothing reads it (offload_wait).
+    from torch._higher_order_ops.effects import _get_effect
+
+    for op in (torch.ops.lrmoe.offload_to_host.default, torch.ops.lrmoe.offload_wait.default):
+        assert str(_get_effect(op)).endswith("ORDERED"), op
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -103,6 +121,23 @@ def test_cuda_pinned_round_trip_without_host_sync(dtype, N, C):
     assert host.device.type == "cpu" and host.is_pinned()
     assert got.device == rows.device and got.dtype == dtype
     assert torch.equal(got.cpu(), host.index_select(0, rows.cpu()))  # .cpu() synchronises: the copy is done
+
+
+@cuda
+def test_cuda_offload_wait_orders_the_stream_after_the_copy_without_host_sync():
+    x = torch.randn(4096, 1024, device="cuda")
+    want = x.cpu()
+    offload_to_host(x)  # first call: side stream
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        host = offload_to_host(x)
+        offload_wait(x, host, x)
+        x.zero_()  # enqueued after the wait: runs after the copy has read x
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    assert torch.equal(host, want)
 
 
 @cuda
