@@ -59,7 +59,8 @@ combine. Backward (one device; W > 1 adds the payloads and the received and retu
     dx_gemm      dx M*D*b
     input_grad   the per-pair slots (P + 1)*D*b of the K-row sum and the input gradient T*D*b (W = 1), with
                  every buffer above still live: the peak at retain < 1, and wherever the gradients dominate
-    router_backward  after the expert function returns: gradients, router gradient, three T*D*b input gradients
+    router_backward  after the expert function returns: gradients, router gradient, two T*D*b input gradients
+                 (autograd adds the second into the first in place)
 On CUDA, a bf16 grouped GEMM with 8-aligned shapes first gathers its input rows into a buffer (``device_type``):
 the phase of that GEMM counts it. Not modelled: other buffers inside one custom op (the selection's sort, GEMM
 workspaces), the allocator's rounding and fragmentation, the compiled path (Inductor plans its own buffers) and,
@@ -450,13 +451,15 @@ def _forward_phases(config: MemoryConfig, rows: Rows, b: int, policy: str) -> di
     t.alloc(h=N * 2 * F * b if policy != "save" else 0)
     t.mark("swiglu", silu=N * F * b, phi=N * F * b)
     t.alloc(phi=N * F * b)
-    t.mark("down_gemm", y_rows=N * D * b)  # phi read in place (rows_R=None)
-    t.alloc(y_rows=N * D * b)
+    # phi read in place (rows_R=None). One device: y is the saved y (counted there), read in place by the combine.
+    y_rows = N * D * b if config.world_size > 1 else 0
+    t.mark("down_gemm", y_rows=y_rows)
+    t.alloc(y_rows=y_rows)
     t.mark("phi_sq", phi_fp32=N * F * u, phi_fp32_squared=N * F * _FP32)
-    if config.world_size > 1:
+    if config.world_size > 1:  # the unpacked y that comes back is the saved y
         t.alloc(phi_sq_rows=N * _FP32, combine_send=N * (D * b + _FP32), combine_recv=P * (D * b + _FP32),
-                y_unpacked=P * D * b, phi_sq_unpacked=P * _FP32, pair_index=P * _INT64)
-    t.mark("combine", weighted_y=P * D * b, out=T * D * b)
+                phi_sq_unpacked=P * _FP32, pair_index=P * _INT64)
+    t.mark("combine", out=T * D * b)  # lrmoe::gather_sum_rows: each token's K rows of y read where they are
     return t.phases
 
 
@@ -486,7 +489,8 @@ def _backward_phases(config: MemoryConfig, rows: Rows, retain: float, b: int, po
     dense = retain >= 1.0
     t = _Timeline()
     t.alloc(grad_out=T * D * b)
-    t.alloc(grad_gates=P * b)  # router_gradient: one batched GEMV in the activation dtype, fp32 accumulation inside
+    t.mark("router_gradient", grad_gates_fp32=P * _FP32)  # lrmoe::gather_dot_rows, fp32, then cast
+    t.alloc(grad_gates=P * b)
     if dense:
         t.alloc(row_weights=R * _FP32)  # ones; the rows are the forward's order
     else:
@@ -530,18 +534,16 @@ def _backward_phases(config: MemoryConfig, rows: Rows, retain: float, b: int, po
     t.mark("dx_gemm", dx_rows=M * D * b)
     t.alloc(dx_rows=M * D * b)
     t.free("dh_rows")  # a local of expert_rows_backward, gone when it returns dx
-    if config.world_size == 1:
-        # Every kept row lands in its own pair's slot (P + 1 rows), then the K slots of a token are summed.
-        t.mark("input_grad", dx_dest_index=M * _INT64, dx_pair_slots=(P + 1) * D * b, grad_x=T * D * b)
-    else:
+    if config.world_size > 1:
         t.alloc(dx_source_major=M * D * b, dx_returned=R * D * b)
-        t.mark("input_grad", grad_x=T * D * b)  # index_add_ in place
+    # sum_rows_per_token: every pair learns its row (an index per pair), then each token's rows are summed in place.
+    t.mark("input_grad", dx_dest_index=2 * R * _INT64, dx_pair_slots=(P + 1) * _INT64, grad_x=T * D * b)
     # The function returns: its locals and saved tensors go; autograd runs the router's backward (fp32 gate
     # gradients, softmax and gate backward) and sums the two input gradients.
     kept = {"grad_out", "grad_gates", "grad_down", "grad_gate_up"}
     t.free(*(name for name in list(t.live) if name not in kept))
     t.mark("router_backward", grad_gates_fp32=P * _FP32, router_grad=E * D * b, grad_x=T * D * b,
-           grad_x_router=T * D * b, grad_x_sum=T * D * b)
+           grad_x_router=T * D * b)  # autograd sums the two into the first in place (a buffer it alone holds)
     return t.phases
 
 

@@ -4,7 +4,7 @@ Shapes: T tokens, D model dim, F expert hidden dim, E experts, K top-k, P = T*K 
 
 Forward computes every routed pair: h_u = W_gu[e] x_t, phi_u = silu(h_u[:F]) * h_u[F:], y_u = W_d[e] phi_u,
 out_t = sum_u alpha_u y_u, and saves h (per pair: on the device, in pinned host memory, or not at all, see
-``activations``), y (for the router gradient) and ||phi_u||^2 (fp32).
+``activations``), y (for the router gradient, in the experts' row order) and ||phi_u||^2 (fp32).
 
 Backward: the router gradient dL/d alpha_u = <g_t, y_u> is exact for every pair. Then every pair is scored
 (score_pairs), each expert keeps its quota (select_within_quota), kept rows are scaled by their selection weight,
@@ -25,7 +25,15 @@ from lrmoe.functional.quotas import POLICIES, plan_quotas
 from lrmoe.functional.routing import expert_loads
 from lrmoe.functional.scoring import METRICS, score_pairs
 from lrmoe.functional.selection import MODES, select_within_quota
-from lrmoe.ops import gather_grouped_mm, gather_host_rows, grouped_outer, offload_to_host, offload_wait
+from lrmoe.ops import (
+    gather_dot_rows,
+    gather_grouped_mm,
+    gather_host_rows,
+    gather_sum_rows,
+    grouped_outer,
+    offload_to_host,
+    offload_wait,
+)
 
 __all__ = ["ACTIVATION_POLICIES", "ExpertPlan", "plan_experts", "retained_rows_bound", "selective_swiglu_experts"]
 
@@ -249,15 +257,17 @@ def _swiglu_backward(h_RF2: torch.Tensor, dphi_RF: torch.Tensor) -> torch.Tensor
     return torch.cat([dgate, dup], dim=-1).to(h_RF2.dtype)
 
 
-def router_gradient(g_TD: torch.Tensor, y_TKD: torch.Tensor) -> torch.Tensor:
-    """Exact router gradient dL/d alpha_tk = <g_t, y_tk>, [T, K] in y's dtype.
+def router_gradient(g_TD: torch.Tensor, y_ND: torch.Tensor, rows_TK: torch.Tensor) -> torch.Tensor:
+    """Exact router gradient dL/d alpha_tk = <g_t, y_tk>, [T, K] fp32, where pair (t, k)'s expert output is
+    ``y_ND[rows_TK[t, k]]`` (y in the order the experts wrote it): one pass over y, no pair-order copy
+    (lrmoe::gather_dot_rows)."""
+    return gather_dot_rows(y_ND, rows_TK, g_TD)
 
-    Compiled, a product-sum that Inductor fuses into one fp32-accumulating pass over y ([T*K, D]); eager, a
-    batched matrix-vector product in the activation dtype (fp32 accumulation inside the GEMM, no fp32 copy of y).
-    On the H200 the compiled bmm read y at ~0.85 TB/s (docs/performance.md)."""
-    if torch.compiler.is_compiling():
-        return (y_TKD.float() * g_TD.float().unsqueeze(1)).sum(-1).to(y_TKD.dtype)
-    return torch.bmm(y_TKD, g_TD.to(y_TKD.dtype).unsqueeze(-1)).squeeze(-1)
+
+def combine(y_ND: torch.Tensor, rows_TK: torch.Tensor, gates_TK: torch.Tensor) -> torch.Tensor:
+    """out_t = sum_k gates[t, k] * y[rows[t, k]] (fp32 accumulation, y's dtype; the gates rounded to y's dtype
+    first, as the product in that dtype would): the forward's combine, reading y where the experts wrote it."""
+    return gather_sum_rows(y_ND, rows_TK, gates_TK.to(y_ND.dtype))
 
 
 def select_retained(
@@ -356,15 +366,16 @@ def expert_rows_backward(
     return dx_RD, grad_gu, grad_down
 
 
-def _sum_rows_per_token(dx_RD: torch.Tensor, pair_R: torch.Tensor, n_tok: int, top_k: int) -> torch.Tensor:
-    """grad_x[t] = sum of the rows of token t's kept pairs. Each row goes to its own pair's slot of a [T*K, D]
-    buffer (pair ids are unique, so no atomics; padding rows, zero, go to a spare slot), then the K slots of each
-    token are summed with fp32 accumulation: deterministic, and several times faster on a GPU than an index_add
-    of bf16 rows, which needs atomic read-modify-writes."""
+def sum_rows_per_token(dx_RD: torch.Tensor, pair_R: torch.Tensor, n_tok: int, top_k: int) -> torch.Tensor:
+    """grad_x[t] = sum of the rows of token t's kept pairs (both layers). Each pair learns the buffer row that holds
+    it (-1: dropped; padding rows, pair id -1, go to a spare slot), then lrmoe::gather_sum_rows reads each
+    token's rows in place and sums them with fp32 accumulation: deterministic (pair ids are unique, no atomics),
+    and no [T*K, D] buffer of zeros and copied rows."""
     n_pairs = n_tok * top_k
     dest_R = torch.where(pair_R >= 0, pair_R, n_pairs)
-    dx_PD = dx_RD.new_zeros(n_pairs + 1, dx_RD.shape[1]).index_copy_(0, dest_R, dx_RD)  # in place: no copy
-    return dx_PD[:n_pairs].view(n_tok, top_k, -1).sum(1)
+    slot_P = torch.full((n_pairs + 1,), -1, dtype=torch.long, device=pair_R.device)
+    slot_P.index_copy_(0, dest_R, torch.arange(pair_R.shape[0], device=pair_R.device))
+    return gather_sum_rows(dx_RD, slot_P[:n_pairs].view(n_tok, top_k))
 
 
 class _SelectiveSwiGLU(torch.autograd.Function):
@@ -383,30 +394,29 @@ class _SelectiveSwiGLU(torch.autograd.Function):
         h_saved = saved_h(h_PF2, cfg.activations)
         phi_PF = _swiglu(h_PF2)
         y_PD = gather_grouped_mm(phi_PF, down_EDF, None, offsets_E)  # rows in place: no gather
-        # Back to pair order (t, k): y_TKD[t, k] is pair t*K + k.
+        # Pair (t, k) = pair id t*K + k sits at row inv_P[t*K + k] of the expert-ordered buffers.
         inv_P = torch.empty_like(order_P).scatter_(0, order_P, ident_P)
-        y_TKD = y_PD.index_select(0, inv_P).view(n_tok, top_k, -1)
         phi_sq_TK = phi_PF.float().square().sum(-1).index_select(0, inv_P).view(n_tok, top_k)
-        out_TD = (y_TKD * gates_TK.to(y_TKD.dtype).unsqueeze(-1)).sum(1)
+        out_TD = combine(y_PD, inv_P.view(n_tok, top_k), gates_TK)
 
         ctx.cfg = cfg
         ctx.has_probe = stats_probe is not None
         ctx.save_for_backward(x_TD, gate_up_EFD, down_EDF, gates_TK, expert_ids_TK, quotas_G, uniform_G,
-                              h_saved, y_TKD, phi_sq_TK, order_P, inv_P, offsets_E, group_ids_P)
+                              h_saved, y_PD, phi_sq_TK, order_P, inv_P, offsets_E, group_ids_P)
         release_h(h_PF2, h_saved, out_TD, cfg.activations)
         return out_TD
 
     @staticmethod
     def backward(ctx, grad_out_TD):
         (x_TD, gate_up_EFD, down_EDF, gates_TK, expert_ids_TK, quotas_G, uniform_G,
-         h_saved, y_TKD, phi_sq_TK, order_P, inv_P, offsets_E, group_ids_P) = ctx.saved_tensors
+         h_saved, y_PD, phi_sq_TK, order_P, inv_P, offsets_E, group_ids_P) = ctx.saved_tensors
         cfg: _Config = ctx.cfg
         n_tok, top_k = expert_ids_TK.shape
         n_pairs = n_tok * top_k
         n_exp = gate_up_EFD.shape[0]
         g_TD = grad_out_TD
 
-        grad_gates_TK = router_gradient(g_TD, y_TKD).to(gates_TK.dtype)
+        grad_gates_TK = router_gradient(g_TD, y_PD, inv_P.view(n_tok, top_k)).to(gates_TK.dtype)
 
         if cfg.retain >= 1.0:
             # Keep everything, in the forward's expert-sorted order: the dense backward.
@@ -432,7 +442,7 @@ class _SelectiveSwiGLU(torch.autograd.Function):
             h_index_R=None if h_saved is None else inv_P.index_select(0, safe_R),
             needs=tuple(ctx.needs_input_grad[:3]), h_on_host=cfg.activations == "offload",
         )
-        grad_x = None if dx_RD is None else _sum_rows_per_token(dx_RD, pair_R, n_tok, top_k)
+        grad_x = None if dx_RD is None else sum_rows_per_token(dx_RD, pair_R, n_tok, top_k)
 
         grad_probe = None
         if ctx.has_probe:

@@ -68,11 +68,13 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from lrmoe.functional.experts import (
     _swiglu,
     expert_rows_backward,
+    combine,
     release_h,
     retained_dy,
     router_gradient,
     saved_h,
     select_retained,
+    sum_rows_per_token,
 )
 from lrmoe.functional.quotas import plan_quotas
 from lrmoe.functional.replicas import (
@@ -460,31 +462,30 @@ class _ExpertParallelSwiGLU(torch.autograd.Function):
         y_PD, phi_sq_P = _unpack(back, x_TD.dtype, torch.float32)
         ident_P = torch.arange(group_P.shape[0], device=x_TD.device)
         inv_order_P = torch.empty_like(order_P).scatter_(0, order_P, ident_P)
-        y_TKD = y_PD.index_select(0, inv_order_P).view(n_tok, top_k, x_TD.shape[1])
         phi_sq_TK = phi_sq_P.index_select(0, inv_order_P).view(n_tok, top_k)
-        out_TD = (y_TKD * gates_TK.to(y_TKD.dtype).unsqueeze(-1)).sum(1)
+        out_TD = combine(y_PD, inv_order_P.view(n_tok, top_k), gates_TK)  # y stays in dispatch order
 
         ctx.cfg, ctx.splits, ctx.ep = cfg, splits, ep
         ctx.has_probe = probe is not None
         ctx.x_shape = x_TD.shape
         ctx.save_for_backward(gate_up_IFD, down_IDF, gates_TK, group_P, assign_SWI, quotas_SWI, uniform_G,
-                              y_TKD, phi_sq_TK, order_P, inv_order_P, x_recv_ND, h_saved, inv_perm_N)
+                              y_PD, phi_sq_TK, order_P, inv_order_P, x_recv_ND, h_saved, inv_perm_N)
         release_h(h_NF2, h_saved, out_TD, cfg.activations)
         return out_TD
 
     @staticmethod
     def backward(ctx, grad_out_TD):
         (gate_up_IFD, down_IDF, gates_TK, group_P, assign_SWI, quotas_SWI, uniform_G,
-         y_TKD, phi_sq_TK, order_P, inv_order_P, x_recv_ND, h_saved, inv_perm_N) = ctx.saved_tensors
+         y_PD, phi_sq_TK, order_P, inv_order_P, x_recv_ND, h_saved, inv_perm_N) = ctx.saved_tensors
         cfg: _Config = ctx.cfg
         splits: _Splits = ctx.splits
         ep: _EPGroup = ctx.ep
         n_inst = gate_up_IFD.shape[0]
-        dtype, device = y_TKD.dtype, y_TKD.device
+        dtype, device = y_PD.dtype, y_PD.device
         g_TD = grad_out_TD
 
         # Exact router gradient, local: dL/d alpha_u = <g_t, y_u>.
-        grad_gates_TK = router_gradient(g_TD, y_TKD).to(gates_TK.dtype)
+        grad_gates_TK = router_gradient(g_TD, y_PD, inv_order_P.view(gates_TK.shape)).to(gates_TK.dtype)
 
         # --- source side: score and select own pairs within quotas[rank, w, i], before any communication.
         if cfg.dense:
@@ -504,7 +505,7 @@ class _ExpertParallelSwiGLU(torch.autograd.Function):
 
         # Retained rows alpha_u * g_t * (1/p_u). A slot "sample" skipped (pair -1) sends a zero row: it keeps the
         # split sizes planned, and a zero dy contributes nothing to any gradient.
-        dy_RD, tok_R, safe_R = retained_dy(g_TD, gates_TK, pair_R, weight_R, dtype)
+        dy_RD, _, safe_R = retained_dy(g_TD, gates_TK, pair_R, weight_R, dtype)
 
         fwd_recv_W = assign_SWI[:, ep.rank].sum(-1)  # on device: no host-to-device copy
         if cfg.dense:
@@ -549,7 +550,7 @@ class _ExpertParallelSwiGLU(torch.autograd.Function):
         dx_RD = _all_to_all(dx_MD, splits.bwd_send, splits.bwd_recv, ep)
 
         # --- source side again: input gradient of the retained pairs.
-        grad_x = torch.zeros(ctx.x_shape, dtype=dtype, device=device).index_add_(0, tok_R, dx_RD)
+        grad_x = sum_rows_per_token(dx_RD, pair_R, *gates_TK.shape).view(ctx.x_shape)
 
         grad_probe = None
         if ctx.has_probe:
