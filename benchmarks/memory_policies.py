@@ -2,11 +2,11 @@
 
     python benchmarks/memory_policies.py --shape qwen3-30b-a3b
 
-For each policy ("save", "recompute") and retain: the bytes forward leaves allocated for backward (measured:
+For each policy ("save", "recompute", "offload") and retain: the bytes forward leaves allocated for backward (measured:
 allocated after forward minus before, minus the output; the layer input x is added back because the model counts
 it), and the peak over forward+backward above the weights (gradients start as None, so they are allocated in
 backward as the model's static gradient bytes), both against lrmoe.memory.layer_memory; then eager and compiled
-forward+backward medians. transformers' Qwen3-MoE block (compiled) is measured the same way for its forward.
+forward+backward medians ("offload": device bytes only; its host copy is lrmoe.memory's ``offloaded``). transformers' Qwen3-MoE block (compiled) is measured the same way for its forward.
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ def main() -> None:
     x = torch.randn(T, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     g = torch.randn_like(x)
     cfg = MemoryConfig(d, f, E, k, T, optimizer_bytes_per_param=0)
-    for policy in ("save", "recompute"):
+    for policy in ("save", "recompute", "offload"):
         for retain in args.retain:
             torch.manual_seed(0)
             layer = LRMoE(**shape, retain=retain, activations=policy).cuda().bfloat16()
@@ -80,6 +80,7 @@ def main() -> None:
             eager_ms = do_bench(step, warmup=3, rep=30, return_mode="median", grad_to_none=[x, *params])
             comp_ms = float("nan")
             if retain == args.compile_retain:
+                torch._dynamo.reset()  # a fresh cache per layer: recompiles would make retain dynamic
                 compiled = torch.compile(layer, fullgraph=True)
                 comp_ms = do_bench(lambda c=compiled: c(x).backward(g), warmup=3, rep=30, return_mode="median",
                                    grad_to_none=[x, *params])
@@ -87,6 +88,7 @@ def main() -> None:
                   f"{saved_meas / saved_model:>6.3f} {peak_meas / MiB:>8.1f} {peak_model / MiB:>7.1f} "
                   f"{peak_meas / peak_model:>6.3f} {eager_ms:>8.3f} {comp_ms:>8.3f}", flush=True)
             del layer, params
+    torch._dynamo.reset()
     hf = torch.compile(hf_block(**shape).cuda().bfloat16())
     params = list(hf.parameters())
     measure(hf, params, x, g)
