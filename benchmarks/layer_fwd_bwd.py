@@ -136,16 +136,26 @@ def main() -> None:
             fn = layer if mode == "eager" else torch.compile(layer, fullgraph=name.startswith("lrmoe"),
                                                              mode=_COMPILE_MODES[mode])
 
+            graphs = mode == "compiled-cg"
+
             def fwd():
+                if graphs:  # each call a new step: CUDA-graph outputs of the last one may be overwritten
+                    torch.compiler.cudagraph_mark_step_begin()
                 with torch.no_grad():
                     fn(x)
 
             def step():
+                if graphs:  # and no gradient accumulated into a graph output of the last step
+                    torch.compiler.cudagraph_mark_step_begin()
+                    for t in (x, *layer.parameters()):
+                        t.grad = None
+                    if hasattr(layer, "reset_stats"):  # LRMoE's statistics accumulate in a probe's .grad
+                        layer.reset_stats()
                 fn(x).sum().backward()
 
             step()
             step()
-            syncs = count_syncs(step) if mode != "compiled-cg" else -1
+            syncs = count_syncs(step) if not graphs else -1
             fwd_ms = do_bench(fwd, warmup=5, rep=40, return_mode="median")
             torch.cuda.reset_peak_memory_stats()
             step_ms = do_bench(step, warmup=5, rep=40, return_mode="median", grad_to_none=[x, *layer.parameters()])
