@@ -235,3 +235,27 @@ def test_breakdown_script_writes_a_png_on_cpu(breakdown, capsys, tmp_path):
     stdout = capsys.readouterr().out
     assert "NOT MEASURED" in stdout and f"wrote {out}" in stdout
     assert len(panels) == 1 and all(b.source == "modelled" for b in panels[0][1])
+
+
+# ---------------------------------------------------------------------------------------------- memory_planner
+
+
+def test_memory_planner_plans_the_largest_retain_whose_bytes_fit_and_rejects_the_next(monkeypatch, capsys):
+    planner = _load("memory_planner", monkeypatch)
+    budgets, margin, tokens = [7.0, 7.25, 7.5], 0.02, 4096  # the experts alone (weights, grads, AdamW) ~6.9 GiB
+    rows = planner.main(["--device", "cpu", "--tokens", str(tokens), "--margin", str(margin),
+                         "--budgets-gib", *map(str, budgets)])
+    assert [r["budget"] for r in rows] == [int(b * 2**30) for b in budgets]
+    choices = planner.DEFAULT_RETAIN_CHOICES
+    for row in rows:
+        usable = int(row["budget"] * (1 - margin))
+        if row["planned"] is not None:
+            assert row["planned_bytes"] <= usable  # the planned step's modelled bytes, output included, fit
+        else:
+            assert row["error"].startswith("budget_bytes=")  # the planner said why
+        if row["rejected"] is not None:
+            # The next larger choice does not fit: the plan is the largest retain that does.
+            assert row["rejected_bytes"] > usable
+            assert row["rejected"] == min(r for r in choices if row["planned"] is None or r > row["planned"])
+    assert len({r["planned"] for r in rows}) > 1  # the budgets span different plans
+    assert "plans only" in capsys.readouterr().out
