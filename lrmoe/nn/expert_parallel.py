@@ -67,8 +67,8 @@ from torch.distributed.tensor.parallel import ParallelStyle
 
 from lrmoe.functional.experts import (
     _swiglu,
-    expert_rows_backward,
     combine,
+    expert_rows_backward,
     release_h,
     retained_dy,
     router_gradient,
