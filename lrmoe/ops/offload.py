@@ -113,9 +113,8 @@ def _offload_backward(ctx, grad_host):
 
 
 offload_to_host.register_autograd(_offload_backward, setup_context=_offload_setup)
-# The forward's outputs do not depend on the host copy, only backward reads it, so AOTAutograd's partitioner would
-# move the op into the backward graph and save h on the device instead, undoing the policy. An effectful op stays in
-# the forward, where it was called, and its output is saved (torch.compile threads effect tokens through the graph).
+
+
 def _register_ordered_effect(op: torch._library.custom_ops.CustomOpDef) -> None:
     """Registers the custom op ``op`` as effectful (EffectType.ORDERED): CustomOpDef.register_effect where torch has it
     (2.13); older releases (2.11, the GPU machine's) register effectful ops through torch._higher_order_ops.effects.
@@ -131,6 +130,9 @@ def _register_ordered_effect(op: torch._library.custom_ops.CustomOpDef) -> None:
     effects._register_effectful_op(op._opoverload, effect.ORDERED)
 
 
+# The forward's outputs do not depend on the host copy, only backward reads it, so AOTAutograd's partitioner would
+# move the op into the backward graph and save h on the device instead, undoing the policy. An effectful op stays in
+# the forward, where it was called, and its output is saved (torch.compile threads effect tokens through the graph).
 _register_ordered_effect(offload_to_host)
 
 
