@@ -26,6 +26,7 @@ from lrmoe.functional.routing import expert_loads
 from lrmoe.functional.scoring import METRICS, score_pairs
 from lrmoe.functional.selection import MODES, select_within_quota
 from lrmoe.ops import (
+    argsort_ids,
     gather_dot_rows,
     gather_grouped_mm,
     gather_host_rows,
@@ -385,7 +386,7 @@ class _SelectiveSwiGLU(torch.autograd.Function):
         n_tok, top_k = expert_ids_TK.shape
         n_exp = gate_up_EFD.shape[0]
         flat_P = expert_ids_TK.reshape(-1).long()
-        order_P = torch.argsort(flat_P, stable=True)  # pairs grouped by expert, pair id within
+        order_P = argsort_ids(flat_P)  # pairs grouped by expert, pair id within
         tok_P = torch.div(order_P, top_k, rounding_mode="floor")
         offsets_E = torch.cumsum(expert_loads(flat_P, n_exp), 0).int()
         ident_P = torch.arange(flat_P.shape[0], device=flat_P.device)

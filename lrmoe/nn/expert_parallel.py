@@ -85,7 +85,7 @@ from lrmoe.functional.replicas import (
 )
 from lrmoe.functional.routing import expert_loads, route_topk
 from lrmoe.nn.lrmoe import LRMoE
-from lrmoe.ops import gather_grouped_mm
+from lrmoe.ops import argsort_ids, gather_grouped_mm
 
 __all__ = ["ExpertParallel", "ExpertParallelPlan", "ExpertParallelStats", "backward_capacity", "plan_expert_parallel"]
 
@@ -302,7 +302,7 @@ def pair_destinations(
     """
     flat_P = expert_ids_TK.reshape(-1).long()
     n_exp, n_ranks = routes_EW.shape
-    order_P = torch.argsort(flat_P, stable=True)
+    order_P = argsort_ids(flat_P)
     ident_P = torch.arange(flat_P.shape[0], device=flat_P.device)
     pos_P = torch.empty_like(order_P).scatter_(0, order_P, ident_P)
     count_E = torch.zeros(n_exp, dtype=torch.int64, device=flat_P.device).index_add_(
@@ -333,7 +333,7 @@ def expert_major_order(counts_SL: torch.Tensor, n_rows: int) -> torch.Tensor:
     block_B = torch.arange(n_src * n_local, device=counts_SL.device)
     block_N = torch.repeat_interleave(block_B, counts_SL.reshape(-1), output_size=n_rows)
     key_N = (block_N % n_local) * n_src + torch.div(block_N, n_local, rounding_mode="floor")
-    return torch.argsort(key_N, stable=True)
+    return argsort_ids(key_N)
 
 
 def _host_splits(plan: ExpertParallelPlan, ep: _EPGroup, n_local: int) -> _Splits:
@@ -438,7 +438,7 @@ class _ExpertParallelSwiGLU(torch.autograd.Function):
         n_tok, top_k = gates_TK.shape
         # Pairs sorted by instance g = w * I + i (stable: pair id within an instance), so by destination rank: the
         # dispatch send buffer.
-        order_P = torch.argsort(group_P, stable=True)
+        order_P = argsort_ids(group_P)
         tok_P = torch.div(order_P, top_k, rounding_mode="floor")
         x_recv_ND = _all_to_all(x_TD.index_select(0, tok_P), splits.fwd_recv, splits.fwd_send, ep)
 

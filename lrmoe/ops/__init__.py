@@ -7,10 +7,11 @@ kernel.
 from lrmoe.ops.grouped_gemm import gather_grouped_mm, grouped_outer
 from lrmoe.ops.offload import gather_host_rows, offload_to_host, offload_wait
 from lrmoe.ops.scoring import score_pairs
-from lrmoe.ops.selection import select_within_quota
+from lrmoe.ops.selection import argsort_ids, select_within_quota
 from lrmoe.ops.token_rows import gather_dot_rows, gather_sum_rows
 
 __all__ = [
+    "argsort_ids",
     "gather_dot_rows",
     "gather_grouped_mm",
     "gather_host_rows",

@@ -139,3 +139,37 @@ def test_compiled_sample_drawing_its_own_uniforms_is_one_graph():
     # The draw is random, the counts are not: min(quota, size) clipped to the buffer.
     want = select_fn(scores, gids, quotas, max_rows=6, mode="sample").counts
     assert torch.equal(torch.compile(f, fullgraph=True)(scores, gids, quotas), want)
+
+
+# ------------------------------------------------------------------------------------------ narrower sort keys
+
+
+def _hard_scores():
+    """fp32 scores that make sort keys collide if anything is lost: neighbouring floats, the smallest subnormals,
+    both zeros, negatives (all weight 0), +inf, and ties."""
+    tiny = torch.finfo(torch.float32).smallest_normal
+    one_up = torch.nextafter(torch.tensor(1.0), torch.tensor(2.0)).item()
+    vals = [1.0, one_up, 1.0, 0.0, -0.0, -1.0, -2.0, INF, INF, 1e-45, 3e-45, tiny, tiny, 3.4e38, 0.5, 0.25]
+    return torch.tensor(vals, dtype=torch.float32)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_group_sort_by_fp32_key_equals_sort_by_fp64_weight(seed):
+    # probabilities() orders each group's pairs by max(score, 0) in fp32 instead of the fp64 weight
+    # sqrt(max(score, 0)) it uses: the permutation must be the same, ties (to the lower pair id) included.
+    from lrmoe.ops.selection import _group_sort, sample_weights
+
+    g = torch.Generator().manual_seed(seed)
+    scores = _hard_scores()[torch.randperm(16, generator=g)].repeat(3)
+    gids = torch.randint(0, 4, (scores.shape[0],), generator=g)
+    by_weight = _group_sort(gids, sample_weights(scores), descending=True)
+    by_key = _group_sort(gids, scores.clamp(min=0), descending=True)
+    assert torch.equal(by_weight, by_key)
+
+
+def test_argsort_ids_is_the_stable_int64_argsort():
+    from lrmoe.ops import argsort_ids
+
+    ids = torch.randint(0, 300, (5000,), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(argsort_ids(ids), torch.argsort(ids, stable=True))
+    assert torch.equal(argsort_ids(ids.int()), torch.argsort(ids, stable=True))
