@@ -8,7 +8,8 @@ The selection is a group sort plus a compaction (DESIGN.md section 4, item 3). T
    bits`` ("top") or ``group << 32`` ("sample"), and the output buffers filled with padding (-1, 0) in the same
    launch, so the compaction only writes kept rows.
 2. ``torch.sort(keys, stable=True)``: one radix sort (CUB on CUDA) gives group ascending, score descending, ties
-   to the lower pair id: exactly the order of the reference's two stable argsorts, in one sort. A Triton sort of
+   to the lower pair id: exactly the order of the reference's two stable argsorts, in one sort. Without scores
+   the group ids are sorted as int32 instead (the same order, half the key bits). A Triton sort of
    a segmented, data-dependent layout is where the time would go; this first version leaves it to CUB.
 3. ``_plan_kernel`` (one program): per group, start and size by binary search in the sorted keys, take =
    min(max(quota, 0), size), the cumulative ends, and the counts/offsets clipped to R.
@@ -250,6 +251,11 @@ def group_order(
             scores_P if by_score else keys_P, group_ids_P, keys_P, pair_ids_R, weights_R, P, max_rows,
             BY_SCORE=by_score, BLOCK=BLOCK, num_warps=4,
         )
+    if scores_P is None:
+        # The keys are group << 32: a stable sort of the group ids as int32 gives the same order in half the radix
+        # passes, and the same sorted keys.
+        sorted_gid_P, order_P = torch.sort(group_ids_P.int(), stable=True)
+        return sorted_gid_P.long() << 32, order_P, pair_ids_R, weights_R
     sorted_P, order_P = torch.sort(keys_P, stable=True)
     return sorted_P, order_P, pair_ids_R, weights_R
 
