@@ -82,15 +82,16 @@ def main() -> None:
         row(mode, "reference", lambda: select_within_quota_reference(scores, gids, quotas, R, mode, uniform))
         row(mode, "triton", lambda: select_within_quota_triton(scores, gids, quotas, R, mode, uniform))
 
-    # Pieces of the "top" path.
-    sorted_P, order_P, ids_R, w_R = kernels.group_order(scores, gids, R)
+    # Pieces of the "top" path: the group-only order (an int32 sort), the plan, one program per group.
+    g_sorted_P, g_order_P, ids_R, w_R = kernels.group_order(None, gids, R)
+    g_plan = kernels.plan_groups(g_sorted_P, quotas, R)
+    row("top", "  group-only order (int32)", lambda: kernels.group_order(None, gids, R))
+    row("top", "  plan (1 program)", lambda: kernels.plan_groups(g_sorted_P, quotas, R))
+    row("top", "  threshold + write", lambda: kernels.select_top(scores, g_order_P, g_plan, ids_R, w_R))
+    # The "sample" path's score order and its probabilities kernel (one program per group).
+    sorted_P, order_P, _, _ = kernels.group_order(scores, gids, 0)
     plan = kernels.plan_groups(sorted_P, quotas, R)
-    keys = torch.empty(P, dtype=torch.int64, device="cuda")
-    row("top", "  keys + torch.sort", lambda: kernels.group_order(scores, gids, R))
-    row("top", "  torch.sort alone", lambda: torch.sort(keys, stable=True))
-    row("top", "  plan (1 program)", lambda: kernels.plan_groups(sorted_P, quotas, R))
-    row("top", "  compact", lambda: kernels.compact(order_P, sorted_P, plan, ids_R, w_R))
-    # The "sample" path's probabilities kernel (one program per group, the same score order and plan).
+    row("sample", "  keys + torch.sort (int64)", lambda: kernels.group_order(scores, gids, 0))
     w_P = sample_weights(scores)
     row("sample", "  probabilities (program/group)", lambda: kernels.sample_probabilities(w_P, order_P, plan))
 

@@ -2,27 +2,29 @@
 
 Shapes: P pairs, G groups, R = max_rows (the static size of the compact buffer).
 
-The selection is a group sort plus a compaction (DESIGN.md section 4, item 3). Three kernels and one sort:
+The selection is a group sort, a plan, and per mode a per-group pass (DESIGN.md section 4, item 3):
 
 1. ``_group_keys_kernel`` (grid over max(P, R)): one int64 sort key per pair, ``group << 32 | descending score
-   bits`` ("top") or ``group << 32`` ("sample"), and the output buffers filled with padding (-1, 0) in the same
-   launch, so the compaction only writes kept rows.
-2. ``torch.sort(keys, stable=True)``: one radix sort (CUB on CUDA) gives group ascending, score descending, ties
-   to the lower pair id: exactly the order of the reference's two stable argsorts, in one sort. Without scores
-   the group ids are sorted as int32 instead (the same order, half the key bits). A Triton sort of
-   a segmented, data-dependent layout is where the time would go; this first version leaves it to CUB.
+   bits`` (the score order "sample" needs for its probabilities), and the output buffers filled with padding
+   (-1, 0) in the same launch, so the later kernels only write kept rows.
+2. A stable radix sort (CUB on CUDA): of those keys (group ascending, score descending, ties to the lower pair
+   id: the order of the reference's two stable argsorts, in one sort), or of the group ids alone as int32 (the
+   group-only order, pair id within: what both modes select in).
 3. ``_plan_kernel`` (one program): per group, start and size by binary search in the sorted keys, take =
    min(max(quota, 0), size), the cumulative ends, and the counts/offsets clipped to R.
-4. ``_compact_kernel`` (grid over P): every sorted position computes its slot in its group and, when kept and
-   inside the buffer, writes its pair id and weight at ``group base + slot``. "top": slot = rank in the group.
-   "sample": slot and keep test from the group's cumulative inclusion probabilities (systematic sampling), with
-   the reference's fp64 arithmetic so the result is bit-identical.
-5. ``_sample_probabilities_kernel`` ("sample", one program per group, over its members in the score order of
-   steps 1-2): the inclusion probabilities of the reference's ``probabilities``, op for op in fp64: finite
-   weights, the segmented suffix sums by the same Hillis-Steele rounds restricted to the group (rounds with
-   distance >= the group size add nothing, so the additions and their order are the reference's), the capped
-   count m and the scale. A hot group is one program's work (log2(size) passes over it): the next thing to
-   measure on the GPU.
+4. "top", ``_top_kernel`` (one program per group, over its members in the group-only order): the take-th largest
+   score key as a threshold, found bit by bit from the top (32 counting passes over the group, no sort by
+   score), then one pass that keeps every key above it and, of the keys equal to it, the lowest pair ids, and
+   writes them in pair-id order. A group of up to 2,048 members is counted in registers; a hot group larger
+   than that is one program's 34 passes over it: to measure on the GPU.
+5. "sample", ``_sample_probabilities_kernel`` (one program per group, over its members in the score order of
+   step 2): the inclusion probabilities of the reference's ``probabilities``, op for op in fp64: finite weights,
+   the segmented suffix sums by the same Hillis-Steele rounds restricted to the group (rounds with distance >=
+   the group size add nothing, so the additions and their order are the reference's), the capped count m and
+   the scale. A hot group is one program's work (log2(size) passes over it).
+6. "sample", ``_compact_kernel`` (grid over P, group-only order): slot and keep test from the group's cumulative
+   inclusion probabilities (systematic sampling), with the reference's fp64 arithmetic so the result is
+   bit-identical.
 
 Score keys: NaN counts as +inf (as in the reference), -0.0 as +0.0 (equal floats must tie, to go to the lower pair
 id), then the usual monotone map of the fp32 bit pattern to a signed int (flip the magnitude bits of negatives),
@@ -31,14 +33,19 @@ negated for descending order and shifted into [0, 2^32).
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 
-__all__ = ["compact", "group_order", "plan_groups", "sample_probabilities"]
+__all__ = ["compact", "group_order", "plan_groups", "sample_probabilities", "select_top"]
 
 BLOCK = 1024  # elements per program of the elementwise kernels: memory-bound, 4 warps, 8 elements a thread
 BLOCK_G = 256  # groups per step of the one-program plan kernel (it loops over larger G)
+# Members per step of a "top" program (a group up to this size is counted in registers). Small under the
+# interpreter, so the tests' groups take both paths.
+TOP_BLOCK = 16 if os.environ.get("TRITON_INTERPRET", "0") == "1" else 2048
 
 
 @triton.jit
@@ -109,36 +116,116 @@ def _plan_kernel(
 @triton.jit
 def _compact_kernel(
     order_ptr, keys_ptr, starts_ptr, sizes_ptr, takes_ptr, bases_ptr, p_ptr, cum_ptr, u_ptr,
-    pair_ids_ptr, weights_ptr, P, R, SAMPLE: tl.constexpr, BLOCK: tl.constexpr,
+    pair_ids_ptr, weights_ptr, P, R, BLOCK: tl.constexpr,
 ):
+    # Mode "sample", every sorted position (group, then pair id): the reference's arithmetic, op for op in fp64:
+    # pin the group's last cumulative value to its quota, clamp the others, then point m = slot hits the pair iff
+    # ceil(lo - u) < ceil(hi - u).
     i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     in_p = i < P
     g = tl.load(keys_ptr + i, mask=in_p, other=0) >> 32
     start = tl.load(starts_ptr + g, mask=in_p, other=0)
     take = tl.load(takes_ptr + g, mask=in_p, other=0)
     rank = i - start
-    if SAMPLE:
-        # The reference's arithmetic, op for op in fp64: pin the group's last cumulative value to its quota,
-        # clamp the others, then point m = slot hits the pair iff ceil(lo - u) < ceil(hi - u).
-        size = tl.load(sizes_ptr + g, mask=in_p, other=0)
-        p = tl.load(p_ptr + i, mask=in_p, other=1.0)
-        cum_hi = tl.load(cum_ptr + i, mask=in_p, other=0.0)
-        u = tl.load(u_ptr + g, mask=in_p, other=0.0)
-        take_d = take.to(tl.float64)
-        cum_lo = tl.minimum(tl.maximum(cum_hi - p, 0.0), take_d)  # >= 0: a slot can never be -1
-        cum_hi = tl.where(rank == size - 1, take_d, tl.minimum(cum_hi, take_d))
-        slot = tl.math.ceil(cum_lo - u).to(tl.int64)
-        kept = (tl.math.ceil(cum_hi - u).to(tl.int64) > slot) & (slot < take)
-        w = (1.0 / p).to(tl.float32)
-    else:
-        slot = rank
-        kept = slot < take
-        w = tl.full((BLOCK,), 1.0, tl.float32)
+    size = tl.load(sizes_ptr + g, mask=in_p, other=0)
+    p = tl.load(p_ptr + i, mask=in_p, other=1.0)
+    cum_hi = tl.load(cum_ptr + i, mask=in_p, other=0.0)
+    u = tl.load(u_ptr + g, mask=in_p, other=0.0)
+    take_d = take.to(tl.float64)
+    cum_lo = tl.minimum(tl.maximum(cum_hi - p, 0.0), take_d)  # >= 0: a slot can never be -1
+    cum_hi = tl.where(rank == size - 1, take_d, tl.minimum(cum_hi, take_d))
+    slot = tl.math.ceil(cum_lo - u).to(tl.int64)
+    kept = (tl.math.ceil(cum_hi - u).to(tl.int64) > slot) & (slot < take)
+    w = (1.0 / p).to(tl.float32)
     dest = tl.load(bases_ptr + g, mask=in_p, other=0) + slot
     kept = in_p & kept & (dest < R)
     ids = tl.load(order_ptr + i, mask=kept, other=-1)
     tl.store(pair_ids_ptr + dest, ids, mask=kept)
     tl.store(weights_ptr + dest, w, mask=kept)
+
+
+@triton.jit
+def _score_key(scores_ptr, pair, ok):
+    """Unsigned order key in [0, 2^32) of the pairs' fp32 scores: NaN as +inf, -0.0 as +0.0 (equal scores tie),
+    larger score, larger key."""
+    s = tl.load(scores_ptr + pair, mask=ok, other=0.0).to(tl.float32)
+    s = tl.where(s != s, float("inf"), s)
+    s = tl.where(s == 0.0, 0.0, s)
+    bits = s.to(tl.int32, bitcast=True)
+    asc = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # signed int order == float order
+    return asc.to(tl.int64) + 2147483648
+
+
+@triton.jit
+def _count_at_least(scores_ptr, order_ptr, start, size, cand, offs, BLOCK: tl.constexpr):
+    """Members of the group [start, start + size) of the pair order whose score key is >= cand."""
+    cnt = tl.zeros((), tl.int64)
+    for j0 in range(0, size, BLOCK):
+        ok = j0 + offs < size
+        pair = tl.load(order_ptr + start + j0 + offs, mask=ok, other=0)
+        key = _score_key(scores_ptr, pair, ok)
+        cnt += tl.sum((ok & (key >= cand)).to(tl.int64), 0)
+    return cnt
+
+
+@triton.jit
+def _write_kept(pair, key, ok, thresh, ties_kept, ties_before, kept_before, base, pair_ids_ptr, weights_ptr, R,
+                BLOCK: tl.constexpr):
+    """One block of a group in pair-id order: keep keys above the threshold and the first ``ties_kept`` keys equal
+    to it (counting the ``ties_before`` of earlier blocks), write them after the ``kept_before`` already written.
+    Returns the updated (ties_before, kept_before)."""
+    tie = (ok & (key == thresh)).to(tl.int64)
+    tie_rank = ties_before + tl.cumsum(tie, 0) - tie
+    keep = ((ok & (key > thresh)) | ((tie > 0) & (tie_rank < ties_kept))).to(tl.int64)
+    dest = base + kept_before + tl.cumsum(keep, 0) - keep
+    out = (keep > 0) & (dest < R)
+    tl.store(pair_ids_ptr + dest, pair, mask=out)
+    tl.store(weights_ptr + dest, tl.full((BLOCK,), 1.0, tl.float32), mask=out)
+    return ties_before + tl.sum(tie, 0), kept_before + tl.sum(keep, 0)
+
+
+@triton.jit
+def _top_kernel(
+    scores_ptr, order_ptr, starts_ptr, sizes_ptr, takes_ptr, bases_ptr, pair_ids_ptr, weights_ptr, R,
+    BLOCK: tl.constexpr,
+):
+    # One program per group, over its members in pair-id order (the group-only sort): the take-th largest score
+    # key T, bit by bit from the top; then one pass keeps every key > T and, of the keys == T, the first
+    # take - count(> T) by pair id, writing them in pair-id order at the group's base. A group of at most BLOCK
+    # members is loaded once and counted in registers; a larger one is re-read for each of its 33 counts.
+    g = tl.program_id(0)
+    start = tl.load(starts_ptr + g)
+    size = tl.load(sizes_ptr + g)
+    take = tl.load(takes_ptr + g)
+    base = tl.load(bases_ptr + g)
+    offs = tl.arange(0, BLOCK)
+    zero = tl.zeros((), tl.int64)
+    if take > 0:
+        if size <= BLOCK:
+            ok = offs < size
+            pair = tl.load(order_ptr + start + offs, mask=ok, other=0)
+            key = _score_key(scores_ptr, pair, ok)
+            thresh = zero
+            for b in range(31, -1, -1):
+                cand = thresh | (tl.full((), 1, tl.int64) << b)
+                thresh = tl.where(tl.sum((ok & (key >= cand)).to(tl.int64), 0) >= take, cand, thresh)
+            ties_kept = take - tl.sum((ok & (key > thresh)).to(tl.int64), 0)
+            _write_kept(pair, key, ok, thresh, ties_kept, zero, zero, base, pair_ids_ptr, weights_ptr, R, BLOCK)
+        else:
+            thresh = zero
+            for b in range(31, -1, -1):
+                cand = thresh | (tl.full((), 1, tl.int64) << b)
+                enough = _count_at_least(scores_ptr, order_ptr, start, size, cand, offs, BLOCK) >= take
+                thresh = tl.where(enough, cand, thresh)
+            ties_kept = take - _count_at_least(scores_ptr, order_ptr, start, size, thresh + 1, offs, BLOCK)
+            ties_before = zero
+            kept_before = zero
+            for j0 in range(0, size, BLOCK):
+                ok = j0 + offs < size
+                pair = tl.load(order_ptr + start + j0 + offs, mask=ok, other=0)
+                key = _score_key(scores_ptr, pair, ok)
+                ties_before, kept_before = _write_kept(pair, key, ok, thresh, ties_kept, ties_before, kept_before,
+                                                       base, pair_ids_ptr, weights_ptr, R, BLOCK)
 
 
 @triton.jit
@@ -276,6 +363,19 @@ def plan_groups(sorted_keys_P: torch.Tensor, quotas_G: torch.Tensor, max_rows: i
     return plan
 
 
+def select_top(scores_P: torch.Tensor, order_P: torch.Tensor, plan: dict[str, torch.Tensor], pair_ids_R: torch.Tensor,
+               weights_R: torch.Tensor) -> None:
+    """Mode "top" from the group-only order (group ascending, pair id within): every group's kept pairs written
+    in pair-id order (in place), one program per group."""
+    G = plan["takes"].shape[0]
+    if G == 0 or order_P.shape[0] == 0:
+        return
+    _top_kernel[(G,)](
+        scores_P, order_P, plan["starts"], plan["sizes"], plan["takes"], plan["bases"], pair_ids_R, weights_R,
+        pair_ids_R.shape[0], BLOCK=TOP_BLOCK, num_warps=8,
+    )
+
+
 def compact(
     order_P: torch.Tensor,
     sorted_keys_P: torch.Tensor,
@@ -283,19 +383,16 @@ def compact(
     pair_ids_R: torch.Tensor,
     weights_R: torch.Tensor,
     *,
-    p_sorted_P: torch.Tensor | None = None,
-    cum_hi_P: torch.Tensor | None = None,
-    uniform_G: torch.Tensor | None = None,
+    p_sorted_P: torch.Tensor,
+    cum_hi_P: torch.Tensor,
+    uniform_G: torch.Tensor,
 ) -> None:
-    """Write the kept pairs into pair_ids_R / weights_R (in place). "top" without the sample tensors; "sample"
-    with fp64 p and inclusive per-group cumulative p in sorted order and fp64 uniforms per group."""
+    """Mode "sample": write the kept pairs into pair_ids_R / weights_R (in place), from fp64 p and the inclusive
+    per-group cumulative p in the group-only order, and fp64 uniforms per group."""
     P = order_P.shape[0]
     if P == 0:
         return
-    sample = p_sorted_P is not None
-    dummy = sorted_keys_P
     _compact_kernel[(triton.cdiv(P, BLOCK),)](
-        order_P, sorted_keys_P, plan["starts"], plan["sizes"], plan["takes"], plan["bases"],
-        p_sorted_P if sample else dummy, cum_hi_P if sample else dummy, uniform_G if sample else dummy,
-        pair_ids_R, weights_R, P, pair_ids_R.shape[0], SAMPLE=sample, BLOCK=BLOCK, num_warps=4,
+        order_P, sorted_keys_P, plan["starts"], plan["sizes"], plan["takes"], plan["bases"], p_sorted_P, cum_hi_P,
+        uniform_G, pair_ids_R, weights_R, P, pair_ids_R.shape[0], BLOCK=BLOCK, num_warps=4,
     )

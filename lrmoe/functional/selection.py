@@ -37,8 +37,8 @@ _COMPILED_SAMPLE = select_within_quota_reference
 class Selection:
     """Compact index buffer of the kept pairs.
 
-    pair_ids: [R] int64, kept pair ids grouped by group id ascending ("top": by score descending within a group,
-              "sample": by pair id), -1 after the last kept entry (and in the rare slot a sample skipped).
+    pair_ids: [R] int64, kept pair ids grouped by group id ascending, by pair id within a group, -1 after the
+              last kept entry (and in the rare slot a sample skipped).
     weights:  [R] fp32, gradient weight of each kept pair (1 for "top", 1/p for "sample"), 0 on padding.
     counts:   [G] int32, entries of each group in the buffer: min(quota, group size), truncated to fit R.
     offsets:  [G] int32, cumulative ends of the groups (offsets[g] = counts[: g + 1].sum()), as grouped GEMMs
@@ -70,7 +70,8 @@ def select_within_quota(
         scores_P: [P] float, pair scores (NaN counts as +inf: such pairs come first).
         group_ids_P: [P] integer in [0, G), the group of every pair (not checked: that would need a sync).
         quotas_G: [G] integer, pairs to keep per group (clamped to [0, group size]).
-        max_rows: static buffer size R. Groups past the end are truncated, never written out of bounds.
+        max_rows: static buffer size R. Groups past the end are truncated (a group cut by it keeps its first kept
+            pairs by pair id), never written out of bounds.
         mode: "top" or "sample".
         generator: RNG for "sample" (the global one when None), one uniform draw per group.
         uniform_G: [G] pre-drawn uniforms in [0, 1) for "sample", instead of drawing; lets a caller draw in the

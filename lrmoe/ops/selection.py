@@ -11,14 +11,18 @@ offsets)``
 
 The CPU kernel is the reference below, pure PyTorch (it runs on any device): sorts, cumulative sums and scatters
 into buffers of static size, no host synchronisation. The CUDA kernel is ``select_within_quota_triton`` (Triton
-kernels in lrmoe_kernels.selection around one torch.sort); without Triton it falls back to the reference.
+kernels in lrmoe_kernels.selection around torch.sort); without Triton it falls back to the reference. Both write
+each group's kept pairs in pair-id order.
 
 What runs where on CUDA, per mode:
-- "top": Triton computes the sort keys, the per-group plan and the compaction; the one sort is torch.sort (CUB).
-- "sample": the inclusion probabilities in Triton, one program per group over its members in score order (after
-  the "top" sort and plan), the reference's ``probabilities`` op for op in fp64, so bit-identical (the
-  systematic sampling depends on the exact fp64 rounding); their per-group cumulative sum in pair order stays in
-  PyTorch, shared with the reference (a second, pair-order sort); Triton does the sampling and compaction.
+- "top": one int32 sort of the group ids (torch.sort, CUB), the per-group plan, then one Triton program per group
+  that finds its take-th largest score by the bits of its key and writes the pairs above it, and the lowest-id
+  ties, in pair-id order. No sort by score.
+- "sample": a sort by (group, score) keys and the per-group plan, the inclusion probabilities in Triton, one
+  program per group over its members in score order, the reference's ``probabilities`` op for op in fp64, so
+  bit-identical (the systematic sampling depends on the exact fp64 rounding); their per-group cumulative sum in
+  pair order stays in PyTorch, shared with the reference (a second, group-only sort); Triton does the sampling
+  and compaction.
 
 No gradient formula: the selection only decides which pairs the backward keeps. The autograd registration marks
 every output non-differentiable, as for lrmoe::score_pairs.
@@ -95,10 +99,16 @@ def select_within_quota_reference(
     sizes_G, starts_G, take_G = group_sizes(gid_P, quotas_G)
 
     if mode == "top":
-        order_P = _group_sort(gid_P, scores_P, descending=True)
+        # Kept: the take best of each group by score, ties to the lower pair id. Written in pair-id order.
+        by_score_P = _group_sort(gid_P, scores_P, descending=True)
+        rank_P = torch.arange(gid_P.shape[0], device=device) - starts_G[gid_P[by_score_P]]
+        best_P = torch.zeros_like(gid_P, dtype=torch.bool).scatter_(
+            0, by_score_P, rank_P < take_G[gid_P[by_score_P]])
+        order_P = argsort_ids(gid_P)  # by group, then pair id
         g_P = gid_P[order_P]
-        slot_P = torch.arange(gid_P.shape[0], device=device) - starts_G[g_P]
-        kept_P = slot_P < take_G[g_P]
+        kept_P = best_P[order_P]
+        before_P = torch.cumsum(kept_P.long(), 0) - kept_P.long()  # kept pairs before this one, all groups
+        slot_P = before_P - before_P[starts_G[g_P].clamp(max=max(gid_P.shape[0] - 1, 0))]
         weights_P = torch.ones_like(scores_P)
     else:
         p_P = probabilities(scores_P, gid_P, take_G, sizes_G, starts_G)
@@ -238,9 +248,10 @@ def select_within_quota_triton(
     gids_P = group_ids_P.contiguous()
     quotas_G = quotas_G.contiguous()
     if top:
-        sorted_P, order_P, pair_ids_R, weights_R = kernels.group_order(scores_P, gids_P, max_rows)
+        # Pairs by group (an int32 sort), then per group its take-th largest score as a threshold: no sort by score.
+        sorted_P, order_P, pair_ids_R, weights_R = kernels.group_order(None, gids_P, max_rows)
         plan = kernels.plan_groups(sorted_P, quotas_G, max_rows)
-        kernels.compact(order_P, sorted_P, plan, pair_ids_R, weights_R)
+        kernels.select_top(scores_P, order_P, plan, pair_ids_R, weights_R)
     else:
         # Inclusion probabilities: one Triton program per group over its members in score order, the reference's
         # arithmetic op for op (bit-identical); then their per-group cumulative sum in pair order in PyTorch, as

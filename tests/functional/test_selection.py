@@ -37,11 +37,11 @@ def _take(quota: int, size: int) -> int:
 
 
 def ref_top(scores, gids, quotas):
-    """Per group, the quota best pairs by score (NaN = +inf), ties to the lower pair id, best first."""
+    """Per group, the quota best pairs by score (NaN = +inf), ties to the lower pair id, listed by pair id."""
     out = []
     for g, q in enumerate(quotas):
         mem = sorted(_members(gids, g), key=lambda i: (-_key(scores[i]), i))
-        out.append(mem[: _take(q, len(mem))])
+        out.append(sorted(mem[: _take(q, len(mem))]))
     return out
 
 

@@ -156,3 +156,19 @@ def test_sample_probabilities_groups_larger_than_a_block():
     got, want = _probabilities_both(scores.tolist(), gids.tolist(), [900, 7, 1000])
     assert torch.equal(got, want)
     assert abs(float(got[gids == 0].sum()) - 900) < 1e-6 and abs(float(got[gids == 2].sum()) - 1000) < 1e-6
+
+
+@pytest.mark.parametrize("quota, max_rows", [(23, 80), (1, 80), (44, 80), (50, 80), (30, 20)])
+def test_top_groups_across_blocks_with_ties_at_the_threshold(quota, max_rows):
+    # "top" runs one program per group over blocks of its members (16 under the interpreter): groups of 45 and 30
+    # members, scores from few distinct values so the threshold value repeats across blocks and the ties kept
+    # must be the lowest pair ids; +inf, NaN and both zeros among them; quotas cutting inside the ties, the whole
+    # group, more than the group; a buffer that cuts the second group.
+    gen = torch.Generator().manual_seed(7)
+    gids = torch.cat([torch.zeros(45, dtype=torch.int64), torch.ones(30, dtype=torch.int64)])
+    gids = gids[torch.randperm(75, generator=gen)]
+    scores = torch.randint(0, 4, (75,), generator=gen).float()
+    scores[[3, 40]] = INF
+    scores[[11, 60]] = NAN
+    scores[[5, 6, 50]] = -0.0
+    assert_same(scores.tolist(), gids.tolist(), [quota, quota // 2 + 1], max_rows)
