@@ -206,15 +206,15 @@ def _top_kernel(
             pair = tl.load(order_ptr + start + offs, mask=ok, other=0)
             key = _score_key(scores_ptr, pair, ok)
             thresh = zero
-            for b in range(31, -1, -1):
-                cand = thresh | (tl.full((), 1, tl.int64) << b)
+            for i in range(32):  # bit 31 first (an ascending loop: no negative step in compiled Triton)
+                cand = thresh | (tl.full((), 1, tl.int64) << (31 - i))
                 thresh = tl.where(tl.sum((ok & (key >= cand)).to(tl.int64), 0) >= take, cand, thresh)
             ties_kept = take - tl.sum((ok & (key > thresh)).to(tl.int64), 0)
             _write_kept(pair, key, ok, thresh, ties_kept, zero, zero, base, pair_ids_ptr, weights_ptr, R, BLOCK)
         else:
             thresh = zero
-            for b in range(31, -1, -1):
-                cand = thresh | (tl.full((), 1, tl.int64) << b)
+            for i in range(32):  # bit 31 first (an ascending loop: no negative step in compiled Triton)
+                cand = thresh | (tl.full((), 1, tl.int64) << (31 - i))
                 enough = _count_at_least(scores_ptr, order_ptr, start, size, cand, offs, BLOCK) >= take
                 thresh = tl.where(enough, cand, thresh)
             ties_kept = take - _count_at_least(scores_ptr, order_ptr, start, size, thresh + 1, offs, BLOCK)
