@@ -108,7 +108,7 @@ def select_within_quota_reference(
         g_P = gid_P[order_P]
         kept_P = best_P[order_P]
         before_P = torch.cumsum(kept_P.long(), 0) - kept_P.long()  # kept pairs before this one, all groups
-        slot_P = before_P - before_P[starts_G[g_P].clamp(max=max(gid_P.shape[0] - 1, 0))]
+        slot_P = before_P - before_P[starts_G[g_P]]  # minus those before the group's first member
         weights_P = torch.ones_like(scores_P)
     else:
         p_P = probabilities(scores_P, gid_P, take_G, sizes_G, starts_G)
