@@ -57,8 +57,8 @@ combine. Backward (one device; W > 1 adds the payloads and the received and retu
                  the peak at the Qwen3 shape with retain 1
     grad_gate_up_gemm  the gate/up projection's weight-gradient output, I*2FD*b, after dh M*2F*b
     dx_gemm      dx M*D*b
-    input_grad   the per-pair slots (P + 1)*D*b of the K-row sum and the input gradient T*D*b (W = 1), with
-                 every buffer above still live: the peak at retain < 1, and wherever the gradients dominate
+    input_grad   each pair's buffer row ((P + 1)*8, the K-row sum reads the rows in place) and the input
+                 gradient T*D*b, with every buffer above still live: the peak wherever the gradients dominate
     router_backward  after the expert function returns: gradients, router gradient, two T*D*b input gradients
                  (autograd adds the second into the first in place)
 On CUDA, a bf16 grouped GEMM with 8-aligned shapes first gathers its input rows into a buffer (``device_type``):
@@ -537,7 +537,7 @@ def _backward_phases(config: MemoryConfig, rows: Rows, retain: float, b: int, po
     if config.world_size > 1:
         t.alloc(dx_source_major=M * D * b, dx_returned=R * D * b)
     # sum_rows_per_token: every pair learns its row (an index per pair), then each token's rows are summed in place.
-    t.mark("input_grad", dx_dest_index=2 * R * _INT64, dx_pair_slots=(P + 1) * _INT64, grad_x=T * D * b)
+    t.mark("input_grad", dx_dest_index=2 * R * _INT64, dx_pair_rows=(P + 1) * _INT64, grad_x=T * D * b)
     # The function returns: its locals and saved tensors go; autograd runs the router's backward (fp32 gate
     # gradients, softmax and gate backward) and sums the two input gradients.
     kept = {"grad_out", "grad_gates", "grad_down", "grad_gate_up"}
