@@ -4,9 +4,12 @@
 
 Times, with triton.testing.do_bench (median, us), for modes "top" and "sample":
 - reference: lrmoe.ops.selection.select_within_quota_reference (pure PyTorch, the op's CPU kernel) on CUDA;
-- triton: lrmoe.ops.selection.select_within_quota_triton (the op's CUDA kernel);
-- and, for "top", the pieces of the Triton path: keys + torch.sort (lrmoe_kernels.selection.group_order), the
-  one-program plan, the compaction; for "sample", its per-group probabilities kernel.
+- triton: lrmoe.ops.selection.select_within_quota_triton (the op's CUDA kernel), sorting the group ids itself;
+- triton, order given: the same given the group order (the stable argsort of the group ids), as the MoE layers
+  call it (they have that order from their forward dispatch);
+- and the pieces of the Triton path: the group order (an int32 sort), for "top" the one-program plan and the
+  per-group threshold + write; for "sample" keys + torch.sort (lrmoe_kernels.selection.score_order) and its
+  per-group probabilities kernel.
 Before timing, each Triton result must equal the reference exactly, and one call runs under
 torch.cuda.set_sync_debug_mode("error") to show that it never synchronises with the host.
 
@@ -23,7 +26,12 @@ import math
 import torch
 
 from lrmoe.ops._kernels import kernel_module
-from lrmoe.ops.selection import sample_weights, select_within_quota_reference, select_within_quota_triton
+from lrmoe.ops.selection import (
+    argsort_ids,
+    sample_weights,
+    select_within_quota_reference,
+    select_within_quota_triton,
+)
 
 
 def make_inputs(P: int, G: int, retain: float, skew: float, device: str = "cuda", seed: int = 0):
@@ -67,33 +75,36 @@ def main() -> None:
         ms = do_bench(fn, warmup=25, rep=200, return_mode="median")
         print(f"{mode:>7} {impl:>26} {ms * 1e3:>9.1f}")
 
+    order = argsort_ids(gids)
     for mode in ("top", "sample"):
         want = select_within_quota_reference(scores, gids, quotas, R, mode, uniform)
-        got = select_within_quota_triton(scores, gids, quotas, R, mode, uniform)
-        for name, w, g in zip(("pair_ids", "weights", "counts", "offsets"), want, got):
-            if not torch.equal(w, g):  # never time a wrong kernel
-                raise SystemExit(f"{mode}: Triton {name} differs from the reference")
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            select_within_quota_triton(scores, gids, quotas, R, mode, uniform)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
+        for given in (None, order):
+            got = select_within_quota_triton(scores, gids, quotas, R, mode, uniform, given)
+            for name, w, g in zip(("pair_ids", "weights", "counts", "offsets"), want, got):
+                if not torch.equal(w, g):  # never time a wrong kernel
+                    raise SystemExit(f"{mode}: Triton {name} differs from the reference (order given: {given})")
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                select_within_quota_triton(scores, gids, quotas, R, mode, uniform, given)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
         row(mode, "reference", lambda: select_within_quota_reference(scores, gids, quotas, R, mode, uniform))
         row(mode, "triton", lambda: select_within_quota_triton(scores, gids, quotas, R, mode, uniform))
+        row(mode, "triton, order given",
+            lambda: select_within_quota_triton(scores, gids, quotas, R, mode, uniform, order))
 
-    # Pieces of the "top" path: the group-only order (an int32 sort), the plan, one program per group.
-    g_sorted_P, g_order_P, ids_R, w_R = kernels.group_order(None, gids, R)
-    g_plan = kernels.plan_groups(g_sorted_P, quotas, R)
-    row("top", "  group-only order (int32)", lambda: kernels.group_order(None, gids, R))
-    row("top", "  plan (1 program)", lambda: kernels.plan_groups(g_sorted_P, quotas, R))
-    row("top", "  threshold + write", lambda: kernels.select_top(scores, g_order_P, g_plan, ids_R, w_R))
+    row("both", "  group order (int32 sort)", lambda: argsort_ids(gids))
+    # Pieces of the "top" path: the plan (one program), one program per group.
+    plan = kernels.plan_groups(quotas, R, group_ids_P=gids, order_P=order)
+    row("top", "  plan (1 program)", lambda: kernels.plan_groups(quotas, R, group_ids_P=gids, order_P=order))
+    row("top", "  threshold + write", lambda: kernels.select_top(scores, order, plan, R))
     # The "sample" path's score order and its probabilities kernel (one program per group).
-    sorted_P, order_P, _, _ = kernels.group_order(scores, gids, 0)
-    plan = kernels.plan_groups(sorted_P, quotas, R)
-    row("sample", "  keys + torch.sort (int64)", lambda: kernels.group_order(scores, gids, 0))
+    sorted_P, by_score_P, _, _ = kernels.score_order(scores, gids, 0)
+    s_plan = kernels.plan_groups(quotas, R, sorted_keys_P=sorted_P)
+    row("sample", "  keys + torch.sort (int64)", lambda: kernels.score_order(scores, gids, 0))
     w_P = sample_weights(scores)
-    row("sample", "  probabilities (program/group)", lambda: kernels.sample_probabilities(w_P, order_P, plan))
+    row("sample", "  probabilities (program/group)", lambda: kernels.sample_probabilities(w_P, by_score_P, s_plan))
 
 
 if __name__ == "__main__":

@@ -2,29 +2,31 @@
 
 Shapes: P pairs, G groups, R = max_rows (the static size of the compact buffer).
 
-The selection is a group sort, a plan, and per mode a per-group pass (DESIGN.md section 4, item 3):
+Both modes select in the group order: pairs by group ascending, pair id within (a stable argsort of the group ids,
+which a caller such as the MoE layer already has from its forward dispatch and passes in; otherwise one int32 sort).
+Per mode (DESIGN.md section 4, item 3):
 
+"top" (two launches given the group order):
+1. ``_plan_kernel`` (one program): per group, start and size by binary search over the group ids read through the
+   group order, take = min(max(quota, 0), size), the cumulative ends, and the counts/offsets clipped to R.
+2. ``_top_kernel`` (one program per group, over its members in the group order): the take-th largest score key
+   as a threshold by radix select (four 256-bin histograms, 8 bits at a time from the top, no sort by score), then
+   one pass that keeps every key above it and, of the keys equal to it, the lowest pair ids, and writes them in
+   pair-id order. A group of up to 2,048 members is loaded once; a larger one is read once per pass (5 passes).
+   Further programs fill the rows after the last kept pair with padding (-1, 0).
+
+"sample":
 1. ``_group_keys_kernel`` (grid over max(P, R)): one int64 sort key per pair, ``group << 32 | descending score
-   bits`` (the score order "sample" needs for its probabilities), and the output buffers filled with padding
-   (-1, 0) in the same launch, so the later kernels only write kept rows.
-2. A stable radix sort (CUB on CUDA): of those keys (group ascending, score descending, ties to the lower pair
-   id: the order of the reference's two stable argsorts, in one sort), or of the group ids alone as int32 (the
-   group-only order, pair id within: what both modes select in).
-3. ``_plan_kernel`` (one program): per group, start and size by binary search in the sorted keys, take =
-   min(max(quota, 0), size), the cumulative ends, and the counts/offsets clipped to R.
-4. "top", ``_top_kernel`` (one program per group, over its members in the group-only order): the take-th largest
-   score key as a threshold, found bit by bit from the top (32 counting passes over the group, no sort by
-   score), then one pass that keeps every key above it and, of the keys equal to it, the lowest pair ids, and
-   writes them in pair-id order. A group of up to 2,048 members is counted in registers; a hot group larger
-   than that is one program's 34 passes over it: to measure on the GPU.
-5. "sample", ``_sample_probabilities_kernel`` (one program per group, over its members in the score order of
-   step 2): the inclusion probabilities of the reference's ``probabilities``, op for op in fp64: finite weights,
-   the segmented suffix sums by the same Hillis-Steele rounds restricted to the group (rounds with distance >=
-   the group size add nothing, so the additions and their order are the reference's), the capped count m and
-   the scale. A hot group is one program's work (log2(size) passes over it).
-6. "sample", ``_compact_kernel`` (grid over P, group-only order): slot and keep test from the group's cumulative
-   inclusion probabilities (systematic sampling), with the reference's fp64 arithmetic so the result is
-   bit-identical.
+   bits``, and the output buffers filled with padding (-1, 0) in the same launch; a stable radix sort of the keys
+   (CUB on CUDA): group ascending, score descending, ties to the lower pair id (the order of the reference's two
+   stable argsorts, in one sort); ``_plan_kernel`` on the sorted keys.
+2. ``_sample_probabilities_kernel`` (one program per group, over its members in that score order): the
+   inclusion probabilities of the reference's ``probabilities``, op for op in fp64: finite weights, the segmented
+   suffix sums by the same Hillis-Steele rounds restricted to the group (rounds with distance >= the group size
+   add nothing, so the additions and their order are the reference's), the capped count m and the scale. A hot
+   group is one program's work (log2(size) passes over it).
+3. ``_compact_kernel`` (grid over P, group order): slot and keep test from the group's cumulative inclusion
+   probabilities (systematic sampling), with the reference's fp64 arithmetic so the result is bit-identical.
 
 Score keys: NaN counts as +inf (as in the reference), -0.0 as +0.0 (equal floats must tie, to go to the lower pair
 id), then the usual monotone map of the fp32 bit pattern to a signed int (flip the magnitude bits of negatives),
@@ -39,7 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["compact", "group_order", "plan_groups", "sample_probabilities", "select_top"]
+__all__ = ["compact", "plan_groups", "sample_probabilities", "score_order", "select_top"]
 
 BLOCK = 1024  # elements per program of the elementwise kernels: memory-bound, 4 warps, 8 elements a thread
 BLOCK_G = 256  # groups per step of the one-program plan kernel (it loops over larger G)
@@ -49,20 +51,17 @@ TOP_BLOCK = 16 if os.environ.get("TRITON_INTERPRET", "0") == "1" else 2048
 
 
 @triton.jit
-def _group_keys_kernel(
-    scores_ptr, gids_ptr, keys_ptr, pair_ids_ptr, weights_ptr, P, R, BY_SCORE: tl.constexpr, BLOCK: tl.constexpr
-):
+def _group_keys_kernel(scores_ptr, gids_ptr, keys_ptr, pair_ids_ptr, weights_ptr, P, R, BLOCK: tl.constexpr):
     i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     in_p = i < P
     key = tl.load(gids_ptr + i, mask=in_p, other=0).to(tl.int64) << 32
-    if BY_SCORE:
-        s = tl.load(scores_ptr + i, mask=in_p, other=0.0).to(tl.float32)
-        s = tl.where(s != s, float("inf"), s)  # NaN -> +inf
-        s = tl.where(s == 0.0, 0.0, s)  # -0.0 -> +0.0: equal scores must give equal keys
-        bits = s.to(tl.int32, bitcast=True)
-        asc = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # signed int order == float order
-        desc = -asc - 1  # == ~asc: descending, no overflow
-        key = key + (desc.to(tl.int64) + 2147483647 + 1)  # into [0, 2^32), below the group bits
+    s = tl.load(scores_ptr + i, mask=in_p, other=0.0).to(tl.float32)
+    s = tl.where(s != s, float("inf"), s)  # NaN -> +inf
+    s = tl.where(s == 0.0, 0.0, s)  # -0.0 -> +0.0: equal scores must give equal keys
+    bits = s.to(tl.int32, bitcast=True)
+    asc = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # signed int order == float order
+    desc = -asc - 1  # == ~asc: descending, no overflow
+    key = key + (desc.to(tl.int64) + 2147483647 + 1)  # into [0, 2^32), below the group bits
     tl.store(keys_ptr + i, key, mask=in_p)
     in_r = i < R
     tl.store(pair_ids_ptr + i, tl.full((BLOCK,), -1, tl.int64), mask=in_r)
@@ -70,14 +69,20 @@ def _group_keys_kernel(
 
 
 @triton.jit
-def _lower_bound(keys_ptr, n, target, n_steps):
-    """First index in sorted keys[0:n] with keys[index] >= target, for a vector of targets."""
+def _lower_bound(keys_ptr, order_ptr, n, target, n_steps, GATHER: tl.constexpr):
+    """First index in sorted keys[0:n] with keys[index] >= target, for a vector of targets. The keys are
+    ``keys[i]`` (int64, group << 32 | score bits), or with GATHER ``keys[order[i]] << 32`` (group ids read through
+    the group order)."""
     lo = tl.zeros_like(target)
     hi = tl.zeros_like(target) + n
     for _ in range(n_steps):
         active = lo < hi
         mid = (lo + hi) >> 1
-        k = tl.load(keys_ptr + mid, mask=active, other=0)
+        if GATHER:
+            pair = tl.load(order_ptr + mid, mask=active, other=0)
+            k = tl.load(keys_ptr + pair, mask=active, other=0).to(tl.int64) << 32
+        else:
+            k = tl.load(keys_ptr + mid, mask=active, other=0)
         right = active & (k < target)
         lo = tl.where(right, mid + 1, lo)
         hi = tl.where(active & ~right, mid, hi)
@@ -86,8 +91,8 @@ def _lower_bound(keys_ptr, n, target, n_steps):
 
 @triton.jit
 def _plan_kernel(
-    keys_ptr, quotas_ptr, starts_ptr, sizes_ptr, takes_ptr, bases_ptr, counts_ptr, offsets_ptr,
-    P, G, R, n_steps, BLOCK_G: tl.constexpr,
+    keys_ptr, order_ptr, quotas_ptr, starts_ptr, sizes_ptr, takes_ptr, bases_ptr, counts_ptr, offsets_ptr,
+    P, G, R, n_steps, GATHER: tl.constexpr, BLOCK_G: tl.constexpr,
 ):
     # One program: G is small (experts or instances) and every group's end needs the takes of all before it.
     # The binary searches run G lanes wide, ~log2(P) dependent loads each (L2-resident keys).
@@ -96,8 +101,8 @@ def _plan_kernel(
         g = g0 + tl.arange(0, BLOCK_G)
         in_g = g < G
         g64 = g.to(tl.int64)
-        start = _lower_bound(keys_ptr, P, g64 << 32, n_steps)
-        end = _lower_bound(keys_ptr, P, (g64 + 1) << 32, n_steps)
+        start = _lower_bound(keys_ptr, order_ptr, P, g64 << 32, n_steps, GATHER)
+        end = _lower_bound(keys_ptr, order_ptr, P, (g64 + 1) << 32, n_steps, GATHER)
         size = end - start
         quota = tl.load(quotas_ptr + g, mask=in_g, other=0).to(tl.int64)
         take = tl.where(in_g, tl.minimum(tl.maximum(quota, 0), size), 0)
@@ -115,7 +120,7 @@ def _plan_kernel(
 
 @triton.jit
 def _compact_kernel(
-    order_ptr, keys_ptr, starts_ptr, sizes_ptr, takes_ptr, bases_ptr, p_ptr, cum_ptr, u_ptr,
+    order_ptr, gids_ptr, starts_ptr, sizes_ptr, takes_ptr, bases_ptr, p_ptr, cum_ptr, u_ptr,
     pair_ids_ptr, weights_ptr, P, R, BLOCK: tl.constexpr,
 ):
     # Mode "sample", every sorted position (group, then pair id): the reference's arithmetic, op for op in fp64:
@@ -123,7 +128,8 @@ def _compact_kernel(
     # ceil(lo - u) < ceil(hi - u).
     i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     in_p = i < P
-    g = tl.load(keys_ptr + i, mask=in_p, other=0) >> 32
+    pair = tl.load(order_ptr + i, mask=in_p, other=0)
+    g = tl.load(gids_ptr + pair, mask=in_p, other=0).to(tl.int64)
     start = tl.load(starts_ptr + g, mask=in_p, other=0)
     take = tl.load(takes_ptr + g, mask=in_p, other=0)
     rank = i - start
@@ -139,8 +145,7 @@ def _compact_kernel(
     w = (1.0 / p).to(tl.float32)
     dest = tl.load(bases_ptr + g, mask=in_p, other=0) + slot
     kept = in_p & kept & (dest < R)
-    ids = tl.load(order_ptr + i, mask=kept, other=-1)
-    tl.store(pair_ids_ptr + dest, ids, mask=kept)
+    tl.store(pair_ids_ptr + dest, pair, mask=kept)
     tl.store(weights_ptr + dest, w, mask=kept)
 
 
@@ -157,15 +162,19 @@ def _score_key(scores_ptr, pair, ok):
 
 
 @triton.jit
-def _count_at_least(scores_ptr, order_ptr, start, size, cand, offs, BLOCK: tl.constexpr):
-    """Members of the group [start, start + size) of the pair order whose score key is >= cand."""
-    cnt = tl.zeros((), tl.int64)
-    for j0 in range(0, size, BLOCK):
-        ok = j0 + offs < size
-        pair = tl.load(order_ptr + start + j0 + offs, mask=ok, other=0)
-        key = _score_key(scores_ptr, pair, ok)
-        cnt += tl.sum((ok & (key >= cand)).to(tl.int64), 0)
-    return cnt
+def _digit_histogram(key, cand, shift):
+    """Counts of the 8-bit digit (key >> shift) & 255 over the candidates: [256] int32."""
+    return tl.histogram(((key >> shift) & 255).to(tl.int32), 256, mask=cand)
+
+
+@triton.jit
+def _radix_step(hist, need, prefix):
+    """One radix-select step: the digit b holding the need-th largest candidate (the candidates are the keys that
+    start with ``prefix``). Returns (need among the keys that start with prefix.b, prefix.b)."""
+    ge = tl.cumsum(hist, 0, reverse=True)  # candidates with digit >= b
+    b = tl.sum((ge >= need).to(tl.int32), 0) - 1  # ge is non-increasing and ge[0] >= need
+    above = tl.sum(tl.where(tl.arange(0, 256) == b, ge - hist, 0), 0)  # candidates with digit > b
+    return need - above, (prefix << 8) | b.to(tl.int64)
 
 
 @triton.jit
@@ -186,46 +195,59 @@ def _write_kept(pair, key, ok, thresh, ties_kept, ties_before, kept_before, base
 
 @triton.jit
 def _top_kernel(
-    scores_ptr, order_ptr, starts_ptr, sizes_ptr, takes_ptr, bases_ptr, pair_ids_ptr, weights_ptr, R,
-    BLOCK: tl.constexpr,
+    scores_ptr, order_ptr, starts_ptr, sizes_ptr, takes_ptr, bases_ptr, pair_ids_ptr, weights_ptr, G, R,
+    BLOCK: tl.constexpr, FILL_BLOCK: tl.constexpr,
 ):
-    # One program per group, over its members in pair-id order (the group-only sort): the take-th largest score
-    # key T, bit by bit from the top; then one pass keeps every key > T and, of the keys == T, the first
-    # take - count(> T) by pair id, writing them in pair-id order at the group's base. A group of at most BLOCK
-    # members is loaded once and counted in registers; a larger one is re-read for each of its 33 counts.
+    # Programs 0..G-1: one group each, over its members in pair-id order (the group order). The take-th largest
+    # score key T by radix select, 8 bits at a time from the top (4 histograms of the keys that share the digits
+    # found so far); what is left of the count at the last digit is how many keys == T to keep, the lowest pair
+    # ids. Then one pass keeps every key > T and those ties, writing them in pair-id order at the group's base. A
+    # group of at most BLOCK members is loaded once and counted in registers; a larger one is re-read per pass.
+    # Programs G.. fill the rows after the last group's kept pairs with padding (-1, 0).
     g = tl.program_id(0)
-    start = tl.load(starts_ptr + g)
-    size = tl.load(sizes_ptr + g)
-    take = tl.load(takes_ptr + g)
-    base = tl.load(bases_ptr + g)
-    offs = tl.arange(0, BLOCK)
-    zero = tl.zeros((), tl.int64)
-    if take > 0:
-        if size <= BLOCK:
-            ok = offs < size
-            pair = tl.load(order_ptr + start + offs, mask=ok, other=0)
-            key = _score_key(scores_ptr, pair, ok)
+    if g >= G:
+        total = tl.load(bases_ptr + G - 1) + tl.load(takes_ptr + G - 1)
+        i = (g - G).to(tl.int64) * FILL_BLOCK + tl.arange(0, FILL_BLOCK)
+        pad = (i >= total) & (i < R)
+        tl.store(pair_ids_ptr + i, tl.full((FILL_BLOCK,), -1, tl.int64), mask=pad)
+        tl.store(weights_ptr + i, tl.zeros((FILL_BLOCK,), tl.float32), mask=pad)
+    else:
+        start = tl.load(starts_ptr + g)
+        size = tl.load(sizes_ptr + g)
+        take = tl.load(takes_ptr + g)
+        base = tl.load(bases_ptr + g)
+        offs = tl.arange(0, BLOCK)
+        zero = tl.zeros((), tl.int64)
+        if take > 0:
+            need = take
             thresh = zero
-            for i in range(32):  # bit 31 first (an ascending loop: no negative step in compiled Triton)
-                cand = thresh | (tl.full((), 1, tl.int64) << (31 - i))
-                thresh = tl.where(tl.sum((ok & (key >= cand)).to(tl.int64), 0) >= take, cand, thresh)
-            ties_kept = take - tl.sum((ok & (key > thresh)).to(tl.int64), 0)
-            _write_kept(pair, key, ok, thresh, ties_kept, zero, zero, base, pair_ids_ptr, weights_ptr, R, BLOCK)
-        else:
-            thresh = zero
-            for i in range(32):  # bit 31 first (an ascending loop: no negative step in compiled Triton)
-                cand = thresh | (tl.full((), 1, tl.int64) << (31 - i))
-                enough = _count_at_least(scores_ptr, order_ptr, start, size, cand, offs, BLOCK) >= take
-                thresh = tl.where(enough, cand, thresh)
-            ties_kept = take - _count_at_least(scores_ptr, order_ptr, start, size, thresh + 1, offs, BLOCK)
-            ties_before = zero
-            kept_before = zero
-            for j0 in range(0, size, BLOCK):
-                ok = j0 + offs < size
-                pair = tl.load(order_ptr + start + j0 + offs, mask=ok, other=0)
+            if size <= BLOCK:
+                ok = offs < size
+                pair = tl.load(order_ptr + start + offs, mask=ok, other=0)
                 key = _score_key(scores_ptr, pair, ok)
-                ties_before, kept_before = _write_kept(pair, key, ok, thresh, ties_kept, ties_before, kept_before,
-                                                       base, pair_ids_ptr, weights_ptr, R, BLOCK)
+                for i in range(4):  # digits from the top; an ascending loop (no negative step in compiled Triton)
+                    shift = 24 - 8 * i
+                    hist = _digit_histogram(key, ok & ((key >> (shift + 8)) == thresh), shift)
+                    need, thresh = _radix_step(hist, need, thresh)
+                _write_kept(pair, key, ok, thresh, need, zero, zero, base, pair_ids_ptr, weights_ptr, R, BLOCK)
+            else:
+                for i in range(4):
+                    shift = 24 - 8 * i
+                    hist = tl.zeros((256,), tl.int32)
+                    for j0 in range(0, size, BLOCK):
+                        ok = j0 + offs < size
+                        pair = tl.load(order_ptr + start + j0 + offs, mask=ok, other=0)
+                        key = _score_key(scores_ptr, pair, ok)
+                        hist += _digit_histogram(key, ok & ((key >> (shift + 8)) == thresh), shift)
+                    need, thresh = _radix_step(hist, need, thresh)
+                ties_before = zero
+                kept_before = zero
+                for j0 in range(0, size, BLOCK):
+                    ok = j0 + offs < size
+                    pair = tl.load(order_ptr + start + j0 + offs, mask=ok, other=0)
+                    key = _score_key(scores_ptr, pair, ok)
+                    ties_before, kept_before = _write_kept(pair, key, ok, thresh, need, ties_before, kept_before,
+                                                           base, pair_ids_ptr, weights_ptr, R, BLOCK)
 
 
 @triton.jit
@@ -318,14 +340,12 @@ def sample_probabilities(w_P: torch.Tensor, order_P: torch.Tensor, plan: dict[st
     return p_P
 
 
-def group_order(
-    scores_P: torch.Tensor | None, group_ids_P: torch.Tensor, max_rows: int
+def score_order(
+    scores_P: torch.Tensor, group_ids_P: torch.Tensor, max_rows: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(sorted keys [P] int64, order [P] int64, pair_ids [R] int64 of -1, weights [R] fp32 of 0).
-
-    With scores the order is group ascending, score descending (NaN as +inf), ties to the lower pair id; without,
-    group ascending then pair id.
-    """
+    """(sorted keys [P] int64, order [P] int64, pair_ids [R] int64 of -1, weights [R] fp32 of 0): pairs by group
+    ascending, score descending (NaN as +inf), ties to the lower pair id (one stable sort of int64 keys), and the
+    output buffers filled with padding in the same launch as the keys."""
     device = group_ids_P.device
     P = group_ids_P.shape[0]
     keys_P = torch.empty(P, dtype=torch.int64, device=device)
@@ -333,52 +353,61 @@ def group_order(
     weights_R = torch.empty(max_rows, dtype=torch.float32, device=device)
     n = max(P, max_rows)
     if n > 0:
-        by_score = scores_P is not None
         _group_keys_kernel[(triton.cdiv(n, BLOCK),)](
-            scores_P if by_score else keys_P, group_ids_P, keys_P, pair_ids_R, weights_R, P, max_rows,
-            BY_SCORE=by_score, BLOCK=BLOCK, num_warps=4,
+            scores_P, group_ids_P, keys_P, pair_ids_R, weights_R, P, max_rows, BLOCK=BLOCK, num_warps=4,
         )
-    if scores_P is None:
-        # The keys are group << 32: a stable sort of the group ids as int32 gives the same order in half the radix
-        # passes, and the same sorted keys.
-        sorted_gid_P, order_P = torch.sort(group_ids_P.int(), stable=True)
-        return sorted_gid_P.long() << 32, order_P, pair_ids_R, weights_R
     sorted_P, order_P = torch.sort(keys_P, stable=True)
     return sorted_P, order_P, pair_ids_R, weights_R
 
 
-def plan_groups(sorted_keys_P: torch.Tensor, quotas_G: torch.Tensor, max_rows: int) -> dict[str, torch.Tensor]:
+def plan_groups(
+    quotas_G: torch.Tensor,
+    max_rows: int,
+    *,
+    sorted_keys_P: torch.Tensor | None = None,
+    group_ids_P: torch.Tensor | None = None,
+    order_P: torch.Tensor | None = None,
+) -> dict[str, torch.Tensor]:
     """Per group: starts, sizes, takes, bases (int64: sorted position, members, kept, first buffer row) and
-    counts, offsets (int32, clipped to max_rows) from the sorted keys of ``group_order``."""
-    device = sorted_keys_P.device
-    G, P = quotas_G.shape[0], sorted_keys_P.shape[0]
+    counts, offsets (int32, clipped to max_rows), from the sorted keys of ``score_order`` or from the group ids
+    and a group order (a stable argsort of them): one program, binary searches."""
+    gather = sorted_keys_P is None
+    keys_P = group_ids_P if gather else sorted_keys_P
+    device = quotas_G.device
+    G, P = quotas_G.shape[0], keys_P.shape[0]
     plan = {name: torch.empty(G, dtype=torch.int64, device=device) for name in ("starts", "sizes", "takes", "bases")}
     plan |= {name: torch.empty(G, dtype=torch.int32, device=device) for name in ("counts", "offsets")}
     if G > 0:
         _plan_kernel[(1,)](
-            sorted_keys_P, quotas_G, plan["starts"], plan["sizes"], plan["takes"], plan["bases"], plan["counts"],
-            plan["offsets"], P, G, max_rows, P.bit_length() + 1,
-            BLOCK_G=min(BLOCK_G, triton.next_power_of_2(G)), num_warps=4,
+            keys_P, order_P if gather else keys_P, quotas_G, plan["starts"], plan["sizes"], plan["takes"],
+            plan["bases"], plan["counts"], plan["offsets"], P, G, max_rows, P.bit_length() + 1,
+            GATHER=gather, BLOCK_G=min(BLOCK_G, triton.next_power_of_2(G)), num_warps=4,
         )
     return plan
 
 
-def select_top(scores_P: torch.Tensor, order_P: torch.Tensor, plan: dict[str, torch.Tensor], pair_ids_R: torch.Tensor,
-               weights_R: torch.Tensor) -> None:
-    """Mode "top" from the group-only order (group ascending, pair id within): every group's kept pairs written
-    in pair-id order (in place), one program per group."""
+def select_top(
+    scores_P: torch.Tensor, order_P: torch.Tensor, plan: dict[str, torch.Tensor], max_rows: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mode "top" from the group order (group ascending, pair id within): (pair_ids [R], weights [R]), every
+    group's kept pairs in pair-id order and padding after them, in one launch (one program per group, and
+    programs filling the padding)."""
     G = plan["takes"].shape[0]
-    if G == 0 or order_P.shape[0] == 0:
-        return
-    _top_kernel[(G,)](
-        scores_P, order_P, plan["starts"], plan["sizes"], plan["takes"], plan["bases"], pair_ids_R, weights_R,
-        pair_ids_R.shape[0], BLOCK=TOP_BLOCK, num_warps=8,
-    )
+    pair_ids_R = torch.empty(max_rows, dtype=torch.int64, device=order_P.device)
+    weights_R = torch.empty(max_rows, dtype=torch.float32, device=order_P.device)
+    if G == 0:
+        return pair_ids_R.fill_(-1), weights_R.zero_()
+    if max_rows > 0:
+        _top_kernel[(G + triton.cdiv(max_rows, BLOCK),)](
+            scores_P, order_P, plan["starts"], plan["sizes"], plan["takes"], plan["bases"], pair_ids_R, weights_R,
+            G, max_rows, BLOCK=TOP_BLOCK, FILL_BLOCK=BLOCK, num_warps=8,
+        )
+    return pair_ids_R, weights_R
 
 
 def compact(
     order_P: torch.Tensor,
-    sorted_keys_P: torch.Tensor,
+    group_ids_P: torch.Tensor,
     plan: dict[str, torch.Tensor],
     pair_ids_R: torch.Tensor,
     weights_R: torch.Tensor,
@@ -387,12 +416,12 @@ def compact(
     cum_hi_P: torch.Tensor,
     uniform_G: torch.Tensor,
 ) -> None:
-    """Mode "sample": write the kept pairs into pair_ids_R / weights_R (in place), from fp64 p and the inclusive
-    per-group cumulative p in the group-only order, and fp64 uniforms per group."""
+    """Mode "sample": write the kept pairs into pair_ids_R / weights_R (in place), from the group order, fp64 p
+    and the inclusive per-group cumulative p in that order, and fp64 uniforms per group."""
     P = order_P.shape[0]
     if P == 0:
         return
     _compact_kernel[(triton.cdiv(P, BLOCK),)](
-        order_P, sorted_keys_P, plan["starts"], plan["sizes"], plan["takes"], plan["bases"], p_sorted_P, cum_hi_P,
+        order_P, group_ids_P, plan["starts"], plan["sizes"], plan["takes"], plan["bases"], p_sorted_P, cum_hi_P,
         uniform_G, pair_ids_R, weights_R, P, pair_ids_R.shape[0], BLOCK=BLOCK, num_warps=4,
     )

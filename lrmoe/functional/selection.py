@@ -63,6 +63,7 @@ def select_within_quota(
     mode: str = "top",
     generator: torch.Generator | None = None,
     uniform_G: torch.Tensor | None = None,
+    group_order_P: torch.Tensor | None = None,
 ) -> Selection:
     """Keep min(quota, size) pairs of every group and compact them into a buffer of ``max_rows`` entries.
 
@@ -76,6 +77,11 @@ def select_within_quota(
         generator: RNG for "sample" (the global one when None), one uniform draw per group.
         uniform_G: [G] pre-drawn uniforms in [0, 1) for "sample", instead of drawing; lets a caller draw in the
             forward pass and select in backward reproducibly.
+        group_order_P: [P] int64, the stable ascending argsort of ``group_ids_P`` (pairs by group, pair id
+            within), when the caller already has it (an MoE layer sorts its pairs by expert for the forward
+            dispatch). Both modes select in this order; given, the selection does not sort the group ids again
+            (on CUDA, "top" is then two kernel launches). Not checked (that would need a sync): another
+            permutation gives a wrong selection.
     """
     check_tensor("scores_P", scores_P, ndim=1, kind="float")
     check_tensor("group_ids_P", group_ids_P, ndim=1, kind="int")
@@ -89,6 +95,13 @@ def select_within_quota(
         raise ValueError(f"max_rows must be a non-negative Python int, got {max_rows!r}")
     if uniform_G is not None and (uniform_G.dim() != 1 or uniform_G.shape[0] != quotas_G.shape[0]):
         raise ValueError(f"uniform_G must have shape [{quotas_G.shape[0]}], got {tuple(uniform_G.shape)}")
+    if group_order_P is not None:
+        check_tensor("group_order_P", group_order_P, ndim=1, kind="int")
+        if group_order_P.dtype != torch.int64:
+            raise TypeError(f"group_order_P must be int64 (an argsort's indices), got dtype {group_order_P.dtype}")
+        if group_order_P.shape != scores_P.shape:
+            raise ValueError(f"group_order_P must have the shape of scores_P {tuple(scores_P.shape)}, got "
+                             f"{tuple(group_order_P.shape)}")
 
     if mode == "sample" and uniform_G is None:
         # Drawn here, not in the op, so that lrmoe::select_within_quota is deterministic given its inputs.
@@ -100,7 +113,8 @@ def select_within_quota(
     if mode == "sample" and torch.compiler.is_compiling():
         select = _COMPILED_SAMPLE
     pair_ids_R, weights_R, counts_G, offsets_G = select(
-        scores_P.detach(), group_ids_P, quotas_G, max_rows, mode, uniform_G if mode == "sample" else None
+        scores_P.detach(), group_ids_P, quotas_G, max_rows, mode, uniform_G if mode == "sample" else None,
+        group_order_P,
     )
     return Selection(pair_ids=pair_ids_R, weights=weights_R, counts=counts_G, offsets=offsets_G)
 

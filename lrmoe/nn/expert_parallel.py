@@ -500,6 +500,7 @@ class _ExpertParallelSwiGLU(torch.autograd.Function):
             sel, mass_kept = select_retained(
                 gates_TK, g_TD, phi_sq_TK, group_P, quotas_SWI[ep.rank].reshape(-1), sum(splits.bwd_send),
                 metric=cfg.metric, selection=cfg.selection, generator=cfg.generator, uniform_G=uniform_G,
+                group_order_P=order_P,  # the dispatch order: instances ascending, pair id within
             )
             pair_R, weight_R = sel.pair_ids, sel.weights
 

@@ -2,27 +2,28 @@
 
 Shapes: P pairs, G groups, R = max_rows.
 
-``lrmoe::select_within_quota(scores, group_ids, quotas, max_rows, mode, uniform) -> (pair_ids, weights, counts,
-offsets)``
+``lrmoe::select_within_quota(scores, group_ids, quotas, max_rows, mode, uniform, group_order=None) -> (pair_ids,
+weights, counts, offsets)``
     pair_ids [R] int64, weights [R] fp32, counts [G] int32, offsets [G] int32: the contract of
     lrmoe.functional.select_within_quota (its docstring and the Selection dataclass describe the layout), which
     checks the arguments and draws ``uniform`` for mode "sample" when the caller gave none, so the op itself is
-    deterministic: mode "sample" requires ``uniform`` [G]; mode "top" ignores it.
+    deterministic: mode "sample" requires ``uniform`` [G]; mode "top" ignores it. ``group_order`` [P] int64, when
+    given, is the stable ascending argsort of ``group_ids`` (pairs by group, pair id within), which both modes
+    select in; the op then does not sort the group ids itself. Not checked (that would need a sync).
 
 The CPU kernel is the reference below, pure PyTorch (it runs on any device): sorts, cumulative sums and scatters
 into buffers of static size, no host synchronisation. The CUDA kernel is ``select_within_quota_triton`` (Triton
 kernels in lrmoe_kernels.selection around torch.sort); without Triton it falls back to the reference. Both write
 each group's kept pairs in pair-id order.
 
-What runs where on CUDA, per mode:
-- "top": one int32 sort of the group ids (torch.sort, CUB), the per-group plan, then one Triton program per group
-  that finds its take-th largest score by the bits of its key and writes the pairs above it, and the lowest-id
-  ties, in pair-id order. No sort by score.
+What runs where on CUDA, per mode (the group order: given, or one int32 sort of the group ids):
+- "top": the per-group plan, then one Triton program per group that finds its take-th largest score by radix
+  select over the bits of its key and writes the pairs above it, and the lowest-id ties, in pair-id order. No
+  sort by score: two launches when the group order is given.
 - "sample": a sort by (group, score) keys and the per-group plan, the inclusion probabilities in Triton, one
   program per group over its members in score order, the reference's ``probabilities`` op for op in fp64, so
   bit-identical (the systematic sampling depends on the exact fp64 rounding); their per-group cumulative sum in
-  pair order stays in PyTorch, shared with the reference (a second, group-only sort); Triton does the sampling
-  and compaction.
+  the group order stays in PyTorch, shared with the reference; Triton does the sampling and compaction.
 
 No gradient formula: the selection only decides which pairs the backward keeps. The autograd registration marks
 every output non-differentiable, as for lrmoe::score_pairs.
@@ -90,6 +91,7 @@ def select_within_quota_reference(
     max_rows: int,
     mode: str,
     uniform_G: torch.Tensor | None,
+    group_order_P: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The op's contract in plain PyTorch: (pair_ids_R, weights_R, counts_G, offsets_G)."""
     _check_mode(mode, uniform_G)
@@ -97,6 +99,8 @@ def select_within_quota_reference(
     gid_P = group_ids_P.long()
     scores_P = nan_as_inf(scores_P)
     sizes_G, starts_G, take_G = group_sizes(gid_P, quotas_G)
+    order_P = argsort_ids(gid_P) if group_order_P is None else group_order_P  # by group, then pair id
+    g_P = gid_P[order_P]
 
     if mode == "top":
         # Kept: the take best of each group by score, ties to the lower pair id. Written in pair-id order.
@@ -104,16 +108,12 @@ def select_within_quota_reference(
         rank_P = torch.arange(gid_P.shape[0], device=device) - starts_G[gid_P[by_score_P]]
         best_P = torch.zeros_like(gid_P, dtype=torch.bool).scatter_(
             0, by_score_P, rank_P < take_G[gid_P[by_score_P]])
-        order_P = argsort_ids(gid_P)  # by group, then pair id
-        g_P = gid_P[order_P]
         kept_P = best_P[order_P]
         before_P = torch.cumsum(kept_P.long(), 0) - kept_P.long()  # kept pairs before this one, all groups
         slot_P = before_P - before_P[starts_G[g_P]]  # minus those before the group's first member
         weights_P = torch.ones_like(scores_P)
     else:
         p_P = probabilities(scores_P, gid_P, take_G, sizes_G, starts_G)
-        order_P = argsort_ids(gid_P)  # by group, then pair id
-        g_P = gid_P[order_P]
         p_sorted = p_P[order_P]
         cum_hi = _segment_cumsum(p_sorted, g_P, starts_G)
         cum_lo = cum_hi - p_sorted
@@ -236,6 +236,7 @@ def select_within_quota_triton(
     max_rows: int,
     mode: str,
     uniform_G: torch.Tensor | None,
+    group_order_P: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The CUDA kernel of the op (runs on CPU tensors too, in Triton's interpreter): same outputs, bit for bit.
 
@@ -243,27 +244,25 @@ def select_within_quota_triton(
     """
     _check_mode(mode, uniform_G)
     kernels = kernel_module("selection")
-    top = mode == "top"
     scores_P = scores_P.contiguous()
     gids_P = group_ids_P.contiguous()
     quotas_G = quotas_G.contiguous()
-    if top:
-        # Pairs by group (an int32 sort), then per group its take-th largest score as a threshold: no sort by score.
-        sorted_P, order_P, pair_ids_R, weights_R = kernels.group_order(None, gids_P, max_rows)
-        plan = kernels.plan_groups(sorted_P, quotas_G, max_rows)
-        kernels.select_top(scores_P, order_P, plan, pair_ids_R, weights_R)
+    order_P = argsort_ids(gids_P) if group_order_P is None else group_order_P.contiguous()
+    if mode == "top":
+        # Per group its take-th largest score as a threshold, in the group order: no sort by score.
+        plan = kernels.plan_groups(quotas_G, max_rows, group_ids_P=gids_P, order_P=order_P)
+        pair_ids_R, weights_R = kernels.select_top(scores_P, order_P, plan, max_rows)
     else:
         # Inclusion probabilities: one Triton program per group over its members in score order, the reference's
-        # arithmetic op for op (bit-identical); then their per-group cumulative sum in pair order in PyTorch, as
-        # in the reference, and the sampling and compaction in Triton.
-        scored_P, by_score_P, _, _ = kernels.group_order(scores_P, gids_P, 0)
-        plan = kernels.plan_groups(scored_P, quotas_G, max_rows)
+        # arithmetic op for op (bit-identical); then their per-group cumulative sum in the group order in PyTorch,
+        # as in the reference, and the sampling and compaction in Triton.
+        scored_P, by_score_P, pair_ids_R, weights_R = kernels.score_order(scores_P, gids_P, max_rows)
+        plan = kernels.plan_groups(quotas_G, max_rows, sorted_keys_P=scored_P)
         p_P = kernels.sample_probabilities(sample_weights(nan_as_inf(scores_P)), by_score_P, plan)
-        sorted_P, order_P, pair_ids_R, weights_R = kernels.group_order(None, gids_P, max_rows)
         p_sorted = p_P[order_P]
-        cum_hi = _segment_cumsum(p_sorted, sorted_P >> 32, plan["starts"])
+        cum_hi = _segment_cumsum(p_sorted, gids_P.long()[order_P], plan["starts"])
         kernels.compact(
-            order_P, sorted_P, plan, pair_ids_R, weights_R,
+            order_P, gids_P, plan, pair_ids_R, weights_R,
             p_sorted_P=p_sorted, cum_hi_P=cum_hi, uniform_G=uniform_G.double().contiguous(),
         )
     return pair_ids_R, weights_R, plan["counts"], plan["offsets"]
@@ -280,19 +279,20 @@ def select_within_quota(
     max_rows: int,
     mode: str,
     uniform: torch.Tensor | None,
+    group_order: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return select_within_quota_reference(scores, group_ids, quotas, max_rows, mode, uniform)
+    return select_within_quota_reference(scores, group_ids, quotas, max_rows, mode, uniform, group_order)
 
 
 @select_within_quota.register_kernel("cuda")
-def _(scores, group_ids, quotas, max_rows, mode, uniform):
+def _(scores, group_ids, quotas, max_rows, mode, uniform, group_order=None):
     if kernel_module("selection") is None:  # no Triton on this machine
-        return select_within_quota_reference(scores, group_ids, quotas, max_rows, mode, uniform)
-    return select_within_quota_triton(scores, group_ids, quotas, max_rows, mode, uniform)
+        return select_within_quota_reference(scores, group_ids, quotas, max_rows, mode, uniform, group_order)
+    return select_within_quota_triton(scores, group_ids, quotas, max_rows, mode, uniform, group_order)
 
 
 @select_within_quota.register_fake
-def _(scores, group_ids, quotas, max_rows, mode, uniform):
+def _(scores, group_ids, quotas, max_rows, mode, uniform, group_order=None):
     _check_mode(mode, uniform)
     G = quotas.shape[0]
     return (
@@ -308,7 +308,7 @@ def _select_setup(ctx, inputs, output):
 
 
 def _select_backward(ctx, *grads):
-    return None, None, None, None, None, None  # never called: the outputs are non-differentiable
+    return None, None, None, None, None, None, None  # never called: the outputs are non-differentiable
 
 
 select_within_quota.register_autograd(_select_backward, setup_context=_select_setup)

@@ -191,6 +191,20 @@ def test_small_buffer_is_a_prefix_of_a_big_one(case, mode):
     assert torch.equal(small.offsets, big.offsets.clamp(max=max_rows))
 
 
+@given(selection_cases(), st.sampled_from(["top", "sample"]))
+def test_given_group_order_selects_the_same(case, mode):
+    # A caller's group order (the stable argsort of the group ids, as an MoE layer has it from its dispatch) only
+    # spares the selection its own sort: the same buffer, weights and offsets.
+    scores, gids, quotas, max_rows, gid_dtype, seed = case
+    t = _tensors(scores, gids, quotas, gid_dtype)
+    u = torch.from_numpy(np.random.default_rng(seed).uniform(size=len(quotas)))
+    order = torch.argsort(t[1], stable=True)
+    want = select_within_quota(*t, max_rows=max_rows, mode=mode, uniform_G=u)
+    got = select_within_quota(*t, max_rows=max_rows, mode=mode, uniform_G=u, group_order_P=order)
+    for name in ("pair_ids", "weights", "counts", "offsets"):
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
+
+
 # ------------------------------------------------------------------------------------------------ "sample"
 
 
@@ -405,6 +419,9 @@ _S, _G, _Q = torch.rand(5), torch.tensor([0, 1, 0, 1, 1]), torch.tensor([1, 2])
         ((_S, _G, _Q), {"max_rows": torch.tensor(4)}, ValueError, "max_rows"),
         ((_S, _G, _Q), {"max_rows": 4, "mode": "best"}, ValueError, "mode"),
         ((_S, _G, _Q), {"max_rows": 4, "mode": "sample", "uniform_G": torch.rand(3)}, ValueError, "uniform_G"),
+        ((_S, _G, _Q), {"max_rows": 4, "group_order_P": torch.arange(4)}, ValueError, "group_order_P"),
+        ((_S, _G, _Q), {"max_rows": 4, "group_order_P": torch.arange(5).int()}, TypeError, "group_order_P"),
+        ((_S, _G, _Q), {"max_rows": 4, "group_order_P": torch.arange(5.0)}, TypeError, "group_order_P"),
     ],
 )
 def test_select_errors_name_the_argument(args, kwargs, exc, name):

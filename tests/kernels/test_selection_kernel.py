@@ -16,7 +16,7 @@ import torch
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from lrmoe.ops.selection import select_within_quota_reference, select_within_quota_triton
+from lrmoe.ops.selection import argsort_ids, select_within_quota_reference, select_within_quota_triton
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 DEVICE = "cpu" if INTERPRET else "cuda"
@@ -41,12 +41,15 @@ def assert_same(scores, gids, quotas, max_rows, uniform=None, gid_dtype=torch.in
     if uniform is None:
         uniform = [(0.37 + 0.29 * g) % 1.0 for g in range(len(quotas))]
     u = torch.tensor(uniform, dtype=torch.float64, device=DEVICE)
+    order = argsort_ids(t[1])
     for mode in ("top", "sample"):
         want = select_within_quota_reference(*t, max_rows, mode, u)
-        got = select_within_quota_triton(*t, max_rows, mode, u)
-        for name, w, g in zip(("pair_ids", "weights", "counts", "offsets"), want, got):
-            assert g.dtype == w.dtype and g.shape == w.shape, (mode, name)
-            assert torch.equal(g, w), (mode, name, g.tolist(), w.tolist())
+        # The Triton path sorting the group ids itself, and given their order (as the MoE layer gives it).
+        for given_order in (None, order):
+            got = select_within_quota_triton(*t, max_rows, mode, u, given_order)
+            for name, w, g in zip(("pair_ids", "weights", "counts", "offsets"), want, got):
+                assert g.dtype == w.dtype and g.shape == w.shape, (mode, name)
+                assert torch.equal(g, w), (mode, name, given_order is None, g.tolist(), w.tolist())
 
 
 CASES = {
@@ -121,8 +124,8 @@ def _probabilities_both(scores, gids, quotas):
     s = torch.tensor(scores, dtype=torch.float32, device=DEVICE)
     g = torch.tensor(gids, dtype=torch.int64, device=DEVICE)
     q = torch.tensor(quotas, dtype=torch.int64, device=DEVICE)
-    keys, by_score, _, _ = kernels.group_order(s, g, 0)
-    plan = kernels.plan_groups(keys, q, len(scores))
+    keys, by_score, _, _ = kernels.score_order(s, g, 0)
+    plan = kernels.plan_groups(q, len(scores), sorted_keys_P=keys)
     got = kernels.sample_probabilities(sample_weights(nan_as_inf(s)), by_score, plan)
     sizes, starts, take = group_sizes(g, q)
     return got, probabilities(nan_as_inf(s), g, take, sizes, starts)
@@ -172,3 +175,16 @@ def test_top_groups_across_blocks_with_ties_at_the_threshold(quota, max_rows):
     scores[[11, 60]] = NAN
     scores[[5, 6, 50]] = -0.0
     assert_same(scores.tolist(), gids.tolist(), [quota, quota // 2 + 1], max_rows)
+
+
+@pytest.mark.parametrize("take", [1, 7, 11, 20])
+def test_top_threshold_in_the_low_digits(take):
+    # Scores one ulp apart around 1.0, shuffled, with repeats: their keys share the top three 8-bit digits, so the
+    # threshold is decided by the last radix step; ties at it go to the lowest pair ids. Groups of 12 and 20
+    # members: under the interpreter (blocks of 16) one is counted in registers, the other re-read per pass.
+    gen = torch.Generator().manual_seed(11)
+    ulps = torch.randint(0, 9, (32,), generator=gen)
+    scores = (torch.ones(32).view(torch.int32) + ulps.int()).view(torch.float32)
+    gids = torch.cat([torch.zeros(12, dtype=torch.int64), torch.ones(20, dtype=torch.int64)])
+    gids = gids[torch.randperm(32, generator=gen)]
+    assert_same(scores.tolist(), gids.tolist(), [min(take, 12), take], 32)

@@ -36,6 +36,8 @@ def _inputs(seed=0, P=11, G=4, gid_dtype=torch.int64):
 def test_opcheck(mode, max_rows):
     scores, gids, quotas, uniform = _inputs()
     torch.library.opcheck(select_within_quota, (scores, gids, quotas, max_rows, mode, uniform))
+    order = torch.argsort(gids, stable=True)  # the group order given, as the MoE layers give it
+    torch.library.opcheck(select_within_quota, (scores, gids, quotas, max_rows, mode, uniform, order))
 
 
 def test_opcheck_top_without_uniform_int32_ids_and_no_pairs():
@@ -78,20 +80,24 @@ def test_cuda_op_equals_cpu_reference(mode):
     scores[torch.randint(0, P, (20,), generator=g)] = INF
     scores[torch.randint(0, P, (20,), generator=g)] = NAN
     scores[torch.randint(0, P, (200,), generator=g)] = 1.0  # ties
-    gids = torch.randint(0, G, (P,), generator=g)
     quotas = torch.randint(-2, 200, (G,), generator=g)
+    quotas[0] = 1700
     uniform = torch.rand(G, generator=g, dtype=torch.float64)
-    dev = [t.cuda() for t in (scores, gids, quotas, uniform)]
-    for max_rows in (0, 1000, 6000):
-        got = select_within_quota(*dev[:3], max_rows, mode, dev[3])
-        # Exact against the reference on the same device. "sample" rounds the fp64 cumulative sums of torch.cumsum,
-        # whose association differs between devices, so only "top" is compared with the CPU too.
-        want_cuda = select_within_quota_reference(*dev[:3], max_rows, mode, dev[3])
-        want_cpu = select_within_quota_reference(scores, gids, quotas, max_rows, mode, uniform)
-        for x, w, wc in zip(got, want_cuda, want_cpu):
-            assert torch.equal(x, w)
-            if mode == "top":
-                assert torch.equal(x.cpu(), wc)
+    spread = torch.randint(0, G, (P,), generator=g)
+    hot = torch.where(torch.rand(P, generator=g) < 0.6, 0, spread)  # group 0: ~3,000 members, past one block
+    for gids in (spread, hot):
+        dev = [t.cuda() for t in (scores, gids, quotas, uniform)]
+        order = torch.argsort(dev[1], stable=True)
+        for max_rows, given in ((0, None), (1000, None), (6000, None), (6000, order), (1000, order)):
+            got = select_within_quota(*dev[:3], max_rows, mode, dev[3], given)
+            # Exact against the reference on the same device. "sample" rounds the fp64 cumulative sums of
+            # torch.cumsum, whose association differs between devices, so only "top" is compared with the CPU too.
+            want_cuda = select_within_quota_reference(*dev[:3], max_rows, mode, dev[3])
+            want_cpu = select_within_quota_reference(scores, gids, quotas, max_rows, mode, uniform)
+            for x, w, wc in zip(got, want_cuda, want_cpu):
+                assert torch.equal(x, w)
+                if mode == "top":
+                    assert torch.equal(x.cpu(), wc)
 
 
 # ------------------------------------------------------------------------------------------------ torch.compile
