@@ -7,8 +7,9 @@ which a caller such as the MoE layer already has from its forward dispatch and p
 Per mode (DESIGN.md section 4, item 3):
 
 "top" (two launches given the group order):
-1. ``_plan_kernel`` (one program): per group, start and size by binary search over the group ids read through the
-   group order, take = min(max(quota, 0), size), the cumulative ends, and the counts/offsets clipped to R.
+1. ``_plan_kernel`` (one program, both modes): per group, its size by a histogram of the group ids and its start
+   (their exclusive sum: where it begins in any order sorted by group first), take = min(max(quota, 0), size),
+   the cumulative ends, and the counts/offsets clipped to R.
 2. ``_top_kernel`` (one program per group, over its members in the group order): the take-th largest score key
    as a threshold by radix select (four 256-bin histograms, 8 bits at a time from the top, no sort by score), then
    one pass that keeps every key above it and, of the keys equal to it, the lowest pair ids, and writes them in
@@ -19,7 +20,7 @@ Per mode (DESIGN.md section 4, item 3):
 1. ``_group_keys_kernel`` (grid over max(P, R)): one int64 sort key per pair, ``group << 32 | descending score
    bits``, and the output buffers filled with padding (-1, 0) in the same launch; a stable radix sort of the keys
    (CUB on CUDA): group ascending, score descending, ties to the lower pair id (the order of the reference's two
-   stable argsorts, in one sort); ``_plan_kernel`` on the sorted keys.
+   stable argsorts, in one sort); ``_plan_kernel``.
 2. ``_sample_probabilities_kernel`` (one program per group, over its members in that score order): the
    inclusion probabilities of the reference's ``probabilities``, op for op in fp64: finite weights, the segmented
    suffix sums by the same Hillis-Steele rounds restricted to the group (rounds with distance >= the group size
@@ -45,6 +46,7 @@ __all__ = ["compact", "plan_groups", "sample_probabilities", "score_order", "sel
 
 BLOCK = 1024  # elements per program of the elementwise kernels: memory-bound, 4 warps, 8 elements a thread
 BLOCK_G = 256  # groups per step of the one-program plan kernel (it loops over larger G)
+PLAN_BLOCK = 4096  # group ids per step of the plan kernel's histogram
 # Members per step of a "top" program (a group up to this size is counted in registers). Small under the
 # interpreter, so the tests' groups take both paths.
 TOP_BLOCK = 16 if os.environ.get("TRITON_INTERPRET", "0") == "1" else 2048
@@ -69,44 +71,29 @@ def _group_keys_kernel(scores_ptr, gids_ptr, keys_ptr, pair_ids_ptr, weights_ptr
 
 
 @triton.jit
-def _lower_bound(keys_ptr, order_ptr, n, target, n_steps, GATHER: tl.constexpr):
-    """First index in sorted keys[0:n] with keys[index] >= target, for a vector of targets. The keys are
-    ``keys[i]`` (int64, group << 32 | score bits), or with GATHER ``keys[order[i]] << 32`` (group ids read through
-    the group order)."""
-    lo = tl.zeros_like(target)
-    hi = tl.zeros_like(target) + n
-    for _ in range(n_steps):
-        active = lo < hi
-        mid = (lo + hi) >> 1
-        if GATHER:
-            pair = tl.load(order_ptr + mid, mask=active, other=0)
-            k = tl.load(keys_ptr + pair, mask=active, other=0).to(tl.int64) << 32
-        else:
-            k = tl.load(keys_ptr + mid, mask=active, other=0)
-        right = active & (k < target)
-        lo = tl.where(right, mid + 1, lo)
-        hi = tl.where(active & ~right, mid, hi)
-    return lo
-
-
-@triton.jit
 def _plan_kernel(
-    keys_ptr, order_ptr, quotas_ptr, starts_ptr, sizes_ptr, takes_ptr, bases_ptr, counts_ptr, offsets_ptr,
-    P, G, R, n_steps, GATHER: tl.constexpr, BLOCK_G: tl.constexpr,
+    gids_ptr, quotas_ptr, starts_ptr, sizes_ptr, takes_ptr, bases_ptr, counts_ptr, offsets_ptr, P, G, R,
+    BLOCK_G: tl.constexpr, BLOCK: tl.constexpr,
 ):
     # One program: G is small (experts or instances) and every group's end needs the takes of all before it.
-    # The binary searches run G lanes wide, ~log2(P) dependent loads each (L2-resident keys).
-    carry = tl.zeros((1,), tl.int64)
+    # Sizes are a histogram of the group ids (one read of them per BLOCK_G groups), starts their exclusive sum:
+    # where each group begins in any order that sorts by group first.
+    start_carry = tl.zeros((1,), tl.int64)
+    take_carry = tl.zeros((1,), tl.int64)
+    offs = tl.arange(0, BLOCK)
     for g0 in range(0, G, BLOCK_G):
         g = g0 + tl.arange(0, BLOCK_G)
         in_g = g < G
-        g64 = g.to(tl.int64)
-        start = _lower_bound(keys_ptr, order_ptr, P, g64 << 32, n_steps, GATHER)
-        end = _lower_bound(keys_ptr, order_ptr, P, (g64 + 1) << 32, n_steps, GATHER)
-        size = end - start
+        size = tl.zeros((BLOCK_G,), tl.int32)
+        for i0 in range(0, P, BLOCK):
+            i = i0 + offs
+            gid = tl.load(gids_ptr + i, mask=i < P, other=-1).to(tl.int32) - g0
+            size += tl.histogram(gid, BLOCK_G, mask=(i < P) & (gid >= 0) & (gid < BLOCK_G))
+        size = size.to(tl.int64)
+        start = tl.cumsum(size, 0) - size + start_carry
         quota = tl.load(quotas_ptr + g, mask=in_g, other=0).to(tl.int64)
         take = tl.where(in_g, tl.minimum(tl.maximum(quota, 0), size), 0)
-        ends = tl.cumsum(take, 0) + carry
+        ends = tl.cumsum(take, 0) + take_carry
         base = ends - take
         offsets = tl.minimum(ends, R)
         tl.store(starts_ptr + g, start, mask=in_g)
@@ -115,7 +102,8 @@ def _plan_kernel(
         tl.store(bases_ptr + g, base, mask=in_g)
         tl.store(counts_ptr + g, (offsets - tl.minimum(base, R)).to(tl.int32), mask=in_g)
         tl.store(offsets_ptr + g, offsets.to(tl.int32), mask=in_g)
-        carry += tl.sum(take, 0)
+        start_carry += tl.sum(size, 0)
+        take_carry += tl.sum(take, 0)
 
 
 @triton.jit
@@ -342,8 +330,8 @@ def sample_probabilities(w_P: torch.Tensor, order_P: torch.Tensor, plan: dict[st
 
 def score_order(
     scores_P: torch.Tensor, group_ids_P: torch.Tensor, max_rows: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(sorted keys [P] int64, order [P] int64, pair_ids [R] int64 of -1, weights [R] fp32 of 0): pairs by group
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(order [P] int64, pair_ids [R] int64 of -1, weights [R] fp32 of 0): pairs by group
     ascending, score descending (NaN as +inf), ties to the lower pair id (one stable sort of int64 keys), and the
     output buffers filled with padding in the same launch as the keys."""
     device = group_ids_P.device
@@ -356,32 +344,21 @@ def score_order(
         _group_keys_kernel[(triton.cdiv(n, BLOCK),)](
             scores_P, group_ids_P, keys_P, pair_ids_R, weights_R, P, max_rows, BLOCK=BLOCK, num_warps=4,
         )
-    sorted_P, order_P = torch.sort(keys_P, stable=True)
-    return sorted_P, order_P, pair_ids_R, weights_R
+    return torch.sort(keys_P, stable=True)[1], pair_ids_R, weights_R
 
 
-def plan_groups(
-    quotas_G: torch.Tensor,
-    max_rows: int,
-    *,
-    sorted_keys_P: torch.Tensor | None = None,
-    group_ids_P: torch.Tensor | None = None,
-    order_P: torch.Tensor | None = None,
-) -> dict[str, torch.Tensor]:
-    """Per group: starts, sizes, takes, bases (int64: sorted position, members, kept, first buffer row) and
-    counts, offsets (int32, clipped to max_rows), from the sorted keys of ``score_order`` or from the group ids
-    and a group order (a stable argsort of them): one program, binary searches."""
-    gather = sorted_keys_P is None
-    keys_P = group_ids_P if gather else sorted_keys_P
+def plan_groups(group_ids_P: torch.Tensor, quotas_G: torch.Tensor, max_rows: int) -> dict[str, torch.Tensor]:
+    """Per group: starts, sizes, takes, bases (int64: first position in an order sorted by group, members, kept,
+    first buffer row) and counts, offsets (int32, clipped to max_rows), from the group ids: one program."""
     device = quotas_G.device
-    G, P = quotas_G.shape[0], keys_P.shape[0]
-    plan = {name: torch.empty(G, dtype=torch.int64, device=device) for name in ("starts", "sizes", "takes", "bases")}
-    plan |= {name: torch.empty(G, dtype=torch.int32, device=device) for name in ("counts", "offsets")}
+    G, P = quotas_G.shape[0], group_ids_P.shape[0]
+    plan64 = torch.empty(4, G, dtype=torch.int64, device=device)
+    plan32 = torch.empty(2, G, dtype=torch.int32, device=device)
+    plan = dict(zip(("starts", "sizes", "takes", "bases"), plan64)) | dict(zip(("counts", "offsets"), plan32))
     if G > 0:
         _plan_kernel[(1,)](
-            keys_P, order_P if gather else keys_P, quotas_G, plan["starts"], plan["sizes"], plan["takes"],
-            plan["bases"], plan["counts"], plan["offsets"], P, G, max_rows, P.bit_length() + 1,
-            GATHER=gather, BLOCK_G=min(BLOCK_G, triton.next_power_of_2(G)), num_warps=4,
+            group_ids_P, quotas_G, *plan64, *plan32, P, G, max_rows,
+            BLOCK_G=min(BLOCK_G, triton.next_power_of_2(G)), BLOCK=PLAN_BLOCK, num_warps=8,
         )
     return plan
 
