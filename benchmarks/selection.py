@@ -96,12 +96,12 @@ def main() -> None:
 
     row("both", "  group order (int32 sort)", lambda: argsort_ids(gids))
     # Pieces of the "top" path: the plan (one program), one program per group.
-    plan = kernels.plan_groups(gids, quotas, R)
-    row("both", "  plan (1 program)", lambda: kernels.plan_groups(gids, quotas, R))
+    plan = kernels.plan_groups(gids, order, quotas, R)
+    row("both", "  plan (1 program)", lambda: kernels.plan_groups(gids, order, quotas, R))
     row("top", "  threshold + write", lambda: kernels.select_top(scores, order, plan, R))
     # The "sample" path's score order and its probabilities kernel (one program per group).
     by_score_P, _, _ = kernels.score_order(scores, gids, 0)
-    s_plan = plan
+    s_plan = kernels.plan_groups(gids, by_score_P, quotas, R)
     row("sample", "  keys + torch.sort (int64)", lambda: kernels.score_order(scores, gids, 0))
     w_P = sample_weights(scores)
     row("sample", "  probabilities (program/group)", lambda: kernels.sample_probabilities(w_P, by_score_P, s_plan))

@@ -7,9 +7,9 @@ which a caller such as the MoE layer already has from its forward dispatch and p
 Per mode (DESIGN.md section 4, item 3):
 
 "top" (two launches given the group order):
-1. ``_plan_kernel`` (one program, both modes): per group, its size by a histogram of the group ids and its start
-   (their exclusive sum: where it begins in any order sorted by group first), take = min(max(quota, 0), size),
-   the cumulative ends, and the counts/offsets clipped to R.
+1. ``_plan_kernel`` (one program, both modes): per group, start and size by a 16-ary search over the group ids
+   read through an order sorted by group first, take = min(max(quota, 0), size), the cumulative ends, and the
+   counts/offsets clipped to R.
 2. ``_top_kernel`` (one program per group, over its members in the group order): the take-th largest score key
    as a threshold by radix select (four 256-bin histograms, 8 bits at a time from the top, no sort by score), then
    one pass that keeps every key above it and, of the keys equal to it, the lowest pair ids, and writes them in
@@ -46,7 +46,6 @@ __all__ = ["compact", "plan_groups", "sample_probabilities", "score_order", "sel
 
 BLOCK = 1024  # elements per program of the elementwise kernels: memory-bound, 4 warps, 8 elements a thread
 BLOCK_G = 256  # groups per step of the one-program plan kernel (it loops over larger G)
-PLAN_BLOCK = 4096  # group ids per step of the plan kernel's histogram
 # Members per step of a "top" program (a group up to this size is counted in registers). Small under the
 # interpreter, so the tests' groups take both paths.
 TOP_BLOCK = 16 if os.environ.get("TRITON_INTERPRET", "0") == "1" else 2048
@@ -71,29 +70,46 @@ def _group_keys_kernel(scores_ptr, gids_ptr, keys_ptr, pair_ids_ptr, weights_ptr
 
 
 @triton.jit
+def _lower_bound(gids_ptr, order_ptr, n, target, n_steps, PROBES: tl.constexpr):
+    """First position i in [0, n) with gids[order[i]] >= target (n if none), for a vector of targets, where
+    gids[order[.]] is non-decreasing. A PROBES-ary search: each step reads PROBES - 1 positions of every target's
+    interval at once, so ~log_PROBES(n) steps of two dependent loads (L2-resident ids)."""
+    lo = tl.zeros_like(target).to(tl.int64)
+    hi = lo + n
+    j = tl.arange(0, PROBES)[None, :].to(tl.int64) + 1
+    use = j < PROBES
+    for _ in range(n_steps):
+        width = (hi - lo)[:, None]
+        pos = lo[:, None] + (width * j) // PROBES  # in [lo, hi) for j < PROBES
+        ok = use & (width > 0)
+        pair = tl.load(order_ptr + pos, mask=ok, other=0)
+        below = ok & (tl.load(gids_ptr + pair, mask=ok, other=0).to(tl.int64) < target[:, None])
+        c = tl.sum(below.to(tl.int64), 1)  # probes below the target: a prefix of them (non-decreasing ids)
+        first_not = tl.min(tl.where(ok & ~below, pos, hi[:, None]), 1)
+        last_below = tl.max(tl.where(below, pos, lo[:, None] - 1), 1)
+        lo = tl.where(c > 0, last_below + 1, lo)
+        hi = first_not
+    return lo
+
+
+@triton.jit
 def _plan_kernel(
-    gids_ptr, quotas_ptr, starts_ptr, sizes_ptr, takes_ptr, bases_ptr, counts_ptr, offsets_ptr, P, G, R,
-    BLOCK_G: tl.constexpr, BLOCK: tl.constexpr,
+    gids_ptr, order_ptr, quotas_ptr, starts_ptr, sizes_ptr, takes_ptr, bases_ptr, counts_ptr, offsets_ptr,
+    P, G, R, n_steps, BLOCK_G: tl.constexpr, PROBES: tl.constexpr,
 ):
     # One program: G is small (experts or instances) and every group's end needs the takes of all before it.
-    # Sizes are a histogram of the group ids (one read of them per BLOCK_G groups), starts their exclusive sum:
-    # where each group begins in any order that sorts by group first.
-    start_carry = tl.zeros((1,), tl.int64)
-    take_carry = tl.zeros((1,), tl.int64)
-    offs = tl.arange(0, BLOCK)
+    # Start and end of every group by searches over the group ids read through the order, G lanes wide.
+    carry = tl.zeros((1,), tl.int64)
     for g0 in range(0, G, BLOCK_G):
         g = g0 + tl.arange(0, BLOCK_G)
         in_g = g < G
-        size = tl.zeros((BLOCK_G,), tl.int32)
-        for i0 in range(0, P, BLOCK):
-            i = i0 + offs
-            gid = tl.load(gids_ptr + i, mask=i < P, other=-1).to(tl.int32) - g0
-            size += tl.histogram(gid, BLOCK_G, mask=(i < P) & (gid >= 0) & (gid < BLOCK_G))
-        size = size.to(tl.int64)
-        start = tl.cumsum(size, 0) - size + start_carry
+        g64 = g.to(tl.int64)
+        start = _lower_bound(gids_ptr, order_ptr, P, g64, n_steps, PROBES)
+        end = _lower_bound(gids_ptr, order_ptr, P, g64 + 1, n_steps, PROBES)
+        size = end - start
         quota = tl.load(quotas_ptr + g, mask=in_g, other=0).to(tl.int64)
         take = tl.where(in_g, tl.minimum(tl.maximum(quota, 0), size), 0)
-        ends = tl.cumsum(take, 0) + take_carry
+        ends = tl.cumsum(take, 0) + carry
         base = ends - take
         offsets = tl.minimum(ends, R)
         tl.store(starts_ptr + g, start, mask=in_g)
@@ -102,8 +118,7 @@ def _plan_kernel(
         tl.store(bases_ptr + g, base, mask=in_g)
         tl.store(counts_ptr + g, (offsets - tl.minimum(base, R)).to(tl.int32), mask=in_g)
         tl.store(offsets_ptr + g, offsets.to(tl.int32), mask=in_g)
-        start_carry += tl.sum(size, 0)
-        take_carry += tl.sum(take, 0)
+        carry += tl.sum(take, 0)
 
 
 @triton.jit
@@ -347,18 +362,21 @@ def score_order(
     return torch.sort(keys_P, stable=True)[1], pair_ids_R, weights_R
 
 
-def plan_groups(group_ids_P: torch.Tensor, quotas_G: torch.Tensor, max_rows: int) -> dict[str, torch.Tensor]:
-    """Per group: starts, sizes, takes, bases (int64: first position in an order sorted by group, members, kept,
-    first buffer row) and counts, offsets (int32, clipped to max_rows), from the group ids: one program."""
+def plan_groups(
+    group_ids_P: torch.Tensor, order_P: torch.Tensor, quotas_G: torch.Tensor, max_rows: int
+) -> dict[str, torch.Tensor]:
+    """Per group: starts, sizes, takes, bases (int64: first position in ``order_P``, members, kept, first buffer
+    row) and counts, offsets (int32, clipped to max_rows), from the group ids and an order that sorts them by
+    group first (the group order or the score order): one program. Separate tensors: the op returns two of them."""
     device = quotas_G.device
     G, P = quotas_G.shape[0], group_ids_P.shape[0]
-    plan64 = torch.empty(4, G, dtype=torch.int64, device=device)
-    plan32 = torch.empty(2, G, dtype=torch.int32, device=device)
-    plan = dict(zip(("starts", "sizes", "takes", "bases"), plan64)) | dict(zip(("counts", "offsets"), plan32))
+    plan = {name: torch.empty(G, dtype=torch.int64, device=device) for name in ("starts", "sizes", "takes", "bases")}
+    plan |= {name: torch.empty(G, dtype=torch.int32, device=device) for name in ("counts", "offsets")}
     if G > 0:
         _plan_kernel[(1,)](
-            group_ids_P, quotas_G, *plan64, *plan32, P, G, max_rows,
-            BLOCK_G=min(BLOCK_G, triton.next_power_of_2(G)), BLOCK=PLAN_BLOCK, num_warps=8,
+            group_ids_P, order_P, quotas_G, plan["starts"], plan["sizes"], plan["takes"], plan["bases"],
+            plan["counts"], plan["offsets"], P, G, max_rows, (P.bit_length() + 3) // 4 + 2,
+            BLOCK_G=min(BLOCK_G, triton.next_power_of_2(G)), PROBES=16, num_warps=4,
         )
     return plan
 

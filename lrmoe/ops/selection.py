@@ -250,14 +250,14 @@ def select_within_quota_triton(
     order_P = argsort_ids(gids_P) if group_order_P is None else group_order_P.contiguous()
     if mode == "top":
         # Per group its take-th largest score as a threshold, in the group order: no sort by score.
-        plan = kernels.plan_groups(gids_P, quotas_G, max_rows)
+        plan = kernels.plan_groups(gids_P, order_P, quotas_G, max_rows)
         pair_ids_R, weights_R = kernels.select_top(scores_P, order_P, plan, max_rows)
     else:
         # Inclusion probabilities: one Triton program per group over its members in score order, the reference's
         # arithmetic op for op (bit-identical); then their per-group cumulative sum in the group order in PyTorch,
         # as in the reference, and the sampling and compaction in Triton.
         by_score_P, pair_ids_R, weights_R = kernels.score_order(scores_P, gids_P, max_rows)
-        plan = kernels.plan_groups(gids_P, quotas_G, max_rows)
+        plan = kernels.plan_groups(gids_P, by_score_P, quotas_G, max_rows)
         p_P = kernels.sample_probabilities(sample_weights(nan_as_inf(scores_P)), by_score_P, plan)
         p_sorted = p_P[order_P]
         cum_hi = _segment_cumsum(p_sorted, gids_P.long()[order_P], plan["starts"])

@@ -47,6 +47,9 @@ def assert_same(scores, gids, quotas, max_rows, uniform=None, gid_dtype=torch.in
         # The Triton path sorting the group ids itself, and given their order (as the MoE layer gives it).
         for given_order in (None, order):
             got = select_within_quota_triton(*t, max_rows, mode, u, given_order)
+            # A custom op's outputs may alias neither its inputs nor each other (PyTorch rejects it on CUDA).
+            ptrs = [x.untyped_storage().data_ptr() for x in (*got, *t, u) if x.numel() > 0]
+            assert len(set(ptrs)) == len(ptrs), (mode, "outputs share storage")
             for name, w, g in zip(("pair_ids", "weights", "counts", "offsets"), want, got):
                 assert g.dtype == w.dtype and g.shape == w.shape, (mode, name)
                 assert torch.equal(g, w), (mode, name, given_order is None, g.tolist(), w.tolist())
@@ -125,7 +128,7 @@ def _probabilities_both(scores, gids, quotas):
     g = torch.tensor(gids, dtype=torch.int64, device=DEVICE)
     q = torch.tensor(quotas, dtype=torch.int64, device=DEVICE)
     by_score, _, _ = kernels.score_order(s, g, 0)
-    plan = kernels.plan_groups(g, q, len(scores))
+    plan = kernels.plan_groups(g, by_score, q, len(scores))
     got = kernels.sample_probabilities(sample_weights(nan_as_inf(s)), by_score, plan)
     sizes, starts, take = group_sizes(g, q)
     return got, probabilities(nan_as_inf(s), g, take, sizes, starts)
