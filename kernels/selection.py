@@ -26,8 +26,9 @@ Per mode (DESIGN.md section 4, item 3):
    suffix sums by the same Hillis-Steele rounds restricted to the group (rounds with distance >= the group size
    add nothing, so the additions and their order are the reference's), the capped count m and the scale. A hot
    group is one program's work (log2(size) passes over it).
-3. ``_compact_kernel`` (grid over P, group order): slot and keep test from the group's cumulative inclusion
-   probabilities (systematic sampling), with the reference's fp64 arithmetic so the result is bit-identical.
+3. ``_compact_kernel`` (grid over P, group order): the group's cumulative inclusion probabilities from the running
+   sum over all groups (torch.cumsum, as the reference takes it), then slot and keep test (systematic sampling),
+   with the reference's fp64 arithmetic so the result is bit-identical.
 
 Score keys: NaN counts as +inf (as in the reference), -0.0 as +0.0 (equal floats must tie, to go to the lower pair
 id), then the usual monotone map of the fp32 bit pattern to a signed int (flip the magnitude bits of negatives),
@@ -126,9 +127,10 @@ def _compact_kernel(
     order_ptr, gids_ptr, starts_ptr, sizes_ptr, takes_ptr, bases_ptr, p_ptr, cum_ptr, u_ptr,
     pair_ids_ptr, weights_ptr, P, R, BLOCK: tl.constexpr,
 ):
-    # Mode "sample", every sorted position (group, then pair id): the reference's arithmetic, op for op in fp64:
-    # pin the group's last cumulative value to its quota, clamp the others, then point m = slot hits the pair iff
-    # ceil(lo - u) < ceil(hi - u).
+    # Mode "sample", every position of the group order: the reference's arithmetic, op for op in fp64: the
+    # group's inclusive cumulative p from the running sum over all groups (``_segment_cumsum``: minus the running
+    # sum before the group's first member), its last value pinned to the quota, the others clamped, then point
+    # m = slot hits the pair iff ceil(lo - u) < ceil(hi - u).
     i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     in_p = i < P
     pair = tl.load(order_ptr + i, mask=in_p, other=0)
@@ -137,9 +139,11 @@ def _compact_kernel(
     take = tl.load(takes_ptr + g, mask=in_p, other=0)
     rank = i - start
     size = tl.load(sizes_ptr + g, mask=in_p, other=0)
-    p = tl.load(p_ptr + i, mask=in_p, other=1.0)
-    cum_hi = tl.load(cum_ptr + i, mask=in_p, other=0.0)
-    u = tl.load(u_ptr + g, mask=in_p, other=0.0)
+    p = tl.load(p_ptr + pair, mask=in_p, other=1.0)
+    first = tl.load(order_ptr + start, mask=in_p, other=0)
+    before = tl.load(cum_ptr + start, mask=in_p, other=0.0) - tl.load(p_ptr + first, mask=in_p, other=0.0)
+    cum_hi = tl.load(cum_ptr + i, mask=in_p, other=0.0) - before
+    u = tl.load(u_ptr + g, mask=in_p, other=0.0).to(tl.float64)
     take_d = take.to(tl.float64)
     cum_lo = tl.minimum(tl.maximum(cum_hi - p, 0.0), take_d)  # >= 0: a slot can never be -1
     cum_hi = tl.where(rank == size - 1, take_d, tl.minimum(cum_hi, take_d))
@@ -329,8 +333,9 @@ def _sample_probabilities_kernel(
 
 def sample_probabilities(w_P: torch.Tensor, order_P: torch.Tensor, plan: dict[str, torch.Tensor]) -> torch.Tensor:
     """[P] fp64 inclusion probabilities in pair order (the reference's ``probabilities``, bit for bit), from the
-    fp64 weights sqrt(max(score, 0)) in pair order, the score order of ``group_order(scores, ...)`` and its plan.
-    One program per group; scratch of 2 * P fp64."""
+    fp64 weights of ``lrmoe.ops.selection.sample_weights`` in pair order (computed by PyTorch: its CPU sqrt is not
+    always correctly rounded, Triton's is, so the weights are not recomputed here), the score order of
+    ``score_order`` and its plan. One program per group; scratch of 2 * P fp64."""
     P, G = w_P.shape[0], plan["starts"].shape[0]
     p_P = torch.empty(P, dtype=torch.float64, device=w_P.device)
     if P == 0 or G == 0:
@@ -407,16 +412,17 @@ def compact(
     pair_ids_R: torch.Tensor,
     weights_R: torch.Tensor,
     *,
-    p_sorted_P: torch.Tensor,
-    cum_hi_P: torch.Tensor,
+    p_P: torch.Tensor,
+    cum_P: torch.Tensor,
     uniform_G: torch.Tensor,
 ) -> None:
-    """Mode "sample": write the kept pairs into pair_ids_R / weights_R (in place), from the group order, fp64 p
-    and the inclusive per-group cumulative p in that order, and fp64 uniforms per group."""
+    """Mode "sample": write the kept pairs into pair_ids_R / weights_R (in place), from the group order, fp64 p in
+    pair order, the inclusive cumulative sum of p in the group order over all groups, and the uniforms per group
+    (any float dtype, read as fp64)."""
     P = order_P.shape[0]
     if P == 0:
         return
     _compact_kernel[(triton.cdiv(P, BLOCK),)](
-        order_P, group_ids_P, plan["starts"], plan["sizes"], plan["takes"], plan["bases"], p_sorted_P, cum_hi_P,
-        uniform_G, pair_ids_R, weights_R, P, pair_ids_R.shape[0], BLOCK=BLOCK, num_warps=4,
+        order_P, group_ids_P, plan["starts"], plan["sizes"], plan["takes"], plan["bases"], p_P, cum_P, uniform_G,
+        pair_ids_R, weights_R, P, pair_ids_R.shape[0], BLOCK=BLOCK, num_warps=4,
     )

@@ -22,8 +22,9 @@ What runs where on CUDA, per mode (the group order: given, or one int32 sort of 
   sort by score: two launches when the group order is given.
 - "sample": a sort by (group, score) keys and the per-group plan, the inclusion probabilities in Triton, one
   program per group over its members in score order, the reference's ``probabilities`` op for op in fp64, so
-  bit-identical (the systematic sampling depends on the exact fp64 rounding); their per-group cumulative sum in
-  the group order stays in PyTorch, shared with the reference; Triton does the sampling and compaction.
+  bit-identical (the systematic sampling depends on the exact fp64 rounding); their running sum in the group
+  order over all groups is torch.cumsum, as in the reference; one Triton pass takes each group's part of it (the
+  reference's fp64 subtraction), samples and compacts.
 
 No gradient formula: the selection only decides which pairs the backward keeps. The autograd registration marks
 every output non-differentiable, as for lrmoe::score_pairs.
@@ -259,12 +260,11 @@ def select_within_quota_triton(
         by_score_P, pair_ids_R, weights_R = kernels.score_order(scores_P, gids_P, max_rows)
         plan = kernels.plan_groups(gids_P, by_score_P, quotas_G, max_rows)
         p_P = kernels.sample_probabilities(sample_weights(nan_as_inf(scores_P)), by_score_P, plan)
-        p_sorted = p_P[order_P]
-        cum_hi = _segment_cumsum(p_sorted, gids_P.long()[order_P], plan["starts"])
-        kernels.compact(
-            order_P, gids_P, plan, pair_ids_R, weights_R,
-            p_sorted_P=p_sorted, cum_hi_P=cum_hi, uniform_G=uniform_G.double().contiguous(),
-        )
+        # The running sum of p in the group order over all groups, as the reference's _segment_cumsum takes it
+        # (torch.cumsum's fp64 rounding); the compaction subtracts each group's start from it.
+        cum_P = torch.cumsum(p_P[order_P], 0)
+        kernels.compact(order_P, gids_P, plan, pair_ids_R, weights_R, p_P=p_P, cum_P=cum_P,
+                        uniform_G=uniform_G.contiguous())
     return pair_ids_R, weights_R, plan["counts"], plan["offsets"]
 
 

@@ -32,7 +32,7 @@ pytest.importorskip("triton")
 INF, NAN = float("inf"), float("nan")
 
 
-def assert_same(scores, gids, quotas, max_rows, uniform=None, gid_dtype=torch.int64):
+def assert_same(scores, gids, quotas, max_rows, uniform=None, gid_dtype=torch.int64, u_dtype=torch.float64):
     t = (
         torch.tensor(scores, dtype=torch.float32, device=DEVICE),
         torch.tensor(gids, dtype=gid_dtype, device=DEVICE),
@@ -40,7 +40,7 @@ def assert_same(scores, gids, quotas, max_rows, uniform=None, gid_dtype=torch.in
     )
     if uniform is None:
         uniform = [(0.37 + 0.29 * g) % 1.0 for g in range(len(quotas))]
-    u = torch.tensor(uniform, dtype=torch.float64, device=DEVICE)
+    u = torch.tensor(uniform, dtype=u_dtype, device=DEVICE)
     order = argsort_ids(t[1])
     for mode in ("top", "sample"):
         want = select_within_quota_reference(*t, max_rows, mode, u)
@@ -84,6 +84,8 @@ def test_int32_group_ids_and_extreme_uniforms():
     scores = [4.0, 1.0, 0.25, 0.0, 9.0, 100.0, 0.5, 2.0]
     for u in (0.0, 0.5, 1.0 - 2.0**-53):
         assert_same(scores, [0] * 8, [3], 8, uniform=[u], gid_dtype=torch.int32)
+    for u in (0.0, 0.3, 1.0 - 2.0**-24):  # fp32 uniforms (the layers draw them so), read as fp64 by both
+        assert_same(scores, [0] * 8, [3], 8, uniform=[u], u_dtype=torch.float32)
 
 
 def test_many_groups_loop_the_plan_kernel():
