@@ -7,7 +7,8 @@ torch._grouped_mm layer, eager and compiled, all in the same run.
 Prints one table: medians of CUDA-event timings (triton.testing.do_bench), peak memory over the timed steps, and
 the host synchronisations torch.cuda.set_sync_debug_mode("warn") reported in one step after warm-up (-1: not
 measured, CUDA graphs). --modes adds compiled-cg (torch.compile mode="reduce-overhead": CUDA graphs, no launch
-cost); --compiled-sample op makes compiled "sample" selection call the custom op instead of the inlined reference.
+cost); --compiled-sample reference makes compiled "sample" selection trace the reference's PyTorch inline instead of
+calling the custom op (the library's default).
 The GEMM floor is 6·T·k·3·d·f FLOP forward+backward (2× for forward alone) at the measured matmul rate.
 """
 
@@ -22,7 +23,7 @@ from torch import nn
 
 import lrmoe.functional.selection as selection_module
 from lrmoe.nn import LRMoE
-from lrmoe.ops.selection import select_within_quota as select_within_quota_op
+from lrmoe.ops.selection import select_within_quota_reference
 
 SHAPES = {
     "qwen3-30b-a3b": dict(dim=2048, hidden_dim=768, num_experts=128, top_k=8),
@@ -106,11 +107,12 @@ def main() -> None:
     parser.add_argument("--skip-baselines", action="store_true")
     parser.add_argument("--modes", nargs="+", default=["eager", "compiled"], choices=list(_COMPILE_MODES),
                         help="compiled-cg: torch.compile(mode='reduce-overhead'), CUDA graphs")
-    parser.add_argument("--compiled-sample", default="reference", choices=["reference", "op"],
-                        help="what compiled 'sample' selection runs (lrmoe.functional.selection._COMPILED_SAMPLE)")
+    parser.add_argument("--compiled-sample", default="op", choices=["reference", "op"],
+                        help="what compiled 'sample' selection runs (lrmoe.functional.selection._COMPILED_SAMPLE): "
+                             "the op (the default) or the reference's PyTorch traced inline")
     args = parser.parse_args()
-    if args.compiled_sample == "op":
-        selection_module._COMPILED_SAMPLE = select_within_quota_op
+    if args.compiled_sample == "reference":
+        selection_module._COMPILED_SAMPLE = select_within_quota_reference
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/layer_fwd_bwd.py needs a CUDA GPU")
     from triton.testing import do_bench

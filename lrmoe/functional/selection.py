@@ -20,17 +20,18 @@ from dataclasses import dataclass
 import torch
 
 from lrmoe.functional._checks import check_choice, check_tensor
-from lrmoe.ops.selection import MODES, group_sizes, nan_as_inf, probabilities, select_within_quota_reference
+from lrmoe.ops.selection import MODES, group_sizes, nan_as_inf, probabilities
 from lrmoe.ops.selection import select_within_quota as select_within_quota_op
 
 __all__ = ["Selection", "select_within_quota", "inclusion_probabilities", "MODES"]
 
 
-# What a compiled graph runs for mode "sample": the reference's PyTorch traced inline (bit-identical to the op),
-# so that Inductor fuses it, or the op. Measured on an H200 when the op's probabilities were PyTorch run op by op
-# inside it (~3 ms for P = 65,536, launch-bound; docs/performance.md); the op now computes them in one Triton
-# kernel. benchmarks/layer_fwd_bwd.py --compiled-sample swaps this to time both.
-_COMPILED_SAMPLE = select_within_quota_reference
+# What a compiled graph runs for mode "sample": the op (one node; its Triton kernels on CUDA), or the reference's
+# PyTorch traced inline for Inductor to fuse (bit-identical on the same device). The op since the fourth GPU
+# session: on an H200, compiled LRMoE steps at retain 0.75 / 0.5 took 4.66 / 5.66 ms with the op against 6.07 /
+# 5.88 ms inlined, and 4.60 / 3.83 against 4.58 / 3.87 ms under CUDA graphs (docs/performance.md).
+# benchmarks/layer_fwd_bwd.py --compiled-sample swaps this to time both.
+_COMPILED_SAMPLE = select_within_quota_op
 
 
 @dataclass(frozen=True)
@@ -108,7 +109,7 @@ def select_within_quota(
         uniform_G = torch.rand(quotas_G.shape[0], generator=generator, device=scores_P.device)
     # One custom op: the reference on CPU, Triton kernels on CUDA. The selection is not differentiated, so the
     # scores are detached: callers may pass tensors that require grad.
-    # Exception: under torch.compile, "sample" runs _COMPILED_SAMPLE (see there).
+    # Under torch.compile, "sample" runs _COMPILED_SAMPLE (the op unless a benchmark swaps it, see there).
     select = select_within_quota_op
     if mode == "sample" and torch.compiler.is_compiling():
         select = _COMPILED_SAMPLE
