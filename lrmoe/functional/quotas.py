@@ -105,7 +105,7 @@ def _plan_with_capacity(loads_G, floors_G, budget, capacity_W, rank_G, policy):
     # Proportional. A rank over capacity spreads what its floors leave of it over its groups in proportion to
     # the load above the floors.
     room_W = (cap_W - _per_rank(floors_G, rank_G, n_ranks)).clamp(min=0)
-    onehot_GW = torch.nn.functional.one_hot(rank_G, n_ranks) * over_W.long().unsqueeze(0)
+    onehot_GW = _one_hot(rank_G, n_ranks) * over_W.long().unsqueeze(0)
     shares_G = (apportion(room_W * over_W, rest_G.unsqueeze(1) * onehot_GW) * onehot_GW).sum(1)
     bound_G = torch.where(over_W.index_select(0, rank_G), floors_G + shares_G, loads_G)
     # Then one common fraction of the rest on every rank with room. A rank whose share would exceed its capacity
@@ -124,7 +124,15 @@ def _plan_with_capacity(loads_G, floors_G, budget, capacity_W, rank_G, policy):
     return torch.minimum(trial_G, bound_G)
 
 
+def _one_hot(ids_G: torch.Tensor, n: int) -> torch.Tensor:
+    """[G, n] int64 one-hot of ids in [0, n), by comparison: F.one_hot also checks its indices on the device (two
+    reductions and two asserts in a compiled graph)."""
+    return (ids_G.unsqueeze(1) == torch.arange(n, device=ids_G.device)).long()
+
+
 def _per_rank(values_G: torch.Tensor, rank_G: torch.Tensor, n_ranks: int) -> torch.Tensor:
+    if n_ranks == 1:  # one bin (no capacities): a plain sum, which a compiled graph fuses; no scatter
+        return values_G.sum(0, keepdim=True)
     return torch.zeros(n_ranks, dtype=values_G.dtype, device=values_G.device).index_add_(0, rank_G, values_G)
 
 
@@ -146,9 +154,12 @@ def _waterfill(
     n_bins = budget_B.shape[0]
     cand_C = torch.cat([loads_G.new_zeros(1), floors_G, loads_G])
     kept_CG = torch.clamp(cand_C.unsqueeze(1), floors_G.unsqueeze(0), loads_G.unsqueeze(0))
-    kept_CB = torch.zeros(cand_C.shape[0], n_bins, dtype=torch.int64, device=loads_G.device).index_add_(
-        1, bin_G, kept_CG
-    )
+    if n_bins == 1:
+        kept_CB = kept_CG.sum(1, keepdim=True)
+    else:
+        kept_CB = torch.zeros(cand_C.shape[0], n_bins, dtype=torch.int64, device=loads_G.device).index_add_(
+            1, bin_G, kept_CG
+        )
     # Last breakpoint whose kept count fits; -1 when even the floors overflow the budget.
     lo_B = torch.where(kept_CB <= budget_B.unsqueeze(0), cand_C.unsqueeze(1), -1).max(0).values
     lo_G = lo_B.index_select(0, bin_G)
@@ -162,7 +173,7 @@ def _waterfill(
     short_B = budget_B - _per_rank(quotas_G, bin_G, n_bins)  # < groups growing at `level`, by choice of level
     growing_G = (floors_G <= level_G) & (level_G < loads_G)
     # Rank of each growing group among its bin's growing groups, in group order: the first `short` get +1.
-    onehot_GB = torch.nn.functional.one_hot(bin_G, n_bins) * growing_G.long().unsqueeze(1)
+    onehot_GB = _one_hot(bin_G, n_bins) * growing_G.long().unsqueeze(1)
     rank_G = torch.cumsum(onehot_GB, 0).gather(1, bin_G.unsqueeze(1)).squeeze(1) - 1
     return quotas_G + (growing_G & (rank_G < short_B.index_select(0, bin_G))).long()
 

@@ -104,3 +104,32 @@ def test_inductor_runs_the_offload_wait_after_the_copy(fwd_bwd):
     assert wait.group(1) == copy.group(2)  # h
     for g, w in zip(got, fwd_bwd(layer, x, c)):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("selection", ["top", "sample"])
+def test_compiled_layer_graphs_hold_no_device_asserts_and_one_op_per_selection(selection, fwd_bwd):
+    # Every node of the compiled step is a kernel launch on the GPU. The forward and backward graphs must hold no
+    # device-side asserts (F.one_hot adds two reductions and two asserts), no scatter of the single-bin quota
+    # sums, and the selection as one custom op given the layer's dispatch order (so it sorts nothing itself).
+    from torch._dynamo.backends.common import aot_autograd
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return gm
+
+    layer = LRMoE(32, 24, 8, 2, retain=0.75, selection=selection)
+    x, c = torch.randn(64, 32), torch.randn(64, 32)
+    fwd_bwd(torch.compile(layer, fullgraph=True, backend=aot_autograd(fw_compiler=capture, bw_compiler=capture)),
+            x, c)
+    fwd, bwd = graphs
+    targets = [str(n.target) for gm in graphs for n in gm.graph.nodes if n.op == "call_function"]
+    assert not [t for t in targets if "assert" in t], targets
+    assert not [t for t in targets if "index_add" in t], targets
+    (select,) = [n for n in bwd.graph.nodes if n.target is torch.ops.lrmoe.select_within_quota.default]
+    assert len(select.args) == 7 and isinstance(select.args[6], torch.fx.Node)  # group_order given
+    assert not [n for n in bwd.graph.nodes if "sort" in str(n.target)]
+    torch._dynamo.reset()
