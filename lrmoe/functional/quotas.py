@@ -85,8 +85,9 @@ def plan_quotas(
         rest = (budget - floors_E.sum()).clamp(min=0).reshape(1)
         quotas_E = floors_E + apportion(rest, (loads_E - floors_E).unsqueeze(1)).squeeze(1)
 
-    quotas_SE = apportion(quotas_E, loads_SE)
-    return quotas_SE.squeeze(0) if one_source else quotas_SE
+    if loads_SE.shape[0] == 1:  # one source keeps its expert's whole quota (apportion would give the same)
+        return quotas_E if one_source else quotas_E.unsqueeze(0)
+    return apportion(quotas_E, loads_SE)
 
 
 def _plan_with_capacity(loads_G, floors_G, budget, capacity_W, rank_G, policy):

@@ -110,7 +110,8 @@ def test_inductor_runs_the_offload_wait_after_the_copy(fwd_bwd):
 def test_compiled_layer_graphs_hold_no_device_asserts_and_one_op_per_selection(selection, fwd_bwd):
     # Every node of the compiled step is a kernel launch on the GPU. The forward and backward graphs must hold no
     # device-side asserts (F.one_hot adds two reductions and two asserts), no scatter of the single-bin quota
-    # sums, and the selection as one custom op given the layer's dispatch order (so it sorts nothing itself).
+    # sums, one sort in forward, and the selection as one custom op given the layer's dispatch order (so it
+    # sorts nothing itself).
     from torch._dynamo.backends.common import aot_autograd
 
     torch._dynamo.reset()
@@ -126,6 +127,8 @@ def test_compiled_layer_graphs_hold_no_device_asserts_and_one_op_per_selection(s
     fwd_bwd(torch.compile(layer, fullgraph=True, backend=aot_autograd(fw_compiler=capture, bw_compiler=capture)),
             x, c)
     fwd, bwd = graphs
+    # One sort in forward: the dispatch order (the quota plan of one source sorts nothing).
+    assert sum("sort" in str(n.target) for n in fwd.graph.nodes) == 1
     targets = [str(n.target) for gm in graphs for n in gm.graph.nodes if n.op == "call_function"]
     assert not [t for t in targets if "assert" in t], targets
     assert not [t for t in targets if "index_add" in t], targets
