@@ -103,8 +103,14 @@ def test_cuda_op_equals_cpu_reference(mode):
 # ------------------------------------------------------------------------------------------------ torch.compile
 
 
-@pytest.mark.parametrize("mode", ["top", "sample"])
-def test_compiled_functional_equals_eager_and_is_one_op(mode):
+@pytest.mark.parametrize("mode, inline", [("top", False), ("sample", False), ("sample", True)])
+def test_compiled_functional_equals_eager_and_is_one_op(mode, inline, monkeypatch):
+    # inline: the benchmarks' other setting for "sample" (layer_fwd_bwd.py --compiled-sample reference), the
+    # reference traced inline: many nodes and no op, the same selection.
+    if inline:
+        import lrmoe.functional.selection as selection_module
+
+        monkeypatch.setattr(selection_module, "_COMPILED_SAMPLE", select_within_quota_reference)
     torch._dynamo.reset()
     graphs = []
 
@@ -129,33 +135,10 @@ def test_compiled_functional_equals_eager_and_is_one_op(mode):
     (gm,) = graphs
     skip = (torch.Tensor.detach, operator.getitem)  # the op's outputs are one tuple
     calls = [n.target for n in gm.graph.nodes if n.op == "call_function" and n.target not in skip]
-    assert calls == [torch.ops.lrmoe.select_within_quota.default], calls
-
-
-def test_compiled_sample_inlining_the_reference_equals_eager(monkeypatch):
-    # The benchmarks' other setting (layer_fwd_bwd.py --compiled-sample reference): the reference traced inline,
-    # many nodes and no op, the same selection.
-    import lrmoe.functional.selection as selection_module
-
-    monkeypatch.setattr(selection_module, "_COMPILED_SAMPLE", select_within_quota_reference)
-    torch._dynamo.reset()
-    graphs = []
-
-    def capture(gm, example_inputs):
-        graphs.append(gm)
-        return gm
-
-    scores, gids, quotas, uniform = _inputs(seed=2)
-
-    def f(s, g, q, u):
-        sel = select_fn(s, g, q, max_rows=6, mode="sample", uniform_G=u)
-        return sel.pair_ids, sel.weights, sel.counts, sel.offsets
-
-    want = f(scores, gids, quotas, uniform)
-    for x, w in zip(torch.compile(f, fullgraph=True, backend=capture)(scores, gids, quotas, uniform), want):
-        assert torch.equal(x, w)
-    calls = [n.target for n in graphs[0].graph.nodes if n.op == "call_function"]
-    assert torch.ops.lrmoe.select_within_quota.default not in calls and len(calls) > 10
+    if inline:
+        assert torch.ops.lrmoe.select_within_quota.default not in calls and len(calls) > 10, calls
+    else:
+        assert calls == [torch.ops.lrmoe.select_within_quota.default], calls
     torch._dynamo.reset()
 
 
