@@ -2,7 +2,7 @@
 torch._grouped_mm layer, eager and compiled, all in the same run.
 
     python benchmarks/layer_fwd_bwd.py --shape qwen3-30b-a3b
-    python benchmarks/layer_fwd_bwd.py --shape glm-4.5-air
+    python benchmarks/layer_fwd_bwd.py --shape glm-4.5-air --selection top sample --modes compiled compiled-cg
 
 Prints one table: medians of CUDA-event timings (triton.testing.do_bench), peak memory over the timed steps, and
 the host synchronisations torch.cuda.set_sync_debug_mode("warn") reported in one step after warm-up (-1: not
@@ -103,7 +103,8 @@ def main() -> None:
     parser.add_argument("--shape", default="qwen3-30b-a3b", choices=sorted(SHAPES))
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--retain", type=float, nargs="+", default=[1.0, 0.75, 0.5])
-    parser.add_argument("--selection", default="sample")
+    parser.add_argument("--selection", nargs="+", default=["sample"], choices=["sample", "top"],
+                        help="one or both: every retain < 1 runs once per selection (retain 1 selects nothing)")
     parser.add_argument("--skip-baselines", action="store_true")
     parser.add_argument("--modes", nargs="+", default=["eager", "compiled"], choices=list(_COMPILE_MODES),
                         help="compiled-cg: torch.compile(mode='reduce-overhead'), CUDA graphs")
@@ -124,7 +125,12 @@ def main() -> None:
     print(f"# GEMM FLOP: forward {flop_step / 3 / 1e12:.3f} TFLOP, forward+backward {flop_step / 1e12:.3f} TFLOP")
     print(f"{'layer':>22} {'mode':>8} {'fwd ms':>8} {'fwd+bwd ms':>10} {'TFLOP/s':>8} {'peak GiB':>8} {'syncs':>5}")
 
-    layers = [(f"lrmoe r={r:g}", lambda r=r: LRMoE(**shape, retain=r, selection=args.selection)) for r in args.retain]
+    both = len(args.selection) > 1
+    layers = [
+        (f"lrmoe r={r:g}" + (f" {sel}" if both and r < 1 else ""), lambda r=r, sel=sel: LRMoE(**shape, retain=r,
+                                                                                            selection=sel))
+        for r in args.retain for sel in (args.selection if r < 1 else args.selection[:1])
+    ]
     if not args.skip_baselines:
         layers += [("grouped_mm layer", lambda: GroupedMMLayer(**shape)), ("transformers qwen3", lambda: hf_block(**shape))]
     for name, make in layers:
