@@ -1,0 +1,156 @@
+"""Compile every Triton kernel of lrmoe_kernels for an NVIDIA sm_90 GPU (H100/H200), on a machine without one.
+
+    python tests/kernels/sm90_compile.py        # prints one line per compiled kernel variant, exit 1 on a failure
+
+Run by tests/kernels/test_sm90_compile.py in a subprocess without TRITON_INTERPRET (the interpreter replaces the
+kernels by Python functions that cannot be compiled). The CPU tests run the kernels in Triton's interpreter, which
+accepts some programs the GPU compiler rejects (and the other way round); this compiles them for real, through
+Triton's NVIDIA backend and its bundled ptxas, for the kernels and constexpr values the launchers really choose.
+
+How: the launchers (lrmoe_kernels.*) run on small CPU tensors with ``JITFunction.run`` replaced by a recorder
+(after Triton's heuristics have added their constexprs), so nothing launches; each recorded call gives the kernel, its argument types and its constexprs, which
+``triton.compile`` turns into a cubin for ``GPUTarget("cuda", 90, 32)``. Where a launcher picks blocks or flags
+by whether the interpreter is on, the GPU's choice is taken; the grouped GEMMs' launchers are run once per config
+the autotuner would try.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+if os.environ.get("TRITON_INTERPRET", "0") == "1":
+    raise SystemExit("sm90_compile.py compiles real kernels: run it without TRITON_INTERPRET=1")
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+from triton.runtime.jit import JITFunction  # noqa: E402
+
+TARGET = GPUTarget("cuda", 90, 32)
+OPTIONS = ("num_warps", "num_stages", "num_ctas", "maxnreg")
+_DTYPES = {
+    torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64",
+    torch.int64: "i64", torch.int32: "i32", torch.int16: "i16", torch.int8: "i8", torch.uint8: "u8", torch.bool: "i1",
+}
+
+recorded: list[tuple[JITFunction, tuple, dict]] = []
+
+
+def _record(self, *args, grid=None, warmup=False, **kwargs):
+    recorded.append((self, args, kwargs))
+
+
+def signature(fn: JITFunction, args: tuple, kwargs: dict) -> tuple[dict, dict, dict]:
+    """(signature, constexprs, options) of one recorded launch, as triton.compile takes them."""
+    values = dict(zip(fn.arg_names, args)) | {k: v for k, v in kwargs.items() if k not in OPTIONS}
+    sig, consts = {}, {}
+    for param, name in zip(fn.params, fn.arg_names):
+        value = values[name]
+        if param.is_constexpr or value is None:
+            sig[name], consts[name] = "constexpr", value
+        elif isinstance(value, torch.Tensor):
+            sig[name] = "*" + _DTYPES[value.dtype]
+        elif isinstance(value, bool):
+            sig[name] = "i1"
+        elif isinstance(value, int):
+            sig[name] = "i32" if -(2**31) <= value < 2**31 else "i64"
+        elif isinstance(value, float):
+            sig[name] = "fp32"
+        else:
+            raise TypeError(f"{fn.fn.__name__}: argument {name} of type {type(value).__name__}")
+    return sig, consts, {k: v for k, v in kwargs.items() if k in OPTIONS}
+
+
+def run_launchers() -> None:
+    """Every launcher, every branch that picks another kernel or constexpr, on tiny CPU tensors."""
+    from lrmoe.ops._kernels import kernel_module
+    from lrmoe.ops.selection import select_within_quota_triton
+
+    sel = kernel_module("selection")
+    gen = torch.Generator().manual_seed(0)
+    scores = torch.rand(64, generator=gen)
+    for gid_dtype in (torch.int64, torch.int32):
+        gids = torch.randint(0, 5, (64,), generator=gen).to(gid_dtype)
+        quotas = torch.tensor([3, 9, 0, 4, 2])
+        order = torch.argsort(gids, stable=True)
+        for uniform in (torch.rand(5, dtype=torch.float64), torch.rand(5)):
+            select_within_quota_triton(scores, gids, quotas, 20, "sample", uniform, order)
+        select_within_quota_triton(scores, gids, quotas, 20, "top", None, order)
+    many = torch.randint(0, 3 * sel.BLOCK_G, (64,), generator=gen)  # more groups than one plan step
+    select_within_quota_triton(scores, many, torch.ones(3 * sel.BLOCK_G, dtype=torch.int64), 20, "top", None)
+
+    tok = kernel_module("token_rows")
+    for dtype in (torch.bfloat16, torch.float32):
+        src = torch.randn(40, 96).to(dtype)
+        rows = torch.randint(-1, 40, (8, 4), generator=gen)
+        tok.gather_sum_rows_triton(src, rows, torch.rand(8, 4).to(dtype))
+        tok.gather_sum_rows_triton(src, rows, None)
+        tok.gather_dot_rows_triton(src, rows, torch.randn(8, 96).to(dtype))
+
+    score = kernel_module("scoring")
+    for dtype in (torch.bfloat16, torch.float32):
+        for metric in score.METRIC_IDS:
+            score.score_pairs_triton(torch.rand(16, 4).to(dtype), torch.randn(16, 256).to(dtype),
+                                     torch.rand(16, 4), metric)
+
+    off = kernel_module("offload")
+    off._blocks = _as_on_gpu(off, off._blocks)  # the GPU's tiles, not the interpreter's
+    off._INTERPRET = True  # only to pass the launcher's device checks: the kernel is recorded, not run
+    for dtype in (torch.bfloat16, torch.float32):
+        off.gather_host_rows_triton(torch.randn(30, 512).to(dtype), torch.randint(0, 30, (12,), generator=gen))
+
+    gg = kernel_module("grouped_gemm")
+    gg.zero_rows_past_last_offset_(torch.randn(48, 512).to(torch.bfloat16), torch.tensor([10, 20, 30, 40]).int())
+    gg._dot_flags = _as_on_gpu(gg, gg._dot_flags)
+    gg._INTERPRET = True  # only to pass the launchers' device checks
+    gg._gather_grouped_mm, gg._grouped_outer = gg._gather_grouped_mm_kernel, gg._grouped_outer_kernel  # no autotune
+    configs = gg._gpu_configs()
+    for dtype in (torch.bfloat16, torch.float32):
+        # The configs the autotuner would try on this problem (fp32 and narrow problems: the smallest only).
+        shape = dict(O=128, I=256, dtype_bytes=torch.empty((), dtype=dtype).element_size())
+        for config in gg._prune_small(configs, shape):
+            gg._interpreter_config = lambda c=config: dict(c.kwargs, num_warps=c.num_warps, num_stages=c.num_stages)
+            x, w = torch.randn(64, 256).to(dtype), torch.randn(4, 128, 256).to(dtype)
+            rows, offsets = torch.randint(0, 64, (48,), generator=gen), torch.tensor([10, 20, 30, 40]).int()
+            gg.gather_grouped_mm_triton(x, w, rows, offsets)
+            gg.grouped_outer_triton(torch.randn(48, 128).to(dtype), x, rows, offsets)
+
+
+def _as_on_gpu(module, fn):
+    """``fn`` evaluated with the module's _INTERPRET switch off: the choice (blocks, flags) a GPU run makes."""
+    def wrapped(*args):
+        saved, module._INTERPRET = module._INTERPRET, False
+        try:
+            return fn(*args)
+        finally:
+            module._INTERPRET = saved
+    return wrapped
+
+
+def main() -> int:
+    JITFunction.run = _record
+    run_launchers()
+    seen, failed = set(), 0
+    for fn, args, kwargs in recorded:
+        sig, consts, options = signature(fn, args, kwargs)
+        key = (fn.fn.__name__, tuple(sorted(sig.items())), tuple(sorted((k, repr(v)) for k, v in consts.items())),
+               tuple(sorted(options.items())))
+        if key in seen:
+            continue
+        seen.add(key)
+        what = f"{fn.fn.__name__} {', '.join(f'{k}={v}' for k, v in consts.items())} {options}"
+        try:
+            compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=TARGET,
+                                      options=options)
+            print(f"ok     {what} ({len(compiled.asm['cubin'])} bytes of cubin)")
+        except Exception as e:  # noqa: BLE001 - report every kernel, then fail
+            failed += 1
+            print(f"FAILED {what}: {type(e).__name__}: {str(e)[:1500]}")
+    print(f"{len(seen)} kernel variants, {failed} failed")
+    return 1 if failed or not seen else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
