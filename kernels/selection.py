@@ -381,7 +381,9 @@ def plan_groups(
         _plan_kernel[(1,)](
             group_ids_P, order_P, quotas_G, plan["starts"], plan["sizes"], plan["takes"], plan["bases"],
             plan["counts"], plan["offsets"], P, G, max_rows, (P.bit_length() + 3) // 4 + 2,
-            BLOCK_G=min(BLOCK_G, triton.next_power_of_2(G)), PROBES=16, num_warps=4,
+            # 8 warps: at 4, ptxas spills the [256, 16] int64 probes of a full plan step (255 registers, 256 bytes
+            # of stack for sm_90; tests/kernels/sm90_compile.py --resources).
+            BLOCK_G=min(BLOCK_G, triton.next_power_of_2(G)), PROBES=16, num_warps=8,
         )
     return plan
 

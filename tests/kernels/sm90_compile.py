@@ -1,6 +1,7 @@
 """Compile every Triton kernel of lrmoe_kernels for an NVIDIA sm_90 GPU (H100/H200), on a machine without one.
 
-    python tests/kernels/sm90_compile.py        # prints one line per compiled kernel variant, exit 1 on a failure
+    python tests/kernels/sm90_compile.py              # one line per compiled kernel variant, exit 1 on a failure
+    python tests/kernels/sm90_compile.py --resources  # and each one's registers and stack (spills) for sm_90
 
 Run by tests/kernels/test_sm90_compile.py in a subprocess without TRITON_INTERPRET (the interpreter replaces the
 kernels by Python functions that cannot be compiled). The CPU tests run the kernels in Triton's interpreter, which
@@ -17,7 +18,10 @@ the autotuner would try.
 from __future__ import annotations
 
 import os
+import re
+import subprocess
 import sys
+import tempfile
 
 if os.environ.get("TRITON_INTERPRET", "0") == "1":
     raise SystemExit("sm90_compile.py compiles real kernels: run it without TRITON_INTERPRET=1")
@@ -129,7 +133,20 @@ def _as_on_gpu(module, fn):
     return wrapped
 
 
+def resources(cubin: bytes) -> str:
+    """Registers, stack (register spills live there) and static shared memory per thread block, from the cubin,
+    by the cuobjdump bundled with Triton's NVIDIA backend."""
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        out = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+    found = re.search(r"REG:(\d+).*?STACK:(\d+).*?SHARED:(\d+)", out, re.S)
+    return "registers {} stack {} B static shared {} B".format(*found.groups()) if found else "no resource line"
+
+
 def main() -> int:
+    show_resources = "--resources" in sys.argv[1:]
     JITFunction.run = _record
     run_launchers()
     seen, failed = set(), 0
@@ -144,7 +161,8 @@ def main() -> int:
         try:
             compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=TARGET,
                                       options=options)
-            print(f"ok     {what} ({len(compiled.asm['cubin'])} bytes of cubin)")
+            extra = resources(compiled.asm["cubin"]) if show_resources else f"{len(compiled.asm['cubin'])} B of cubin"
+            print(f"ok     {what} ({extra})")
         except Exception as e:  # noqa: BLE001 - report every kernel, then fail
             failed += 1
             print(f"FAILED {what}: {type(e).__name__}: {str(e)[:1500]}")
