@@ -9,10 +9,11 @@ accepts some programs the GPU compiler rejects (and the other way round); this c
 Triton's NVIDIA backend and its bundled ptxas, for the kernels and constexpr values the launchers really choose.
 
 How: the launchers (lrmoe_kernels.*) run on small CPU tensors with ``JITFunction.run`` replaced by a recorder
-(after Triton's heuristics have added their constexprs), so nothing launches; each recorded call gives the kernel, its argument types and its constexprs, which
-``triton.compile`` turns into a cubin for ``GPUTarget("cuda", 90, 32)``. Where a launcher picks blocks or flags
-by whether the interpreter is on, the GPU's choice is taken; the grouped GEMMs' launchers are run once per config
-the autotuner would try.
+(after Triton's heuristics have added their constexprs), so nothing launches; each recorded call goes through
+Triton's own argument binder, as a GPU launch would (argument types, constexprs, alignment and divisibility
+specialisations), and ``triton.compile`` turns it into a cubin for ``GPUTarget("cuda", 90, 32)``. Where a
+launcher picks blocks or flags by whether the interpreter is on, the GPU's choice is taken; the grouped GEMMs'
+launchers are run once per config the autotuner would try.
 """
 
 from __future__ import annotations
@@ -28,16 +29,12 @@ if os.environ.get("TRITON_INTERPRET", "0") == "1":
 
 import torch  # noqa: E402
 import triton  # noqa: E402
+from triton import knobs  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
-from triton.runtime.jit import JITFunction  # noqa: E402
+from triton.compiler import ASTSource, make_backend  # noqa: E402
+from triton.runtime.jit import JITFunction, create_function_from_signature  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
-OPTIONS = ("num_warps", "num_stages", "num_ctas", "maxnreg")
-_DTYPES = {
-    torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64",
-    torch.int64: "i64", torch.int32: "i32", torch.int16: "i16", torch.int8: "i8", torch.uint8: "u8", torch.bool: "i1",
-}
 
 recorded: list[tuple[JITFunction, tuple, dict]] = []
 
@@ -46,25 +43,18 @@ def _record(self, *args, grid=None, warmup=False, **kwargs):
     recorded.append((self, args, kwargs))
 
 
-def signature(fn: JITFunction, args: tuple, kwargs: dict) -> tuple[dict, dict, dict]:
-    """(signature, constexprs, options) of one recorded launch, as triton.compile takes them."""
-    values = dict(zip(fn.arg_names, args)) | {k: v for k, v in kwargs.items() if k not in OPTIONS}
-    sig, consts = {}, {}
-    for param, name in zip(fn.params, fn.arg_names):
-        value = values[name]
-        if param.is_constexpr or value is None:
-            sig[name], consts[name] = "constexpr", value
-        elif isinstance(value, torch.Tensor):
-            sig[name] = "*" + _DTYPES[value.dtype]
-        elif isinstance(value, bool):
-            sig[name] = "i1"
-        elif isinstance(value, int):
-            sig[name] = "i32" if -(2**31) <= value < 2**31 else "i64"
-        elif isinstance(value, float):
-            sig[name] = "fp32"
-        else:
-            raise TypeError(f"{fn.fn.__name__}: argument {name} of type {type(value).__name__}")
-    return sig, consts, {k: v for k, v in kwargs.items() if k in OPTIONS}
+def compile_inputs(fn: JITFunction, args: tuple, kwargs: dict):
+    """(ASTSource, constexprs, options, specialisation key) of one recorded launch, made by Triton's own launch path (its argument binder and
+    _pack_args), so the kernel gets the specialisations a GPU launch gives it: 16-byte-aligned pointers and
+    integers divisible by 16 marked as such (without them loads are not vectorised and loops not pipelined), and
+    integers equal to 1 as constants."""
+    backend = make_backend(TARGET)
+    binder = create_function_from_signature(fn.signature, fn.params, backend)
+    kwargs = dict(kwargs, debug=kwargs.get("debug", fn.debug) or knobs.runtime.debug,
+                  instrumentation_mode=knobs.compilation.instrumentation_mode)
+    bound_args, specialization, options = binder(*args, **kwargs)
+    options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound_args, specialization, options)
+    return ASTSource(fn, signature, constexprs, attrs), constexprs, options, repr(specialization)
 
 
 def run_launchers() -> None:
@@ -151,16 +141,16 @@ def main() -> int:
     run_launchers()
     seen, failed = set(), 0
     for fn, args, kwargs in recorded:
-        sig, consts, options = signature(fn, args, kwargs)
-        key = (fn.fn.__name__, tuple(sorted(sig.items())), tuple(sorted((k, repr(v)) for k, v in consts.items())),
-               tuple(sorted(options.items())))
+        src, constexprs, options, specialization = compile_inputs(fn, args, kwargs)
+        key = (fn.fn.__name__, specialization, repr(sorted(options.__dict__.items())))
         if key in seen:
             continue
         seen.add(key)
-        what = f"{fn.fn.__name__} {', '.join(f'{k}={v}' for k, v in consts.items())} {options}"
+        consts = ", ".join(f"{fn.arg_names[path[0]]}={value}" for path, value in constexprs.items()
+                           if fn.params[path[0]].is_constexpr)
+        what = f"{fn.fn.__name__} {consts} warps={options.num_warps} stages={options.num_stages}"
         try:
-            compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=TARGET,
-                                      options=options)
+            compiled = triton.compile(src, target=TARGET, options=options.__dict__)
             extra = resources(compiled.asm["cubin"]) if show_resources else f"{len(compiled.asm['cubin'])} B of cubin"
             print(f"ok     {what} ({extra})")
         except Exception as e:  # noqa: BLE001 - report every kernel, then fail
