@@ -44,10 +44,10 @@ def _record(self, *args, grid=None, warmup=False, **kwargs):
 
 
 def compile_inputs(fn: JITFunction, args: tuple, kwargs: dict):
-    """(ASTSource, constexprs, options, specialisation key) of one recorded launch, made by Triton's own launch path (its argument binder and
-    _pack_args), so the kernel gets the specialisations a GPU launch gives it: 16-byte-aligned pointers and
-    integers divisible by 16 marked as such (without them loads are not vectorised and loops not pipelined), and
-    integers equal to 1 as constants."""
+    """(ASTSource, constexprs, options, specialisation key) of one recorded launch, made by Triton's own launch
+    path (its argument binder and _pack_args: Triton internals, as of 3.7.1), so the kernel gets the
+    specialisations a GPU launch gives it: 16-byte-aligned pointers and integers divisible by 16 marked as such
+    (without them loads are not vectorised and loops not pipelined), and integers equal to 1 as constants."""
     backend = make_backend(TARGET)
     binder = create_function_from_signature(fn.signature, fn.params, backend)
     kwargs = dict(kwargs, debug=kwargs.get("debug", fn.debug) or knobs.runtime.debug,
