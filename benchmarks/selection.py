@@ -7,9 +7,9 @@ Times, with triton.testing.do_bench (median, us), for modes "top" and "sample":
 - triton: lrmoe.ops.selection.select_within_quota_triton (the op's CUDA kernel), sorting the group ids itself;
 - triton, order given: the same given the group order (the stable argsort of the group ids), as the MoE layers
   call it (they have that order from their forward dispatch);
-- and the pieces of the Triton path: the group order (an int32 sort), for "top" the one-program plan and the
-  per-group threshold + write; for "sample" keys + torch.sort (lrmoe_kernels.selection.score_order) and its
-  per-group probabilities kernel.
+- and the pieces of the Triton path: the group order (an int32 sort), the one-program plan ("sample"; "top"
+  plans inside its one kernel), for "top" that kernel (plan + threshold + write); for "sample" keys + torch.sort
+  (lrmoe_kernels.selection.score_order) and its per-group probabilities kernel.
 Before timing, each Triton result must equal the reference exactly, and one call runs under
 torch.cuda.set_sync_debug_mode("error") to show that it never synchronises with the host.
 
@@ -95,10 +95,8 @@ def main() -> None:
             lambda: select_within_quota_triton(scores, gids, quotas, R, mode, uniform, order))
 
     row("both", "  group order (int32 sort)", lambda: argsort_ids(gids))
-    # Pieces of the "top" path: the plan (one program), one program per group.
-    plan = kernels.plan_groups(gids, order, quotas, R)
-    row("both", "  plan (1 program)", lambda: kernels.plan_groups(gids, order, quotas, R))
-    row("top", "  threshold + write", lambda: kernels.select_top(scores, order, plan, R))
+    row("sample", "  plan (1 program)", lambda: kernels.plan_groups(gids, order, quotas, R))
+    row("top", "  plan + threshold + write", lambda: kernels.select_top(scores, gids, order, quotas, R))
     # The "sample" path's score order and its probabilities kernel (one program per group).
     by_score_P, _, _ = kernels.score_order(scores, gids, 0)
     s_plan = kernels.plan_groups(gids, by_score_P, quotas, R)

@@ -81,7 +81,7 @@ def select_within_quota(
         group_order_P: [P] int64, the stable ascending argsort of ``group_ids_P`` (pairs by group, pair id
             within), when the caller already has it (an MoE layer sorts its pairs by expert for the forward
             dispatch). Both modes select in this order; given, the selection does not sort the group ids again
-            (on CUDA, "top" is then two kernel launches). Not checked (that would need a sync): another
+            (on CUDA, "top" is then one kernel launch). Not checked (that would need a sync): another
             permutation gives a wrong selection.
     """
     check_tensor("scores_P", scores_P, ndim=1, kind="float")

@@ -19,7 +19,7 @@ each group's kept pairs in pair-id order.
 What runs where on CUDA, per mode (the group order: given, or one int32 sort of the group ids):
 - "top": the per-group plan, then one Triton program per group that finds its take-th largest score by radix
   select over the bits of its key and writes the pairs above it, and the lowest-id ties, in pair-id order. No
-  sort by score: two launches when the group order is given.
+  sort by score: one launch when the group order is given.
 - "sample": a sort by (group, score) keys and the per-group plan, the inclusion probabilities in Triton, one
   program per group over its members in score order, the reference's ``probabilities`` op for op in fp64, so
   bit-identical (the systematic sampling depends on the exact fp64 rounding); their running sum in the group
@@ -250,21 +250,19 @@ def select_within_quota_triton(
     quotas_G = quotas_G.contiguous()
     order_P = argsort_ids(gids_P) if group_order_P is None else group_order_P.contiguous()
     if mode == "top":
-        # Per group its take-th largest score as a threshold, in the group order: no sort by score.
-        plan = kernels.plan_groups(gids_P, order_P, quotas_G, max_rows)
-        pair_ids_R, weights_R = kernels.select_top(scores_P, order_P, plan, max_rows)
-    else:
-        # Inclusion probabilities: one Triton program per group over its members in score order, the reference's
-        # arithmetic op for op (bit-identical); then their per-group cumulative sum in the group order in PyTorch,
-        # as in the reference, and the sampling and compaction in Triton.
-        by_score_P, pair_ids_R, weights_R = kernels.score_order(scores_P, gids_P, max_rows)
-        plan = kernels.plan_groups(gids_P, by_score_P, quotas_G, max_rows)
-        p_P = kernels.sample_probabilities(sample_weights(nan_as_inf(scores_P)), by_score_P, plan)
-        # The running sum of p in the group order over all groups, as the reference's _segment_cumsum takes it
-        # (torch.cumsum's fp64 rounding); the compaction subtracts each group's start from it.
-        cum_P = torch.cumsum(p_P[order_P], 0)
-        kernels.compact(order_P, gids_P, plan, pair_ids_R, weights_R, p_P=p_P, cum_P=cum_P,
-                        uniform_G=uniform_G.contiguous())
+        # Per group its take-th largest score as a threshold, in the group order: no sort by score, one launch.
+        return kernels.select_top(scores_P, gids_P, order_P, quotas_G, max_rows)
+    # Inclusion probabilities: one Triton program per group over its members in score order, the reference's
+    # arithmetic op for op (bit-identical); then their running sum in the group order in PyTorch, as in the
+    # reference, and the sampling and compaction in Triton.
+    by_score_P, pair_ids_R, weights_R = kernels.score_order(scores_P, gids_P, max_rows)
+    plan = kernels.plan_groups(gids_P, by_score_P, quotas_G, max_rows)
+    p_P = kernels.sample_probabilities(sample_weights(nan_as_inf(scores_P)), by_score_P, plan)
+    # The running sum of p in the group order over all groups, as the reference's _segment_cumsum takes it
+    # (torch.cumsum's fp64 rounding); the compaction subtracts each group's start from it.
+    cum_P = torch.cumsum(p_P[order_P], 0)
+    kernels.compact(order_P, gids_P, plan, pair_ids_R, weights_R, p_P=p_P, cum_P=cum_P,
+                    uniform_G=uniform_G.contiguous())
     return pair_ids_R, weights_R, plan["counts"], plan["offsets"]
 
 
