@@ -15,7 +15,9 @@ and, of the keys equal to it, the lowest pair ids, and writes them in pair-id or
 members is loaded once; a larger one is read once per pass (5 passes). Further programs fill the rows after the
 last kept pair with padding (-1, 0).
 
-"sample":
+"sample" (given the group order and a bound <= SORT_MAX on the group sizes, step 1 is instead ``_plan_kernel``
+on the group order, then ``_group_sort_kernel``: each group sorted by (score descending, pair id) in one
+program's registers, the same order without a global sort):
 1. ``_group_keys_kernel`` (grid over max(P, R)): one int64 sort key per pair, ``group << 32 | descending score
    bits``, and the output buffers filled with padding (-1, 0) in the same launch; a stable radix sort of the keys
    (CUB on CUDA): group ascending, score descending, ties to the lower pair id (the order of the reference's two
@@ -42,12 +44,15 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["compact", "plan_groups", "sample_probabilities", "score_order", "select_top"]
+__all__ = [
+    "SORT_MAX", "compact", "group_score_order", "plan_groups", "sample_probabilities", "score_order", "select_top",
+]
 
 BLOCK = 1024  # elements per program of the elementwise kernels: memory-bound, 4 warps, 8 elements a thread
 # Groups per step of the plan (it loops over larger G); small under the interpreter, where every "top" program
 # plans all groups at Python speed, so that the tests' few groups take several steps.
 BLOCK_G = 16 if os.environ.get("TRITON_INTERPRET", "0") == "1" else 256
+SORT_MAX = 8192  # largest group one program sorts in registers ("sample" given a bound on the group sizes)
 # Members per step of a "top" program (a group up to this size is counted in registers). Small under the
 # interpreter, so the tests' groups take both paths.
 TOP_BLOCK = 16 if os.environ.get("TRITON_INTERPRET", "0") == "1" else 2048
@@ -292,6 +297,36 @@ def _top_kernel(
 
 
 @triton.jit
+def _group_sort_kernel(
+    scores_ptr, order_ptr, starts_ptr, sizes_ptr, by_score_ptr, pair_ids_ptr, weights_ptr, G, R,
+    SORT_BLOCK: tl.constexpr, FILL_BLOCK: tl.constexpr,
+):
+    # Programs 0..G-1: one group each, members taken in the group order (pair id ascending), sorted in registers
+    # by (score descending, NaN as +inf, -0.0 as +0.0; then pair id ascending) -- the order of the global int64
+    # key sort, without it. The caller guarantees every group fits SORT_BLOCK. Programs G..: padding (-1, 0) over
+    # the whole output buffer, which the compaction then overwrites with the kept rows.
+    g = tl.program_id(0)
+    if g >= G:
+        i = (g - G).to(tl.int64) * FILL_BLOCK + tl.arange(0, FILL_BLOCK)
+        tl.store(pair_ids_ptr + i, tl.full((FILL_BLOCK,), -1, tl.int64), mask=i < R)
+        tl.store(weights_ptr + i, tl.zeros((FILL_BLOCK,), tl.float32), mask=i < R)
+    else:
+        start = tl.load(starts_ptr + g)
+        size = tl.load(sizes_ptr + g)
+        j = tl.arange(0, SORT_BLOCK)
+        ok = j < size
+        pair = tl.load(order_ptr + start + j, mask=ok, other=0)
+        # Score descending, shifted into [-2^31, 2^31) so that << 32 keeps the order in signed int64; then the
+        # position in the group order (pair id ascending). Lanes past the group sort last.
+        desc = 2147483647 - _score_key(scores_ptr, pair, ok)
+        key = tl.where(ok, (desc << 32) | j.to(tl.int64), 9223372036854775807)
+        key = tl.sort(key, 0)
+        pos = key & 4294967295
+        first = tl.load(order_ptr + start + pos, mask=ok, other=0)
+        tl.store(by_score_ptr + start + j, first, mask=ok)
+
+
+@triton.jit
 def _group_block(w_ptr, order_ptr, start, size, j0, offs):
     """One block of a group in score order: (position j, in group, pair id, weight is +inf, finite weight)."""
     j = j0 + offs
@@ -380,6 +415,26 @@ def sample_probabilities(w_P: torch.Tensor, order_P: torch.Tensor, plan: dict[st
         BLOCK=BLOCK, num_warps=4,
     )
     return p_P
+
+
+def group_score_order(
+    scores_P: torch.Tensor, order_P: torch.Tensor, plan: dict[str, torch.Tensor], max_rows: int, max_group_size: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``score_order``'s result (by-score order, pair_ids [R] of -1, weights [R] of 0) without a global sort:
+    each group's members, in the group order, sorted in one program's registers. Every group must have at most
+    ``max_group_size`` <= SORT_MAX members (not checked: a sync)."""
+    device = order_P.device
+    P, G = order_P.shape[0], plan["starts"].shape[0]
+    by_score_P = torch.empty(P, dtype=torch.int64, device=device)
+    pair_ids_R = torch.empty(max_rows, dtype=torch.int64, device=device)
+    weights_R = torch.empty(max_rows, dtype=torch.float32, device=device)
+    sort_block = triton.next_power_of_2(max(max_group_size, 2))
+    if G + max_rows > 0:
+        _group_sort_kernel[(G + triton.cdiv(max_rows, BLOCK),)](
+            scores_P, order_P, plan["starts"], plan["sizes"], by_score_P, pair_ids_R, weights_R, G, max_rows,
+            SORT_BLOCK=sort_block, FILL_BLOCK=BLOCK, num_warps=min(16, max(4, sort_block // 256)),
+        )
+    return by_score_P, pair_ids_R, weights_R
 
 
 def score_order(

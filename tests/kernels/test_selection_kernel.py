@@ -45,8 +45,9 @@ def assert_same(scores, gids, quotas, max_rows, uniform=None, gid_dtype=torch.in
     for mode in ("top", "sample"):
         want = select_within_quota_reference(*t, max_rows, mode, u)
         # The Triton path sorting the group ids itself, and given their order (as the MoE layer gives it).
-        for given_order in (None, order):
-            got = select_within_quota_triton(*t, max_rows, mode, u, given_order)
+        # max_group_size: the per-group register sort of "sample" (any bound >= every group's size).
+        for given_order, bound in ((None, None), (order, None), (order, max(len(scores), 1))):
+            got = select_within_quota_triton(*t, max_rows, mode, u, given_order, bound)
             # A custom op's outputs may alias neither its inputs nor each other (PyTorch rejects it on CUDA).
             ptrs = [x.untyped_storage().data_ptr() for x in (*got, *t, u) if x.numel() > 0]
             assert len(set(ptrs)) == len(ptrs), (mode, "outputs share storage")
