@@ -6,10 +6,11 @@ Times, with triton.testing.do_bench (median, us), for modes "top" and "sample":
 - reference: lrmoe.ops.selection.select_within_quota_reference (pure PyTorch, the op's CPU kernel) on CUDA;
 - triton: lrmoe.ops.selection.select_within_quota_triton (the op's CUDA kernel), sorting the group ids itself;
 - triton, order given: the same given the group order (the stable argsort of the group ids), as the MoE layers
-  call it (they have that order from their forward dispatch);
-- and the pieces of the Triton path: the group order (an int32 sort), for "top" the one-program plan and the
-  per-group threshold + write; for "sample" keys + torch.sort (lrmoe_kernels.selection.score_order) and its
-  per-group probabilities kernel.
+  call it (they have that order from their forward dispatch); for "sample" also with a bound on the group sizes
+  (the layers pass T), which sorts each group in registers instead of all pairs at once;
+- and the pieces of the Triton path: the group order (an int32 sort), the one-program plan ("sample"; "top"
+  plans inside its one kernel), for "top" that kernel (plan + threshold + write); for "sample" keys + torch.sort
+  (lrmoe_kernels.selection.score_order) and its per-group probabilities kernel.
 Before timing, each Triton result must equal the reference exactly, and one call runs under
 torch.cuda.set_sync_debug_mode("error") to show that it never synchronises with the host.
 
@@ -76,29 +77,31 @@ def main() -> None:
         print(f"{mode:>7} {impl:>26} {ms * 1e3:>9.1f}")
 
     order = argsort_ids(gids)
+    biggest = int(torch.bincount(gids).max())  # the largest group (a host read: fine in a benchmark)
     for mode in ("top", "sample"):
         want = select_within_quota_reference(scores, gids, quotas, R, mode, uniform)
-        for given in (None, order):
-            got = select_within_quota_triton(scores, gids, quotas, R, mode, uniform, given)
+        for given, bound in ((None, None), (order, None), (order, biggest)):
+            got = select_within_quota_triton(scores, gids, quotas, R, mode, uniform, given, bound)
             for name, w, g in zip(("pair_ids", "weights", "counts", "offsets"), want, got):
                 if not torch.equal(w, g):  # never time a wrong kernel
                     raise SystemExit(f"{mode}: Triton {name} differs from the reference (order given: {given})")
             torch.cuda.synchronize()
             torch.cuda.set_sync_debug_mode("error")
             try:
-                select_within_quota_triton(scores, gids, quotas, R, mode, uniform, given)
+                select_within_quota_triton(scores, gids, quotas, R, mode, uniform, given, bound)
             finally:
                 torch.cuda.set_sync_debug_mode("default")
         row(mode, "reference", lambda: select_within_quota_reference(scores, gids, quotas, R, mode, uniform))
         row(mode, "triton", lambda: select_within_quota_triton(scores, gids, quotas, R, mode, uniform))
         row(mode, "triton, order given",
             lambda: select_within_quota_triton(scores, gids, quotas, R, mode, uniform, order))
+        if mode == "sample" and biggest <= kernels.SORT_MAX:  # the layers also pass a bound on the group sizes
+            row(mode, "triton, order + size bound",
+                lambda: select_within_quota_triton(scores, gids, quotas, R, mode, uniform, order, biggest))
 
     row("both", "  group order (int32 sort)", lambda: argsort_ids(gids))
-    # Pieces of the "top" path: the plan (one program), one program per group.
-    plan = kernels.plan_groups(gids, order, quotas, R)
-    row("both", "  plan (1 program)", lambda: kernels.plan_groups(gids, order, quotas, R))
-    row("top", "  threshold + write", lambda: kernels.select_top(scores, order, plan, R))
+    row("sample", "  plan (1 program)", lambda: kernels.plan_groups(gids, order, quotas, R))
+    row("top", "  plan + threshold + write", lambda: kernels.select_top(scores, gids, order, quotas, R))
     # The "sample" path's score order and its probabilities kernel (one program per group).
     by_score_P, _, _ = kernels.score_order(scores, gids, 0)
     s_plan = kernels.plan_groups(gids, by_score_P, quotas, R)

@@ -6,21 +6,22 @@ Both modes select in the group order: pairs by group ascending, pair id within (
 which a caller such as the MoE layer already has from its forward dispatch and passes in; otherwise one int32 sort).
 Per mode (DESIGN.md section 4, item 3):
 
-"top" (two launches given the group order):
-1. ``_plan_kernel`` (one program, both modes): per group, start and size by a 16-ary search over the group ids
-   read through an order sorted by group first, take = min(max(quota, 0), size), the cumulative ends, and the
-   counts/offsets clipped to R.
-2. ``_top_kernel`` (one program per group, over its members in the group order): the take-th largest score key
-   as a threshold by radix select (four 256-bin histograms, 8 bits at a time from the top, no sort by score), then
-   one pass that keeps every key above it and, of the keys equal to it, the lowest pair ids, and writes them in
-   pair-id order. A group of up to 2,048 members is loaded once; a larger one is read once per pass (5 passes).
-   Further programs fill the rows after the last kept pair with padding (-1, 0).
+"top" (one launch given the group order): ``_top_kernel``, one program per group, each first planning all groups
+(the searches of ``_plan_block``: per group, start and size by a 16-ary search over the group ids read through the
+group order, take = min(max(quota, 0), size), the cumulative ends; program 0 writes the counts/offsets clipped to
+R), then over its members in the group order: the take-th largest score key as a threshold by radix select (four
+256-bin histograms, 8 bits at a time from the top, no sort by score), then one pass that keeps every key above it
+and, of the keys equal to it, the lowest pair ids, and writes them in pair-id order. A group of up to 2,048
+members is loaded once; a larger one is read once per pass (5 passes). Further programs fill the rows after the
+last kept pair with padding (-1, 0).
 
-"sample":
+"sample" (given the group order and a bound <= SORT_MAX on the group sizes, step 1 is instead ``_plan_kernel``
+on the group order, then ``_group_sort_kernel``: each group sorted by (score descending, pair id) in one
+program's registers, the same order without a global sort):
 1. ``_group_keys_kernel`` (grid over max(P, R)): one int64 sort key per pair, ``group << 32 | descending score
    bits``, and the output buffers filled with padding (-1, 0) in the same launch; a stable radix sort of the keys
    (CUB on CUDA): group ascending, score descending, ties to the lower pair id (the order of the reference's two
-   stable argsorts, in one sort); ``_plan_kernel``.
+   stable argsorts, in one sort); ``_plan_kernel`` (one program: the plan above, written out for the next two).
 2. ``_sample_probabilities_kernel`` (one program per group, over its members in that score order): the
    inclusion probabilities of the reference's ``probabilities``, op for op in fp64: finite weights, the segmented
    suffix sums by the same Hillis-Steele rounds restricted to the group (rounds with distance >= the group size
@@ -43,10 +44,15 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["compact", "plan_groups", "sample_probabilities", "score_order", "select_top"]
+__all__ = [
+    "SORT_MAX", "compact", "group_score_order", "plan_groups", "sample_probabilities", "score_order", "select_top",
+]
 
 BLOCK = 1024  # elements per program of the elementwise kernels: memory-bound, 4 warps, 8 elements a thread
-BLOCK_G = 256  # groups per step of the one-program plan kernel (it loops over larger G)
+# Groups per step of the plan (it loops over larger G); small under the interpreter, where every "top" program
+# plans all groups at Python speed, so that the tests' few groups take several steps.
+BLOCK_G = 16 if os.environ.get("TRITON_INTERPRET", "0") == "1" else 256
+SORT_MAX = 8192  # largest group one program sorts in registers ("sample" given a bound on the group sizes)
 # Members per step of a "top" program (a group up to this size is counted in registers). Small under the
 # interpreter, so the tests' groups take both paths.
 TOP_BLOCK = 16 if os.environ.get("TRITON_INTERPRET", "0") == "1" else 2048
@@ -94,25 +100,32 @@ def _lower_bound(gids_ptr, order_ptr, n, target, n_steps, PROBES: tl.constexpr):
 
 
 @triton.jit
+def _plan_block(gids_ptr, order_ptr, quotas_ptr, g0, carry, P, G, n_steps, BLOCK_G: tl.constexpr,
+                PROBES: tl.constexpr):
+    """Groups g0 .. g0 + BLOCK_G - 1: (group ids, in range, start, size, take, base), given ``carry`` = the takes of
+    all earlier groups. Start and end of every group by searches over the group ids read through the order."""
+    g = g0 + tl.arange(0, BLOCK_G)
+    in_g = g < G
+    g64 = g.to(tl.int64)
+    start = _lower_bound(gids_ptr, order_ptr, P, g64, n_steps, PROBES)
+    size = _lower_bound(gids_ptr, order_ptr, P, g64 + 1, n_steps, PROBES) - start
+    quota = tl.load(quotas_ptr + g, mask=in_g, other=0).to(tl.int64)
+    take = tl.where(in_g, tl.minimum(tl.maximum(quota, 0), size), 0)
+    base = tl.cumsum(take, 0) - take + carry
+    return g, in_g, start, size, take, base
+
+
+@triton.jit
 def _plan_kernel(
     gids_ptr, order_ptr, quotas_ptr, starts_ptr, sizes_ptr, takes_ptr, bases_ptr, counts_ptr, offsets_ptr,
     P, G, R, n_steps, BLOCK_G: tl.constexpr, PROBES: tl.constexpr,
 ):
     # One program: G is small (experts or instances) and every group's end needs the takes of all before it.
-    # Start and end of every group by searches over the group ids read through the order, G lanes wide.
-    carry = tl.zeros((1,), tl.int64)
+    carry = tl.zeros((), tl.int64)
     for g0 in range(0, G, BLOCK_G):
-        g = g0 + tl.arange(0, BLOCK_G)
-        in_g = g < G
-        g64 = g.to(tl.int64)
-        start = _lower_bound(gids_ptr, order_ptr, P, g64, n_steps, PROBES)
-        end = _lower_bound(gids_ptr, order_ptr, P, g64 + 1, n_steps, PROBES)
-        size = end - start
-        quota = tl.load(quotas_ptr + g, mask=in_g, other=0).to(tl.int64)
-        take = tl.where(in_g, tl.minimum(tl.maximum(quota, 0), size), 0)
-        ends = tl.cumsum(take, 0) + carry
-        base = ends - take
-        offsets = tl.minimum(ends, R)
+        g, in_g, start, size, take, base = _plan_block(gids_ptr, order_ptr, quotas_ptr, g0, carry, P, G, n_steps,
+                                                       BLOCK_G, PROBES)
+        offsets = tl.minimum(base + take, R)
         tl.store(starts_ptr + g, start, mask=in_g)
         tl.store(sizes_ptr + g, size, mask=in_g)
         tl.store(takes_ptr + g, take, mask=in_g)
@@ -202,27 +215,53 @@ def _write_kept(pair, key, ok, thresh, ties_kept, ties_before, kept_before, base
 
 @triton.jit
 def _top_kernel(
-    scores_ptr, order_ptr, starts_ptr, sizes_ptr, takes_ptr, bases_ptr, pair_ids_ptr, weights_ptr, G, R,
-    BLOCK: tl.constexpr, FILL_BLOCK: tl.constexpr,
+    scores_ptr, gids_ptr, order_ptr, quotas_ptr, counts_ptr, offsets_ptr, pair_ids_ptr, weights_ptr, P, G, R,
+    n_steps, starts_ptr, sizes_ptr, takes_ptr, bases_ptr, PLANNED: tl.constexpr, BLOCK_G: tl.constexpr,
+    PROBES: tl.constexpr, BLOCK: tl.constexpr, FILL_BLOCK: tl.constexpr,
 ):
-    # Programs 0..G-1: one group each, over its members in pair-id order (the group order). The take-th largest
-    # score key T by radix select, 8 bits at a time from the top (4 histograms of the keys that share the digits
-    # found so far); what is left of the count at the last digit is how many keys == T to keep, the lowest pair
-    # ids. Then one pass keeps every key > T and those ties, writing them in pair-id order at the group's base. A
-    # group of at most BLOCK members is loaded once and counted in registers; a larger one is re-read per pass.
-    # Programs G.. fill the rows after the last group's kept pairs with padding (-1, 0).
-    g = tl.program_id(0)
+    # The whole of mode "top" in one launch. Every program first plans all groups (the searches are tiny and
+    # L2-resident, so doing them in every program costs what one plan kernel costs, and saves its launch); program
+    # 0 writes the counts and offsets. With PLANNED (more groups than BLOCK_G: planning all of them in every
+    # program would cost G^2) the plan comes from _plan_kernel's arrays instead. Programs 0..G-1 then take one group each, over its members in pair-id order
+    # (the group order): the take-th largest score key T by radix select, 8 bits at a time from the top (4
+    # histograms of the keys that share the digits found so far); what is left of the count at the last digit is
+    # how many keys == T to keep, the lowest pair ids. Then one pass keeps every key > T and those ties, writing
+    # them in pair-id order at the group's base. A group of at most BLOCK members is loaded once and counted in
+    # registers; a larger one is re-read per pass. Programs G.. fill the rows after the last group's kept pairs
+    # with padding (-1, 0).
+    pid = tl.program_id(0)
+    carry = tl.zeros((), tl.int64)
+    start = tl.zeros((), tl.int64)
+    size = tl.zeros((), tl.int64)
+    take = tl.zeros((), tl.int64)
+    base = tl.zeros((), tl.int64)
+    if PLANNED:
+        carry += tl.load(bases_ptr + G - 1) + tl.load(takes_ptr + G - 1)
+        if pid < G:
+            start += tl.load(starts_ptr + pid)
+            size += tl.load(sizes_ptr + pid)
+            take += tl.load(takes_ptr + pid)
+            base += tl.load(bases_ptr + pid)
+    else:  # G <= BLOCK_G: one step of the plan
+        g, in_g, starts, sizes, takes, bases = _plan_block(gids_ptr, order_ptr, quotas_ptr, 0, carry, P, G, n_steps,
+                                                           BLOCK_G, PROBES)
+        offsets = tl.minimum(bases + takes, R)
+        write = in_g & (pid == 0)
+        tl.store(counts_ptr + g, (offsets - tl.minimum(bases, R)).to(tl.int32), mask=write)
+        tl.store(offsets_ptr + g, offsets.to(tl.int32), mask=write)
+        mine = g == pid
+        start += tl.sum(tl.where(mine, starts, 0), 0)
+        size += tl.sum(tl.where(mine, sizes, 0), 0)
+        take += tl.sum(tl.where(mine, takes, 0), 0)
+        base += tl.sum(tl.where(mine, bases, 0), 0)
+        carry += tl.sum(takes, 0)
+    g = pid
     if g >= G:
-        total = tl.load(bases_ptr + G - 1) + tl.load(takes_ptr + G - 1)
         i = (g - G).to(tl.int64) * FILL_BLOCK + tl.arange(0, FILL_BLOCK)
-        pad = (i >= total) & (i < R)
+        pad = (i >= carry) & (i < R)
         tl.store(pair_ids_ptr + i, tl.full((FILL_BLOCK,), -1, tl.int64), mask=pad)
         tl.store(weights_ptr + i, tl.zeros((FILL_BLOCK,), tl.float32), mask=pad)
     else:
-        start = tl.load(starts_ptr + g)
-        size = tl.load(sizes_ptr + g)
-        take = tl.load(takes_ptr + g)
-        base = tl.load(bases_ptr + g)
         offs = tl.arange(0, BLOCK)
         zero = tl.zeros((), tl.int64)
         if take > 0:
@@ -255,6 +294,36 @@ def _top_kernel(
                     key = _score_key(scores_ptr, pair, ok)
                     ties_before, kept_before = _write_kept(pair, key, ok, thresh, need, ties_before, kept_before,
                                                            base, pair_ids_ptr, weights_ptr, R, BLOCK)
+
+
+@triton.jit
+def _group_sort_kernel(
+    scores_ptr, order_ptr, starts_ptr, sizes_ptr, by_score_ptr, pair_ids_ptr, weights_ptr, G, R,
+    SORT_BLOCK: tl.constexpr, FILL_BLOCK: tl.constexpr,
+):
+    # Programs 0..G-1: one group each, members taken in the group order (pair id ascending), sorted in registers
+    # by (score descending, NaN as +inf, -0.0 as +0.0; then pair id ascending) -- the order of the global int64
+    # key sort, without it. The caller guarantees every group fits SORT_BLOCK. Programs G..: padding (-1, 0) over
+    # the whole output buffer, which the compaction then overwrites with the kept rows.
+    g = tl.program_id(0)
+    if g >= G:
+        i = (g - G).to(tl.int64) * FILL_BLOCK + tl.arange(0, FILL_BLOCK)
+        tl.store(pair_ids_ptr + i, tl.full((FILL_BLOCK,), -1, tl.int64), mask=i < R)
+        tl.store(weights_ptr + i, tl.zeros((FILL_BLOCK,), tl.float32), mask=i < R)
+    else:
+        start = tl.load(starts_ptr + g)
+        size = tl.load(sizes_ptr + g)
+        j = tl.arange(0, SORT_BLOCK)
+        ok = j < size
+        pair = tl.load(order_ptr + start + j, mask=ok, other=0)
+        # Score descending, shifted into [-2^31, 2^31) so that << 32 keeps the order in signed int64; then the
+        # position in the group order (pair id ascending). Lanes past the group sort last.
+        desc = 2147483647 - _score_key(scores_ptr, pair, ok)
+        key = tl.where(ok, (desc << 32) | j.to(tl.int64), 9223372036854775807)
+        key = tl.sort(key, 0)
+        pos = key & 4294967295
+        first = tl.load(order_ptr + start + pos, mask=ok, other=0)
+        tl.store(by_score_ptr + start + j, first, mask=ok)
 
 
 @triton.jit
@@ -348,6 +417,26 @@ def sample_probabilities(w_P: torch.Tensor, order_P: torch.Tensor, plan: dict[st
     return p_P
 
 
+def group_score_order(
+    scores_P: torch.Tensor, order_P: torch.Tensor, plan: dict[str, torch.Tensor], max_rows: int, max_group_size: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``score_order``'s result (by-score order, pair_ids [R] of -1, weights [R] of 0) without a global sort:
+    each group's members, in the group order, sorted in one program's registers. Every group must have at most
+    ``max_group_size`` <= SORT_MAX members (not checked: a sync)."""
+    device = order_P.device
+    P, G = order_P.shape[0], plan["starts"].shape[0]
+    by_score_P = torch.empty(P, dtype=torch.int64, device=device)
+    pair_ids_R = torch.empty(max_rows, dtype=torch.int64, device=device)
+    weights_R = torch.empty(max_rows, dtype=torch.float32, device=device)
+    sort_block = triton.next_power_of_2(max(max_group_size, 2))
+    if G + max_rows > 0:
+        _group_sort_kernel[(G + triton.cdiv(max_rows, BLOCK),)](
+            scores_P, order_P, plan["starts"], plan["sizes"], by_score_P, pair_ids_R, weights_R, G, max_rows,
+            SORT_BLOCK=sort_block, FILL_BLOCK=BLOCK, num_warps=min(16, max(4, sort_block // 256)),
+        )
+    return by_score_P, pair_ids_R, weights_R
+
+
 def score_order(
     scores_P: torch.Tensor, group_ids_P: torch.Tensor, max_rows: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -367,6 +456,11 @@ def score_order(
     return torch.sort(keys_P, stable=True)[1], pair_ids_R, weights_R
 
 
+def _search_steps(P: int) -> int:
+    """Steps of the 16-ary search over P positions: each cuts an interval to at most 1/16 of it (rounded up)."""
+    return (P.bit_length() + 3) // 4 + 2
+
+
 def plan_groups(
     group_ids_P: torch.Tensor, order_P: torch.Tensor, quotas_G: torch.Tensor, max_rows: int
 ) -> dict[str, torch.Tensor]:
@@ -380,7 +474,7 @@ def plan_groups(
     if G > 0:
         _plan_kernel[(1,)](
             group_ids_P, order_P, quotas_G, plan["starts"], plan["sizes"], plan["takes"], plan["bases"],
-            plan["counts"], plan["offsets"], P, G, max_rows, (P.bit_length() + 3) // 4 + 2,
+            plan["counts"], plan["offsets"], P, G, max_rows, _search_steps(P),
             # 8 warps: at 4, ptxas spills the [256, 16] int64 probes of a full plan step (255 registers, 256 bytes
             # of stack for sm_90; tests/kernels/sm90_compile.py --resources).
             BLOCK_G=min(BLOCK_G, triton.next_power_of_2(G)), PROBES=16, num_warps=8,
@@ -389,22 +483,31 @@ def plan_groups(
 
 
 def select_top(
-    scores_P: torch.Tensor, order_P: torch.Tensor, plan: dict[str, torch.Tensor], max_rows: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Mode "top" from the group order (group ascending, pair id within): (pair_ids [R], weights [R]), every
-    group's kept pairs in pair-id order and padding after them, in one launch (one program per group, and
-    programs filling the padding)."""
-    G = plan["takes"].shape[0]
-    pair_ids_R = torch.empty(max_rows, dtype=torch.int64, device=order_P.device)
-    weights_R = torch.empty(max_rows, dtype=torch.float32, device=order_P.device)
+    scores_P: torch.Tensor, group_ids_P: torch.Tensor, order_P: torch.Tensor, quotas_G: torch.Tensor, max_rows: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Mode "top" from the group order (group ascending, pair id within): (pair_ids [R], weights [R], counts [G],
+    offsets [G]), every group's kept pairs in pair-id order and padding after them, in one launch (one program per
+    group and programs filling the padding, each planning all groups first) when G fits one plan step (BLOCK_G),
+    else the plan kernel and then that kernel reading its plan."""
+    device = order_P.device
+    G, P = quotas_G.shape[0], order_P.shape[0]
+    pair_ids_R = torch.empty(max_rows, dtype=torch.int64, device=device)
+    weights_R = torch.empty(max_rows, dtype=torch.float32, device=device)
+    counts_G = torch.empty(G, dtype=torch.int32, device=device)
+    offsets_G = torch.empty(G, dtype=torch.int32, device=device)
     if G == 0:
-        return pair_ids_R.fill_(-1), weights_R.zero_()
-    if max_rows > 0:
-        _top_kernel[(G + triton.cdiv(max_rows, BLOCK),)](
-            scores_P, order_P, plan["starts"], plan["sizes"], plan["takes"], plan["bases"], pair_ids_R, weights_R,
-            G, max_rows, BLOCK=TOP_BLOCK, FILL_BLOCK=BLOCK, num_warps=8,
-        )
-    return pair_ids_R, weights_R
+        return pair_ids_R.fill_(-1), weights_R.zero_(), counts_G, offsets_G
+    planned = G > BLOCK_G  # more groups than one step: plan once, in its own launch
+    plan = plan_groups(group_ids_P, order_P, quotas_G, max_rows) if planned else None
+    if planned:
+        counts_G, offsets_G = plan["counts"], plan["offsets"]
+    stats = [plan[k] for k in ("starts", "sizes", "takes", "bases")] if planned else [counts_G] * 4  # unread
+    _top_kernel[(G + triton.cdiv(max_rows, BLOCK),)](
+        scores_P, group_ids_P, order_P, quotas_G, counts_G, offsets_G, pair_ids_R, weights_R, P, G, max_rows,
+        _search_steps(P), *stats, PLANNED=planned, BLOCK_G=min(BLOCK_G, triton.next_power_of_2(G)), PROBES=16,
+        BLOCK=TOP_BLOCK, FILL_BLOCK=BLOCK, num_warps=8,
+    )
+    return pair_ids_R, weights_R, counts_G, offsets_G
 
 
 def compact(

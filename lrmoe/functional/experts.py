@@ -289,8 +289,10 @@ def select_retained(
     ``group_order_P``: the stable argsort of ``groups_P`` when the layer has it from its forward dispatch, so the
     selection need not sort again. Returns (Selection, fraction of the finite score mass the kept pairs carry)."""
     scores_P = score_pairs(gates_TK.detach(), g_TD, phi_sq_TK, metric=metric, generator=generator).reshape(-1)
+    # Each token picks an expert at most once, so no group (expert, instance, or (source, expert)) holds more
+    # than T pairs: the bound CUDA "sample" needs to sort per group.
     sel = select_within_quota(scores_P, groups_P, quotas_G, max_rows=max_rows, mode=selection, generator=generator,
-                              uniform_G=uniform_G, group_order_P=group_order_P)
+                              uniform_G=uniform_G, group_order_P=group_order_P, max_group_size=gates_TK.shape[0])
     finite_P = torch.where(torch.isfinite(scores_P), scores_P, 0.0)
     kept_mass = finite_P.index_select(0, sel.pair_ids.clamp(min=0)).mul(sel.pair_ids >= 0).sum()
     return sel, kept_mass / finite_P.sum().clamp(min=torch.finfo(torch.float32).tiny)

@@ -65,6 +65,7 @@ def select_within_quota(
     generator: torch.Generator | None = None,
     uniform_G: torch.Tensor | None = None,
     group_order_P: torch.Tensor | None = None,
+    max_group_size: int | None = None,
 ) -> Selection:
     """Keep min(quota, size) pairs of every group and compact them into a buffer of ``max_rows`` entries.
 
@@ -81,8 +82,12 @@ def select_within_quota(
         group_order_P: [P] int64, the stable ascending argsort of ``group_ids_P`` (pairs by group, pair id
             within), when the caller already has it (an MoE layer sorts its pairs by expert for the forward
             dispatch). Both modes select in this order; given, the selection does not sort the group ids again
-            (on CUDA, "top" is then two kernel launches). Not checked (that would need a sync): another
+            (on CUDA, "top" is then one kernel launch). Not checked (that would need a sync): another
             permutation gives a wrong selection.
+        max_group_size: a bound on every group's size when the caller knows one (in an MoE layer each token
+            picks an expert at most once, so a group holds at most T pairs). With ``group_order_P`` and a bound
+            up to 8,192, CUDA "sample" sorts each group in one program's registers instead of sorting all pairs.
+            Not checked (a sync): a group above it gives a wrong selection.
     """
     check_tensor("scores_P", scores_P, ndim=1, kind="float")
     check_tensor("group_ids_P", group_ids_P, ndim=1, kind="int")
@@ -96,6 +101,9 @@ def select_within_quota(
         raise ValueError(f"max_rows must be a non-negative Python int, got {max_rows!r}")
     if uniform_G is not None and (uniform_G.dim() != 1 or uniform_G.shape[0] != quotas_G.shape[0]):
         raise ValueError(f"uniform_G must have shape [{quotas_G.shape[0]}], got {tuple(uniform_G.shape)}")
+    if max_group_size is not None and (not isinstance(max_group_size, int) or isinstance(max_group_size, bool)
+                                       or max_group_size < 0):
+        raise ValueError(f"max_group_size must be a non-negative Python int or None, got {max_group_size!r}")
     if group_order_P is not None:
         check_tensor("group_order_P", group_order_P, ndim=1, kind="int")
         if group_order_P.dtype != torch.int64:
@@ -115,7 +123,7 @@ def select_within_quota(
         select = _COMPILED_SAMPLE
     pair_ids_R, weights_R, counts_G, offsets_G = select(
         scores_P.detach(), group_ids_P, quotas_G, max_rows, mode, uniform_G if mode == "sample" else None,
-        group_order_P,
+        group_order_P, max_group_size,
     )
     return Selection(pair_ids=pair_ids_R, weights=weights_R, counts=counts_G, offsets=offsets_G)
 

@@ -19,7 +19,7 @@ each group's kept pairs in pair-id order.
 What runs where on CUDA, per mode (the group order: given, or one int32 sort of the group ids):
 - "top": the per-group plan, then one Triton program per group that finds its take-th largest score by radix
   select over the bits of its key and writes the pairs above it, and the lowest-id ties, in pair-id order. No
-  sort by score: two launches when the group order is given.
+  sort by score: one launch when the group order is given.
 - "sample": a sort by (group, score) keys and the per-group plan, the inclusion probabilities in Triton, one
   program per group over its members in score order, the reference's ``probabilities`` op for op in fp64, so
   bit-identical (the systematic sampling depends on the exact fp64 rounding); their running sum in the group
@@ -93,8 +93,10 @@ def select_within_quota_reference(
     mode: str,
     uniform_G: torch.Tensor | None,
     group_order_P: torch.Tensor | None = None,
+    max_group_size: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The op's contract in plain PyTorch: (pair_ids_R, weights_R, counts_G, offsets_G)."""
+    """The op's contract in plain PyTorch: (pair_ids_R, weights_R, counts_G, offsets_G). ``max_group_size`` only
+    selects a CUDA strategy; the result does not depend on it."""
     _check_mode(mode, uniform_G)
     device = scores_P.device
     gid_P = group_ids_P.long()
@@ -238,6 +240,7 @@ def select_within_quota_triton(
     mode: str,
     uniform_G: torch.Tensor | None,
     group_order_P: torch.Tensor | None = None,
+    max_group_size: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The CUDA kernel of the op (runs on CPU tensors too, in Triton's interpreter): same outputs, bit for bit.
 
@@ -250,21 +253,25 @@ def select_within_quota_triton(
     quotas_G = quotas_G.contiguous()
     order_P = argsort_ids(gids_P) if group_order_P is None else group_order_P.contiguous()
     if mode == "top":
-        # Per group its take-th largest score as a threshold, in the group order: no sort by score.
+        # Per group its take-th largest score as a threshold, in the group order: no sort by score, one launch.
+        return kernels.select_top(scores_P, gids_P, order_P, quotas_G, max_rows)
+    # Inclusion probabilities: one Triton program per group over its members in score order, the reference's
+    # arithmetic op for op (bit-identical); then their running sum in the group order in PyTorch, as in the
+    # reference, and the sampling and compaction in Triton.
+    if group_order_P is not None and max_group_size is not None and max_group_size <= kernels.SORT_MAX:
+        # Every group fits one program's registers: each sorted within the group order, no global sort.
         plan = kernels.plan_groups(gids_P, order_P, quotas_G, max_rows)
-        pair_ids_R, weights_R = kernels.select_top(scores_P, order_P, plan, max_rows)
+        by_score_P, pair_ids_R, weights_R = kernels.group_score_order(scores_P, order_P, plan, max_rows,
+                                                                      max_group_size)
     else:
-        # Inclusion probabilities: one Triton program per group over its members in score order, the reference's
-        # arithmetic op for op (bit-identical); then their per-group cumulative sum in the group order in PyTorch,
-        # as in the reference, and the sampling and compaction in Triton.
         by_score_P, pair_ids_R, weights_R = kernels.score_order(scores_P, gids_P, max_rows)
         plan = kernels.plan_groups(gids_P, by_score_P, quotas_G, max_rows)
-        p_P = kernels.sample_probabilities(sample_weights(nan_as_inf(scores_P)), by_score_P, plan)
-        # The running sum of p in the group order over all groups, as the reference's _segment_cumsum takes it
-        # (torch.cumsum's fp64 rounding); the compaction subtracts each group's start from it.
-        cum_P = torch.cumsum(p_P[order_P], 0)
-        kernels.compact(order_P, gids_P, plan, pair_ids_R, weights_R, p_P=p_P, cum_P=cum_P,
-                        uniform_G=uniform_G.contiguous())
+    p_P = kernels.sample_probabilities(sample_weights(nan_as_inf(scores_P)), by_score_P, plan)
+    # The running sum of p in the group order over all groups, as the reference's _segment_cumsum takes it
+    # (torch.cumsum's fp64 rounding); the compaction subtracts each group's start from it.
+    cum_P = torch.cumsum(p_P[order_P], 0)
+    kernels.compact(order_P, gids_P, plan, pair_ids_R, weights_R, p_P=p_P, cum_P=cum_P,
+                    uniform_G=uniform_G.contiguous())
     return pair_ids_R, weights_R, plan["counts"], plan["offsets"]
 
 
@@ -280,19 +287,21 @@ def select_within_quota(
     mode: str,
     uniform: torch.Tensor | None,
     group_order: torch.Tensor | None = None,
+    max_group_size: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     return select_within_quota_reference(scores, group_ids, quotas, max_rows, mode, uniform, group_order)
 
 
 @select_within_quota.register_kernel("cuda")
-def _(scores, group_ids, quotas, max_rows, mode, uniform, group_order=None):
+def _(scores, group_ids, quotas, max_rows, mode, uniform, group_order=None, max_group_size=None):
     if kernel_module("selection") is None:  # no Triton on this machine
         return select_within_quota_reference(scores, group_ids, quotas, max_rows, mode, uniform, group_order)
-    return select_within_quota_triton(scores, group_ids, quotas, max_rows, mode, uniform, group_order)
+    return select_within_quota_triton(scores, group_ids, quotas, max_rows, mode, uniform, group_order,
+                                      max_group_size)
 
 
 @select_within_quota.register_fake
-def _(scores, group_ids, quotas, max_rows, mode, uniform, group_order=None):
+def _(scores, group_ids, quotas, max_rows, mode, uniform, group_order=None, max_group_size=None):
     _check_mode(mode, uniform)
     G = quotas.shape[0]
     return (
@@ -308,7 +317,7 @@ def _select_setup(ctx, inputs, output):
 
 
 def _select_backward(ctx, *grads):
-    return None, None, None, None, None, None, None  # never called: the outputs are non-differentiable
+    return None, None, None, None, None, None, None, None  # never called: the outputs are non-differentiable
 
 
 select_within_quota.register_autograd(_select_backward, setup_context=_select_setup)

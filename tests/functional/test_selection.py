@@ -422,6 +422,8 @@ _S, _G, _Q = torch.rand(5), torch.tensor([0, 1, 0, 1, 1]), torch.tensor([1, 2])
         ((_S, _G, _Q), {"max_rows": 4, "group_order_P": torch.arange(4)}, ValueError, "group_order_P"),
         ((_S, _G, _Q), {"max_rows": 4, "group_order_P": torch.arange(5).int()}, TypeError, "group_order_P"),
         ((_S, _G, _Q), {"max_rows": 4, "group_order_P": torch.arange(5.0)}, TypeError, "group_order_P"),
+        ((_S, _G, _Q), {"max_rows": 4, "max_group_size": -1}, ValueError, "max_group_size"),
+        ((_S, _G, _Q), {"max_rows": 4, "max_group_size": 4.0}, ValueError, "max_group_size"),
     ],
 )
 def test_select_errors_name_the_argument(args, kwargs, exc, name):

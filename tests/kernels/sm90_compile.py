@@ -71,9 +71,13 @@ def run_launchers() -> None:
         order = torch.argsort(gids, stable=True)
         for uniform in (torch.rand(5, dtype=torch.float64), torch.rand(5)):
             select_within_quota_triton(scores, gids, quotas, 20, "sample", uniform, order)
+            select_within_quota_triton(scores, gids, quotas, 20, "sample", uniform, order, 64)  # per-group sort
         select_within_quota_triton(scores, gids, quotas, 20, "top", None, order)
     experts = torch.randint(0, 128, (512,), generator=gen)  # the layers' case: 128 experts, one plan step
     select_within_quota_triton(torch.rand(512), experts, torch.full((128,), 3), 400, "top", None)
+    for tokens in (2048, 8192):  # "sample" sorting groups of up to T pairs in registers, at the benchmark's T
+        select_within_quota_triton(torch.rand(512), experts, torch.full((128,), 3), 400, "sample", torch.rand(128),
+                                   torch.argsort(experts, stable=True), tokens)
     many = torch.randint(0, 3 * sel.BLOCK_G, (64,), generator=gen)  # more groups than one plan step
     select_within_quota_triton(scores, many, torch.ones(3 * sel.BLOCK_G, dtype=torch.int64), 20, "top", None)
 

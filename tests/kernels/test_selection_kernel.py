@@ -45,8 +45,9 @@ def assert_same(scores, gids, quotas, max_rows, uniform=None, gid_dtype=torch.in
     for mode in ("top", "sample"):
         want = select_within_quota_reference(*t, max_rows, mode, u)
         # The Triton path sorting the group ids itself, and given their order (as the MoE layer gives it).
-        for given_order in (None, order):
-            got = select_within_quota_triton(*t, max_rows, mode, u, given_order)
+        # max_group_size: the per-group register sort of "sample" (any bound >= every group's size).
+        for given_order, bound in ((None, None), (order, None), (order, max(len(scores), 1))):
+            got = select_within_quota_triton(*t, max_rows, mode, u, given_order, bound)
             # A custom op's outputs may alias neither its inputs nor each other (PyTorch rejects it on CUDA).
             ptrs = [x.untyped_storage().data_ptr() for x in (*got, *t, u) if x.numel() > 0]
             assert len(set(ptrs)) == len(ptrs), (mode, "outputs share storage")
@@ -89,8 +90,11 @@ def test_int32_group_ids_and_extreme_uniforms():
 
 
 def test_many_groups_loop_the_plan_kernel():
-    # More groups than one step of the one-program plan kernel (BLOCK_G = 256) takes: the running end carries over.
-    G = 300
+    # More groups than one step of the plan takes (BLOCK_G: 256 on a GPU, 16 under the interpreter): the running
+    # end carries over.
+    from lrmoe.ops._kernels import kernel_module
+
+    G = 3 * kernel_module("selection").BLOCK_G + 5
     gids = [g for g in range(0, G, 7) for _ in range(2)] + [G - 1]
     scores = [float((i * 37) % 11) for i in range(len(gids))]
     assert_same(scores, gids, [1] * G, len(gids), uniform=[0.5] * G)

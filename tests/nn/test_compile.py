@@ -133,6 +133,7 @@ def test_compiled_layer_graphs_hold_no_device_asserts_and_one_op_per_selection(s
     assert not [t for t in targets if "assert" in t], targets
     assert not [t for t in targets if "index_add" in t], targets
     (select,) = [n for n in bwd.graph.nodes if n.target is torch.ops.lrmoe.select_within_quota.default]
-    assert len(select.args) == 7 and isinstance(select.args[6], torch.fx.Node)  # group_order given
+    assert len(select.args) == 8 and isinstance(select.args[6], torch.fx.Node)  # group_order given
+    assert select.args[7] == 64  # max_group_size: T, each token picks an expert at most once
     assert not [n for n in bwd.graph.nodes if "sort" in str(n.target)]
     torch._dynamo.reset()
