@@ -46,6 +46,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import launch
+
 __all__ = ["gather_grouped_mm_triton", "grouped_outer_triton", "zero_rows_past_last_offset_"]
 
 # Read once, like triton.jit itself reads it when the kernels below are defined: the interpreter is either on for
@@ -204,7 +206,7 @@ def gather_grouped_mm_triton(
         return y_RO
     fixed = _interpreter_config() if _INTERPRET else {}
     grid = lambda meta: ((triton.cdiv(R, meta["BLOCK_M"]) + E) * triton.cdiv(O, meta["BLOCK_N"]),)  # noqa: E731
-    _gather_grouped_mm[grid](
+    launch(_gather_grouped_mm, grid)(
         x_NI, weight_EOI, rows_R, offsets_E, y_RO,
         R, O, I, E, x_NI.element_size(),
         *x_NI.stride(), *weight_EOI.stride(), *y_RO.stride(),
@@ -240,7 +242,7 @@ def zero_rows_past_last_offset_(y_RO: torch.Tensor, offsets_E: torch.Tensor) -> 
         return y_RO.zero_()
     block_r = 16 if _INTERPRET else 32
     block_o = min(triton.next_power_of_2(O), 32 if _INTERPRET else 256)
-    _zero_tail_kernel[(triton.cdiv(R, block_r),)](
+    launch(_zero_tail_kernel, (triton.cdiv(R, block_r),))(
         y_RO, offsets_E, R, O, E, *y_RO.stride(), BLOCK_R=block_r, BLOCK_O=block_o, num_warps=4,
     )
     return y_RO
@@ -316,7 +318,7 @@ def grouped_outer_triton(
         return w_EOI
     fixed = _interpreter_config() if _INTERPRET else {}
     grid = lambda meta: (E * triton.cdiv(O, meta["BLOCK_M"]) * triton.cdiv(I, meta["BLOCK_N"]),)  # noqa: E731
-    _grouped_outer[grid](
+    launch(_grouped_outer, grid)(
         a_RO, b_NI, rows_R, offsets_E, w_EOI,
         R, O, I, E, a_RO.element_size(),
         *a_RO.stride(), *b_NI.stride(), *w_EOI.stride(),

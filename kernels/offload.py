@@ -32,6 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import launch
+
 __all__ = ["gather_host_rows_triton"]
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -88,7 +90,7 @@ def gather_host_rows_triton(src_NC: torch.Tensor, rows_R: torch.Tensor) -> torch
                          "that is not pinned (not mapped into the device's address space)")
     cfg = _blocks(n_cols, src_NC.element_size())
     grid = (triton.cdiv(rows_R.shape[0], cfg["BLOCK_R"]), triton.cdiv(n_cols, cfg["BLOCK_C"]))
-    _gather_rows_kernel[grid](
+    launch(_gather_rows_kernel, grid)(
         src_NC, rows_R, out_RC,
         rows_R.shape[0], n_rows, n_cols,
         src_NC.stride(0), src_NC.stride(1), out_RC.stride(0), out_RC.stride(1),

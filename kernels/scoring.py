@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import launch
+
 __all__ = ["METRIC_IDS", "score_pairs_triton"]
 
 # The deterministic metrics, as the kernel's constexpr METRIC ("random" never reaches a kernel).
@@ -142,7 +144,7 @@ def score_pairs_triton(
         return scores_TK
     bt, bd, bk, nw = _block_sizes(T, K, D)
     bt, bd, nw = block_t or bt, block_d or bd, num_warps or nw
-    _score_pairs_kernel[(triton.cdiv(T, bt),)](
+    launch(_score_pairs_kernel, (triton.cdiv(T, bt),))(
         gates_TK,
         grad_out_TD,
         phi_sqnorm_TK,

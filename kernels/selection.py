@@ -44,6 +44,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import launch
+
 __all__ = [
     "SORT_MAX", "compact", "group_score_order", "plan_groups", "sample_probabilities", "score_order", "select_top",
 ]
@@ -410,7 +412,7 @@ def sample_probabilities(w_P: torch.Tensor, order_P: torch.Tensor, plan: dict[st
     if P == 0 or G == 0:
         return p_P
     scratch = torch.empty(2, P, dtype=torch.float64, device=w_P.device)
-    _sample_probabilities_kernel[(G,)](
+    launch(_sample_probabilities_kernel, (G,))(
         w_P, order_P, plan["starts"], plan["sizes"], plan["takes"], scratch[0], scratch[1], p_P,
         BLOCK=BLOCK, num_warps=4,
     )
@@ -430,7 +432,7 @@ def group_score_order(
     weights_R = torch.empty(max_rows, dtype=torch.float32, device=device)
     sort_block = triton.next_power_of_2(max(max_group_size, 2))
     if G + max_rows > 0:
-        _group_sort_kernel[(G + triton.cdiv(max_rows, BLOCK),)](
+        launch(_group_sort_kernel, (G + triton.cdiv(max_rows, BLOCK),))(
             scores_P, order_P, plan["starts"], plan["sizes"], by_score_P, pair_ids_R, weights_R, G, max_rows,
             SORT_BLOCK=sort_block, FILL_BLOCK=BLOCK, num_warps=min(16, max(4, sort_block // 256)),
         )
@@ -450,7 +452,7 @@ def score_order(
     weights_R = torch.empty(max_rows, dtype=torch.float32, device=device)
     n = max(P, max_rows)
     if n > 0:
-        _group_keys_kernel[(triton.cdiv(n, BLOCK),)](
+        launch(_group_keys_kernel, (triton.cdiv(n, BLOCK),))(
             scores_P, group_ids_P, keys_P, pair_ids_R, weights_R, P, max_rows, BLOCK=BLOCK, num_warps=4,
         )
     return torch.sort(keys_P, stable=True)[1], pair_ids_R, weights_R
@@ -472,7 +474,7 @@ def plan_groups(
     plan = {name: torch.empty(G, dtype=torch.int64, device=device) for name in ("starts", "sizes", "takes", "bases")}
     plan |= {name: torch.empty(G, dtype=torch.int32, device=device) for name in ("counts", "offsets")}
     if G > 0:
-        _plan_kernel[(1,)](
+        launch(_plan_kernel, (1,))(
             group_ids_P, order_P, quotas_G, plan["starts"], plan["sizes"], plan["takes"], plan["bases"],
             plan["counts"], plan["offsets"], P, G, max_rows, _search_steps(P),
             # 8 warps: at 4, ptxas spills the [256, 16] int64 probes of a full plan step (255 registers, 256 bytes
@@ -502,7 +504,7 @@ def select_top(
     if planned:
         counts_G, offsets_G = plan["counts"], plan["offsets"]
     stats = [plan[k] for k in ("starts", "sizes", "takes", "bases")] if planned else [counts_G] * 4  # unread
-    _top_kernel[(G + triton.cdiv(max_rows, BLOCK),)](
+    launch(_top_kernel, (G + triton.cdiv(max_rows, BLOCK),))(
         scores_P, group_ids_P, order_P, quotas_G, counts_G, offsets_G, pair_ids_R, weights_R, P, G, max_rows,
         _search_steps(P), *stats, PLANNED=planned, BLOCK_G=min(BLOCK_G, triton.next_power_of_2(G)), PROBES=16,
         BLOCK=TOP_BLOCK, FILL_BLOCK=BLOCK, num_warps=8,
@@ -527,7 +529,7 @@ def compact(
     P = order_P.shape[0]
     if P == 0:
         return
-    _compact_kernel[(triton.cdiv(P, BLOCK),)](
+    launch(_compact_kernel, (triton.cdiv(P, BLOCK),))(
         order_P, group_ids_P, plan["starts"], plan["sizes"], plan["takes"], plan["bases"], p_P, cum_P, uniform_G,
         pair_ids_R, weights_R, P, pair_ids_R.shape[0], BLOCK=BLOCK, num_warps=4,
     )

@@ -28,6 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import launch
+
 __all__ = ["gather_dot_rows_triton", "gather_sum_rows_triton"]
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -108,7 +110,7 @@ def gather_sum_rows_triton(src_NC: torch.Tensor, rows_TK: torch.Tensor, weights_
     kp = triton.next_power_of_2(max(top_k, 1))
     block_c = _block_c(n_cols, src_NC.element_size(), kp, 16384)
     grid = (n_tok, triton.cdiv(n_cols, block_c))
-    _gather_sum_rows_kernel[grid](
+    launch(_gather_sum_rows_kernel, grid)(
         src_NC, rows_TK, w_TK, out_TC,
         n_cols, top_k,
         src_NC.stride(0), out_TC.stride(0),
@@ -129,7 +131,7 @@ def gather_dot_rows_triton(src_NC: torch.Tensor, rows_TK: torch.Tensor, g_TC: to
     rows_TK = rows_TK.contiguous()
     kp = triton.next_power_of_2(max(top_k, 1))
     block_c = _block_c(src_NC.shape[1], src_NC.element_size(), kp, 8192)  # + fp32 accumulators
-    _gather_dot_rows_kernel[(n_tok,)](
+    launch(_gather_dot_rows_kernel, (n_tok,))(
         src_NC, rows_TK, g_TC, out_TK,
         src_NC.shape[1], top_k,
         src_NC.stride(0), g_TC.stride(0),
