@@ -1,7 +1,9 @@
 """torch.library registrations (namespace ``lrmoe``): schema, fake, autograd, CPU reference, CUDA launch.
 
-Importing this package registers the ops; the functional API calls them so a compiled graph sees one op per
-kernel.
+Importing this package registers the ops; the functional API calls them, so Dynamo's graph holds one op per
+kernel. On CUDA, AOTAutograd then traces the kernel ops into their Triton kernels (and PyTorch ops), which
+Inductor launches itself (lrmoe.ops._kernels.inline_when_compiled); on CPU each stays one opaque op (the
+reference).
 """
 
 from lrmoe.ops.grouped_gemm import gather_grouped_mm, grouped_outer

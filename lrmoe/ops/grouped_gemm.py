@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from lrmoe.ops._kernels import kernel_module
+from lrmoe.ops._kernels import inline_when_compiled, kernel_module
 
 __all__ = ["gather_grouped_mm", "grouped_outer"]
 
@@ -86,7 +86,7 @@ def gather_grouped_mm(
 
 
 @gather_grouped_mm.register_kernel("cuda")
-def _(x_NI, weight_EOI, rows_R, offsets_E):
+def _gather_grouped_mm_cuda(x_NI, weight_EOI, rows_R, offsets_E):
     if not _grouped_mm_ok(x_NI, weight_EOI):
         kernels = kernel_module("grouped_gemm")
         if kernels is None:
@@ -125,6 +125,8 @@ def _gather_grouped_mm_backward(ctx, grad_y_RO):
 
 
 gather_grouped_mm.register_autograd(_gather_grouped_mm_backward, setup_context=_gather_grouped_mm_setup)
+# Inlined under compile on the torch._grouped_mm path only: the Triton path autotunes, which Inductor would redo.
+inline_when_compiled(gather_grouped_mm, _gather_grouped_mm_cuda, when=lambda x, w, *_: _grouped_mm_ok(x, w))
 
 
 # -------------------------------------------------------------------------------------------------- grouped_outer
@@ -145,7 +147,7 @@ def _loop_outer(a_RO, b_NI, rows_R, offsets_E):
 
 
 @grouped_outer.register_kernel("cuda")
-def _(a_RO, b_NI, rows_R, offsets_E):
+def _grouped_outer_cuda(a_RO, b_NI, rows_R, offsets_E):
     if not _grouped_mm_ok(a_RO, b_NI):
         kernels = kernel_module("grouped_gemm")
         if kernels is None:
@@ -182,3 +184,4 @@ def _grouped_outer_backward(ctx, grad_w_EOI):
 
 
 grouped_outer.register_autograd(_grouped_outer_backward, setup_context=_grouped_outer_setup)
+inline_when_compiled(grouped_outer, _grouped_outer_cuda, when=lambda a, b, *_: _grouped_mm_ok(a, b))

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from lrmoe.ops._kernels import kernel_module
+from lrmoe.ops._kernels import inline_when_compiled, kernel_module
 
 __all__ = ["DETERMINISTIC_METRICS", "non_finite_mask", "score_pairs", "score_pairs_reference"]
 
@@ -74,7 +74,7 @@ def score_pairs(
 
 
 @score_pairs.register_kernel("cuda")
-def _(gates_TK, grad_out_TD, phi_sqnorm_TK, metric):
+def _score_pairs_cuda(gates_TK, grad_out_TD, phi_sqnorm_TK, metric):
     kernels = kernel_module("scoring")
     if kernels is None:  # no Triton on this machine
         return score_pairs_reference(gates_TK, grad_out_TD, phi_sqnorm_TK, metric)
@@ -97,3 +97,4 @@ def _score_pairs_backward(ctx, grad_scores_TK):
 
 
 score_pairs.register_autograd(_score_pairs_backward, setup_context=_score_pairs_setup)
+inline_when_compiled(score_pairs, _score_pairs_cuda)

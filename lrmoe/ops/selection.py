@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import torch
 
-from lrmoe.ops._kernels import kernel_module
+from lrmoe.ops._kernels import inline_when_compiled, kernel_module
 
 __all__ = [
     "MODES",
@@ -293,7 +293,7 @@ def select_within_quota(
 
 
 @select_within_quota.register_kernel("cuda")
-def _(scores, group_ids, quotas, max_rows, mode, uniform, group_order=None, max_group_size=None):
+def _select_within_quota_cuda(scores, group_ids, quotas, max_rows, mode, uniform, group_order=None, max_group_size=None):
     if kernel_module("selection") is None:  # no Triton on this machine
         return select_within_quota_reference(scores, group_ids, quotas, max_rows, mode, uniform, group_order)
     return select_within_quota_triton(scores, group_ids, quotas, max_rows, mode, uniform, group_order,
@@ -321,3 +321,4 @@ def _select_backward(ctx, *grads):
 
 
 select_within_quota.register_autograd(_select_backward, setup_context=_select_setup)
+inline_when_compiled(select_within_quota, _select_within_quota_cuda)

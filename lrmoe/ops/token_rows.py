@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from lrmoe.ops._kernels import kernel_module
+from lrmoe.ops._kernels import inline_when_compiled, kernel_module
 
 __all__ = ["gather_dot_rows", "gather_sum_rows"]
 
@@ -88,7 +88,7 @@ def gather_sum_rows(src_NC: torch.Tensor, rows_TK: torch.Tensor, weights_TK: tor
 
 
 @gather_sum_rows.register_kernel("cuda")
-def _(src_NC, rows_TK, weights_TK=None):
+def _gather_sum_rows_cuda(src_NC, rows_TK, weights_TK=None):
     _check("gather_sum_rows", src_NC, rows_TK, weights_TK, "weights_TK", None)
     kernels = kernel_module("token_rows")
     if kernels is None or _acc_dtype(src_NC, weights_TK) == torch.float64:  # the kernel accumulates in fp32
@@ -121,6 +121,7 @@ def _sum_backward(ctx, grad_TC):
 
 
 gather_sum_rows.register_autograd(_sum_backward, setup_context=_sum_setup)
+inline_when_compiled(gather_sum_rows, _gather_sum_rows_cuda)
 
 
 # ------------------------------------------------------------------------------------------------ gather_dot_rows
@@ -133,7 +134,7 @@ def gather_dot_rows(src_NC: torch.Tensor, rows_TK: torch.Tensor, g_TC: torch.Ten
 
 
 @gather_dot_rows.register_kernel("cuda")
-def _(src_NC, rows_TK, g_TC):
+def _gather_dot_rows_cuda(src_NC, rows_TK, g_TC):
     _check("gather_dot_rows", src_NC, rows_TK, g_TC, "g_TC", src_NC.shape[1])
     kernels = kernel_module("token_rows")
     if kernels is None or _acc_dtype(src_NC, g_TC) == torch.float64:
@@ -164,3 +165,4 @@ def _dot_backward(ctx, grad_TK):
 
 
 gather_dot_rows.register_autograd(_dot_backward, setup_context=_dot_setup)
+inline_when_compiled(gather_dot_rows, _gather_dot_rows_cuda)

@@ -73,17 +73,20 @@ def test_cuda_compile_fullgraph_matches_eager(dtype, retain, tol, fwd_bwd):
         assert err < tol, (tuple(w.shape), float(err))
 
 
+@pytest.mark.parametrize("compiled", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("retain, selection", [(1.0, "sample"), (0.75, "sample"), (0.5, "top")])
-def test_no_host_sync_in_forward_backward(dtype, retain, selection):
+def test_no_host_sync_in_forward_backward(dtype, retain, selection, compiled):
+    torch._dynamo.reset()
     torch.manual_seed(0)
     layer = LRMoE(128, 64, 16, 4, retain=retain, selection=selection).cuda().to(dtype)
+    fn = torch.compile(layer, fullgraph=True) if compiled else layer  # compiled: the kernels inlined in the graph
     x = torch.randn(512, 128, device="cuda", dtype=dtype, requires_grad=True)
-    layer(x).sum().backward()  # first call: lazy initialisation and kernel compilation may synchronise
+    fn(x).sum().backward()  # first call: lazy initialisation and kernel compilation may synchronise
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        out = layer(x)
+        out = fn(x)
         out.sum().backward()
     finally:
         torch.cuda.set_sync_debug_mode("default")

@@ -1,0 +1,91 @@
+"""Under torch.compile, CUDA calls of the kernel ops are traced into their Triton kernels (lrmoe.ops._kernels.
+inline_when_compiled) and give what the eager op gives; CPU calls stay one opaque op each (the reference)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._inductor.utils import run_and_get_code
+
+import lrmoe.ops as ops
+
+CUDA = torch.cuda.is_available()
+
+
+def _cases(device: str, dtype: torch.dtype):
+    """(name, fn, args, what the CUDA graph must launch instead of the op) per inlined op."""
+    g = torch.Generator().manual_seed(0)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=g).to(device=device, dtype=dtype)
+
+    T, K, N, C, E = 48, 4, 96, 64, 8
+    rows_TK = torch.randint(-1, N, (T, K), generator=g).to(device)
+    gates_TK = torch.rand(T, K, generator=g).to(device)
+    P = T * K
+    groups_P = torch.randint(0, E, (P,), generator=g).to(device)
+    order_P = torch.argsort(groups_P, stable=True)
+    quotas_E = torch.randint(0, 40, (E,), generator=g).to(device)
+    uniform_E = torch.rand(E, generator=g).to(device)
+    scores_P = torch.rand(P, generator=g).to(device)
+    sizes_E = torch.randint(0, 24, (E,), generator=g)
+    offsets_E = torch.cumsum(sizes_E, 0).clamp(max=N).int().to(device)
+    rows_N = torch.randint(0, N, (N,), generator=g).to(device)
+    return [
+        ("gather_sum_rows", ops.gather_sum_rows, (randn(N, C), rows_TK, gates_TK.to(dtype)), "_gather_sum_rows_kernel"),
+        ("gather_dot_rows", ops.gather_dot_rows, (randn(N, C), rows_TK, randn(T, C)), "_gather_dot_rows_kernel"),
+        ("score_pairs", ops.score_pairs, (gates_TK, randn(T, C), torch.rand(T, K, generator=g).to(device), "lrm"),
+         "_score_pairs_kernel"),
+        ("select top", ops.select_within_quota, (scores_P, groups_P, quotas_E, 160, "top", None, order_P, T),
+         "_top_kernel"),
+        ("select sample", ops.select_within_quota,
+         (scores_P, groups_P, quotas_E, 160, "sample", uniform_E, order_P, T), "_compact_kernel"),
+        ("gather_grouped_mm", ops.gather_grouped_mm, (randn(N, C), randn(E, 32, C), rows_N, offsets_E),
+         "_zero_tail_kernel"),
+        ("grouped_outer", ops.grouped_outer, (randn(N, 32), randn(N, C), rows_N, offsets_E), "_grouped_mm"),
+    ]
+
+
+def _compiled(fn, args):
+    torch._dynamo.reset()
+    out, code = run_and_get_code(torch.compile(fn, fullgraph=True), *args)
+    return out, "\n".join(code)
+
+
+@pytest.mark.parametrize("case", range(7))
+def test_cpu_graphs_keep_each_op_whole(case):
+    name, fn, args, _ = _cases("cpu", torch.float32)[case]
+    out, code = _compiled(fn, args)
+    assert f"torch.ops.{fn._qualname.replace('::', '.')}.default" in code, name
+    for got, want in zip(torch.utils._pytree.tree_leaves(out), torch.utils._pytree.tree_leaves(fn(*args))):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize("case", range(7))
+def test_cuda_graphs_launch_the_kernels_and_match_eager(case):
+    name, fn, args, kernel = _cases("cuda", torch.bfloat16)[case]
+    out, code = _compiled(fn, args)
+    assert "torch.ops.lrmoe" not in code, name  # no opaque op call left
+    assert kernel in code, name
+    for got, want in zip(torch.utils._pytree.tree_leaves(out), torch.utils._pytree.tree_leaves(fn(*args))):
+        assert torch.equal(got, want), name  # the same kernels on the same inputs: bit for bit
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+def test_cuda_backward_formulas_are_inlined_too():
+    g = torch.Generator().manual_seed(1)
+    src = torch.randn(96, 64, generator=g).cuda().bfloat16().requires_grad_(True)
+    w = torch.rand(48, 4, generator=g).cuda().requires_grad_(True)
+    rows = torch.randint(-1, 96, (48, 4), generator=g).cuda()
+
+    def f(src, w):
+        return ops.gather_sum_rows(src, rows, w).float().square().sum()
+
+    torch._dynamo.reset()
+    loss, code = run_and_get_code(lambda: torch.autograd.grad(torch.compile(f, fullgraph=True)(src, w), (src, w)))
+    want = torch.autograd.grad(f(src, w), (src, w))
+    assert "torch.ops.lrmoe" not in "\n".join(code)
+    assert "_gather_dot_rows_kernel" in "\n".join(code)  # the weights' gradient, from the backward formula
+    for a, b in zip(loss, want):
+        torch.testing.assert_close(a, b, rtol=1e-2, atol=1e-2)
