@@ -775,7 +775,7 @@ class _ExpertParallelMixin:
 
         # The tiny [W, E] load matrix, all-gathered (no host sync), then the same plan on every rank.
         loads_E = expert_loads(routing.expert_ids, self.num_experts)
-        loads_WE = funcol.wait_tensor(funcol.all_gather_single(loads_E, 0, ep.group)).view(ep.size, -1)
+        loads_WE = funcol.wait_tensor(funcol.all_gather_tensor(loads_E, 0, ep.group)).view(ep.size, -1)
         plan = _plan_step(loads_WE, self, rep)  # plan_expert_parallel, opaque to the compiler (see _ep_plan)
         n_local = self.num_experts // ep.size
         n_inst = plan.instances.shape[1]
