@@ -48,7 +48,12 @@ import triton.language as tl
 
 from .launch import launch
 
-__all__ = ["gather_grouped_mm_triton", "grouped_outer_triton", "zero_rows_past_last_offset_"]
+__all__ = [
+    "gather_grouped_mm_triton",
+    "gather_grouped_swiglu_triton",
+    "grouped_outer_triton",
+    "zero_rows_past_last_offset_",
+]
 
 # Read once, like triton.jit itself reads it when the kernels below are defined: the interpreter is either on for
 # the whole process or off.
@@ -118,24 +123,9 @@ def _check_device(*tensors: torch.Tensor) -> None:
 # ------------------------------------------------------------------------------------------- gather_grouped_mm
 
 
-@triton.heuristics(dict(EVEN_K=lambda args: args["I"] % args["BLOCK_K"] == 0))
 @triton.jit
-def _gather_grouped_mm_kernel(
-    x_ptr, w_ptr, rows_ptr, offsets_ptr, y_ptr,
-    R, O, I, E, dtype_bytes,
-    stride_xn, stride_xi, stride_we, stride_wo, stride_wi, stride_yr, stride_yo,
-    G_POW2: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-    UPCAST: tl.constexpr, ACC_FP64: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-):  # fmt: skip
-    # Column tiles vary fastest: the cdiv(O, BLOCK_N) programs of one row tile run side by side and share its
-    # gathered x rows in L2, and one expert's weight (3-11 MiB at the target shapes) stays in the 60 MB L2 while
-    # all its row tiles pass.
-    pid = tl.program_id(0)
-    num_n = tl.cdiv(O, BLOCK_N)
-    pid_m = pid // num_n
-    pid_n = pid % num_n
-
+def _row_tile(offsets_ptr, pid_m, R, E, G_POW2: tl.constexpr, BLOCK_M: tl.constexpr):
+    """(group, rows of this tile, row mask) for row tile pid_m of a grouped GEMM over R buffer rows."""
     # Groups 0..E-1 are the experts; group E is the tail [offsets[-1], R), whose rows get zeros (so y needs no
     # memset); groups past E are empty padding up to the power of two. Clipping to R makes offsets past the
     # buffer harmless.
@@ -154,8 +144,29 @@ def _gather_grouped_mm_kernel(
     row_end = tl.sum(tl.where(mine, end_g, 0), 0)
     tile = pid_m - tl.sum(tl.where(mine, tile_end_g - tiles_g, 0), 0)
     offs_m = tl.sum(tl.where(mine, start_g, 0), 0) + tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    return group, offs_m, offs_m < row_end
+
+
+@triton.heuristics(dict(EVEN_K=lambda args: args["I"] % args["BLOCK_K"] == 0))
+@triton.jit
+def _gather_grouped_mm_kernel(
+    x_ptr, w_ptr, rows_ptr, offsets_ptr, y_ptr,
+    R, O, I, E, dtype_bytes,
+    stride_xn, stride_xi, stride_we, stride_wo, stride_wi, stride_yr, stride_yo,
+    G_POW2: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+    UPCAST: tl.constexpr, ACC_FP64: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    # Column tiles vary fastest: the cdiv(O, BLOCK_N) programs of one row tile run side by side and share its
+    # gathered x rows in L2, and one expert's weight (3-11 MiB at the target shapes) stays in the 60 MB L2 while
+    # all its row tiles pass.
+    pid = tl.program_id(0)
+    num_n = tl.cdiv(O, BLOCK_N)
+    pid_m = pid // num_n
+    pid_n = pid % num_n
+
+    group, offs_m, m_mask = _row_tile(offsets_ptr, pid_m, R, E, G_POW2, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_mask = offs_m < row_end
     y_ptrs = y_ptr + offs_m[:, None].to(tl.int64) * stride_yr + offs_n[None, :] * stride_yo
     y_mask = m_mask[:, None] & (offs_n[None, :] < O)
 
@@ -213,6 +224,154 @@ def gather_grouped_mm_triton(
         G_POW2=triton.next_power_of_2(E + 1), **_dot_flags(x_NI.dtype), **fixed,
     )  # fmt: skip
     return y_RO
+
+
+# ------------------------------------------------------------------------------------- gate/up GEMM + SwiGLU
+
+
+def _swiglu_gpu_configs() -> list[triton.Config]:
+    """Blocks for the fused gate/up + SwiGLU GEMM: each program holds two BLOCK_M x BLOCK_N accumulators (gate and
+    up columns), so BLOCK_N = 64 gives the 128-wide tile of _gpu_configs' first entry. BLOCK_N is not tuned: the
+    launcher sizes the per-tile ||phi||^2 partial sums by it."""
+    return [
+        triton.Config(dict(BLOCK_M=128, BLOCK_K=64), num_warps=8, num_stages=4),
+        triton.Config(dict(BLOCK_M=64, BLOCK_K=64), num_warps=4, num_stages=4),
+        triton.Config(dict(BLOCK_M=128, BLOCK_K=128), num_warps=8, num_stages=3),
+        triton.Config(dict(BLOCK_M=64, BLOCK_K=32), num_warps=4, num_stages=3),
+    ]
+
+
+def _swiglu_block_n() -> int:
+    """Gate (and up) columns per program: 64 on a GPU, 16 in the interpreter so test widths cross tiles."""
+    return 16 if _INTERPRET else 64
+
+
+def _prune_small_swiglu(configs, named_args, **kwargs):
+    """As _prune_small, for (F, I): the smallest config for narrow problems and wide dtypes."""
+    if min(named_args["F"], named_args["I"]) < 128 or named_args["dtype_bytes"] > 2:
+        return [min(configs, key=lambda c: c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_K"])]
+    return configs
+
+
+@triton.heuristics(dict(EVEN_K=lambda args: args["I"] % args["BLOCK_K"] == 0))
+@triton.jit
+def _gather_grouped_swiglu_kernel(
+    x_ptr, w_ptr, rows_ptr, offsets_ptr, h_ptr, phi_ptr, part_ptr,
+    R, F, I, E, dtype_bytes,
+    stride_xn, stride_xi, stride_we, stride_wo, stride_wi, stride_hr, stride_hf, stride_pr, stride_pf, stride_qr,
+    G_POW2: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+    UPCAST: tl.constexpr, ACC_FP64: tl.constexpr, INPUT_PRECISION: tl.constexpr, STORE_H: tl.constexpr,
+):  # fmt: skip
+    # gather_grouped_mm's loop with two accumulators: columns n of the gate half (weight rows n) and of the up half
+    # (weight rows F + n), so the epilogue has both halves of its phi columns. Each value is rounded to the output
+    # dtype where the unfused path rounds it (h, then silu(gate), then the product), so phi matches
+    # silu(h[:, :F]) * h[:, F:] computed by PyTorch in that dtype.
+    pid = tl.program_id(0)
+    num_n = tl.cdiv(F, BLOCK_N)
+    pid_m = pid // num_n
+    pid_n = pid % num_n
+    group, offs_m, m_mask = _row_tile(offsets_ptr, pid_m, R, E, G_POW2, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = m_mask[:, None] & (offs_n[None, :] < F)
+    rows64 = offs_m[:, None].to(tl.int64)
+    h_ptrs = h_ptr + rows64 * stride_hr + offs_n[None, :] * stride_hf
+    phi_ptrs = phi_ptr + rows64 * stride_pr + offs_n[None, :] * stride_pf
+    part_ptrs = part_ptr + offs_m.to(tl.int64) * stride_qr + pid_n
+    dtype = phi_ptr.dtype.element_ty
+
+    if group == E:  # the tail: zeros everywhere
+        zeros = tl.zeros((BLOCK_M, BLOCK_N), dtype=dtype)
+        if STORE_H:
+            tl.store(h_ptrs, zeros, mask=mask)
+            tl.store(h_ptrs + F * stride_hf, zeros, mask=mask)
+        tl.store(phi_ptrs, zeros, mask=mask)
+        tl.store(part_ptrs, tl.zeros((BLOCK_M,), dtype=tl.float32), mask=m_mask)
+    elif group < E:
+        src_m = tl.load(rows_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)
+        offs_n_safe = offs_n % F
+        offs_k = tl.arange(0, BLOCK_K)
+        a_ptrs = x_ptr + src_m[:, None] * stride_xn + offs_k[None, :] * stride_xi
+        g_ptrs = (w_ptr + group.to(tl.int64) * stride_we
+                  + offs_n_safe[None, :].to(tl.int64) * stride_wo + offs_k[:, None] * stride_wi)  # fmt: skip
+        u_ptrs = g_ptrs + F * stride_wo
+        acc_dtype = tl.float64 if ACC_FP64 else tl.float32
+        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=acc_dtype)
+        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=acc_dtype)
+        for k in range(0, tl.cdiv(I, BLOCK_K)):
+            if EVEN_K:
+                a = tl.load(a_ptrs)
+                bg = tl.load(g_ptrs)
+                bu = tl.load(u_ptrs)
+            else:
+                k_mask = offs_k < I - k * BLOCK_K
+                a = tl.load(a_ptrs, mask=k_mask[None, :], other=0.0)
+                bg = tl.load(g_ptrs, mask=k_mask[:, None], other=0.0)
+                bu = tl.load(u_ptrs, mask=k_mask[:, None], other=0.0)
+            if UPCAST:
+                a = a.to(tl.float32)
+                bg = bg.to(tl.float32)
+                bu = bu.to(tl.float32)
+            acc_g = tl.dot(a, bg, acc_g, input_precision=INPUT_PRECISION, out_dtype=acc_dtype)
+            acc_u = tl.dot(a, bu, acc_u, input_precision=INPUT_PRECISION, out_dtype=acc_dtype)
+            a_ptrs += BLOCK_K * stride_xi
+            g_ptrs += BLOCK_K * stride_wi
+            u_ptrs += BLOCK_K * stride_wi
+        h_gate = acc_g.to(dtype)
+        h_up = acc_u.to(dtype)
+        if STORE_H:
+            tl.store(h_ptrs, h_gate, mask=mask)
+            tl.store(h_ptrs + F * stride_hf, h_up, mask=mask)
+        # silu and the product in the accumulator's precision, as PyTorch computes bf16 elementwise ops in fp32
+        gate = h_gate.to(acc_dtype)
+        silu = (gate / (1.0 + tl.exp(-gate))).to(dtype)
+        phi = (silu.to(acc_dtype) * h_up.to(acc_dtype)).to(dtype)
+        tl.store(phi_ptrs, phi, mask=mask)
+        phi32 = tl.where(mask, phi.to(tl.float32), 0.0)
+        tl.store(part_ptrs, tl.sum(phi32 * phi32, 1), mask=m_mask)
+
+
+if _INTERPRET:
+    _gather_grouped_swiglu = _gather_grouped_swiglu_kernel
+else:
+    _gather_grouped_swiglu = triton.autotune(
+        configs=_swiglu_gpu_configs(), key=["F", "I"], prune_configs_by=dict(early_config_prune=_prune_small_swiglu)
+    )(_gather_grouped_swiglu_kernel)
+
+
+def gather_grouped_swiglu_triton(
+    x_NI: torch.Tensor, gate_up_EFI: torch.Tensor, rows_R: torch.Tensor, offsets_E: torch.Tensor,
+    store_h: bool = True,
+) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    """The gate/up GEMM with the SwiGLU in its epilogue: (h_R2F, phi_RF, phi_sq_R) where h = gather_grouped_mm(x,
+    gate_up, rows, offsets) (None unless ``store_h``), phi = silu(h[:, :F]) * h[:, F:] in x's dtype, and
+    phi_sq = ||phi||^2 per row in fp32 (from the rounded phi). Rows past offsets_E[-1]: zeros. No host sync.
+
+    ||phi||^2 is summed in two steps: every program writes the sum over its BLOCK_N columns, and PyTorch adds the
+    cdiv(F, BLOCK_N) partial sums of a row (deterministic, no atomics).
+    """
+    _check_device(x_NI, gate_up_EFI, rows_R, offsets_E)
+    R, (E, F2, I) = rows_R.shape[0], gate_up_EFI.shape
+    if F2 % 2:
+        raise ValueError(f"gate_up_EFI must be [E, 2F, I], got {tuple(gate_up_EFI.shape)}")
+    F = F2 // 2
+    phi_RF = torch.empty((R, F), dtype=x_NI.dtype, device=x_NI.device)
+    h_R2F = torch.empty((R, F2), dtype=x_NI.dtype, device=x_NI.device) if store_h else None
+    block_n = _swiglu_block_n()
+    part_RT = torch.empty((R, triton.cdiv(F, block_n)), dtype=torch.float32, device=x_NI.device)
+    if R == 0 or F == 0:
+        return h_R2F, phi_RF, part_RT.sum(1)
+    h_out = phi_RF if h_R2F is None else h_R2F  # an unused stand-in pointer when h is not stored
+    fixed = _interpreter_config() if _INTERPRET else {}
+    fixed.pop("BLOCK_N", None)
+    grid = lambda meta: ((triton.cdiv(R, meta["BLOCK_M"]) + E) * triton.cdiv(F, block_n),)  # noqa: E731
+    launch(_gather_grouped_swiglu, grid)(
+        x_NI, gate_up_EFI, rows_R, offsets_E, h_out, phi_RF, part_RT,
+        R, F, I, E, x_NI.element_size(),
+        *x_NI.stride(), *gate_up_EFI.stride(), *h_out.stride(), *phi_RF.stride(), part_RT.stride(0),
+        G_POW2=triton.next_power_of_2(E + 1), BLOCK_N=block_n, STORE_H=store_h, **_dot_flags(x_NI.dtype), **fixed,
+    )  # fmt: skip
+    return h_R2F, phi_RF, part_RT.sum(1)
 
 
 # ------------------------------------------------------------------------------------------------- zero tail

@@ -106,6 +106,8 @@ def run_launchers() -> None:
     gg._dot_flags = _as_on_gpu(gg, gg._dot_flags)
     gg._INTERPRET = True  # only to pass the launchers' device checks
     gg._gather_grouped_mm, gg._grouped_outer = gg._gather_grouped_mm_kernel, gg._grouped_outer_kernel  # no autotune
+    gg._gather_grouped_swiglu = gg._gather_grouped_swiglu_kernel
+    gg._swiglu_block_n = _as_on_gpu(gg, gg._swiglu_block_n)
     configs = gg._gpu_configs()
     for dtype in (torch.bfloat16, torch.float32):
         # The configs the autotuner would try on this problem (fp32 and narrow problems: the smallest only).
@@ -116,6 +118,13 @@ def run_launchers() -> None:
             rows, offsets = torch.randint(0, 64, (48,), generator=gen), torch.tensor([10, 20, 30, 40]).int()
             gg.gather_grouped_mm_triton(x, w, rows, offsets)
             gg.grouped_outer_triton(torch.randn(48, 128).to(dtype), x, rows, offsets)
+        shape = dict(F=128, I=256, dtype_bytes=shape["dtype_bytes"])
+        for config in gg._prune_small_swiglu(gg._swiglu_gpu_configs(), shape):
+            gg._interpreter_config = lambda c=config: dict(c.kwargs, num_warps=c.num_warps, num_stages=c.num_stages)
+            x, w = torch.randn(64, 256).to(dtype), torch.randn(4, 256, 256).to(dtype)
+            rows, offsets = torch.randint(0, 64, (48,), generator=gen), torch.tensor([10, 20, 30, 40]).int()
+            for store_h in (True, False):
+                gg.gather_grouped_swiglu_triton(x, w, rows, offsets, store_h=store_h)
 
 
 def _as_on_gpu(module, fn):

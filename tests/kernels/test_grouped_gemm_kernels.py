@@ -12,10 +12,12 @@ import os
 
 import pytest
 import torch
+import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from lrmoe_kernels.grouped_gemm import (
     gather_grouped_mm_triton,
+    gather_grouped_swiglu_triton,
     grouped_outer_triton,
     zero_rows_past_last_offset_,
 )
@@ -127,6 +129,40 @@ def test_values_outside_the_groups_never_leak():
 
 
 @settings()  # the profile's count (tests/conftest.py): 40 in CI, ~1 s in the interpreter
+def check_swiglu(x_NI, gate_up_EOI, rows_R, offsets_E):
+    """The fused gate/up + SwiGLU kernel: h as gather_grouped_mm gives it, phi as PyTorch computes it from that h
+    in the same dtype (within the rounding the interpreter's truncating casts allow), ||phi||^2 of the rounded
+    phi, zeros past the last group, and the same phi and ||phi||^2 without storing h."""
+    dtype, n_f = x_NI.dtype, gate_up_EOI.shape[1] // 2
+    args = on_device(x_NI, gate_up_EOI, rows_R, offsets_E)
+    h, phi, phi_sq = gather_grouped_swiglu_triton(*args)
+    assert_close(h, torch.ops.lrmoe.gather_grouped_mm(x_NI, gate_up_EOI, rows_R, offsets_E), dtype, x_NI.shape[1])
+    h = h.cpu()
+    want_phi = F.silu(h[:, :n_f]) * h[:, n_f:]
+    assert phi.dtype == dtype and phi.shape == want_phi.shape
+    rtol = 2**-6 if dtype == torch.bfloat16 else 1e-5  # two roundings of up to an ulp each in bf16
+    torch.testing.assert_close(phi.cpu().double(), want_phi.double(), rtol=rtol, atol=1e-6)
+    assert phi_sq.dtype == torch.float32 and phi_sq.shape == (rows_R.shape[0],)
+    torch.testing.assert_close(phi_sq.cpu(), phi.cpu().float().square().sum(-1), rtol=1e-5, atol=1e-6)
+    end = min(int(offsets_E[-1]), rows_R.shape[0]) if offsets_E.numel() else 0
+    assert (h[end:] == 0).all() and (phi[end:] == 0).all() and (phi_sq[end:] == 0).all()
+    no_h, phi2, phi_sq2 = gather_grouped_swiglu_triton(*args, store_h=False)
+    assert no_h is None and torch.equal(phi2, phi) and torch.equal(phi_sq2, phi_sq)
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gather_grouped_swiglu_equals_unfused(case, dtype):
+    x_NI, weight_EOI, _, rows_R, offsets_E = make_case(*case, dtype=dtype)
+    check_swiglu(x_NI, weight_EOI, rows_R, offsets_E)
+
+
+def test_gather_grouped_swiglu_rejects_an_odd_width():
+    x_NI, weight_EOI, _, rows_R, offsets_E = make_case(5, 8, 24, [9], 2, 0)
+    with pytest.raises(ValueError, match=r"gate_up_EFI must be \[E, 2F, I\]"):
+        gather_grouped_swiglu_triton(*on_device(x_NI, weight_EOI[:, :23], rows_R, offsets_E))
+
+
 @given(
     sizes=st.sampled_from([1, 3]).flatmap(lambda E: st.lists(st.integers(0, 20), min_size=E, max_size=E)),
     pad=st.integers(0, 3),
