@@ -5,9 +5,13 @@
 Forward (y_RO = weight[e] @ x[rows]): (a) the Triton kernel with the gather fused into its operand load,
 (b) index_select gather then torch._grouped_mm, (c) torch._grouped_mm alone on pre-gathered rows.
 Weight gradient (w[e] = sum outer(a[i], b[rows[i]])): the Triton kernel against (b) and (c) of the same kind
-(torch._grouped_mm 2D x 2D with offsets). Group sizes: balanced (R/E each) and skewed (a multinomial draw with
-log-normal expert popularity, sigma 1, fixed seed: at 65,536 rows the hottest expert gets 8,150 rows, 16x the
-mean, the coldest 23). The "groups" column shows the largest group.
+(torch._grouped_mm 2D x 2D with offsets). The gate/up GEMM with the SwiGLU (``-up`` shapes, weight [E, 2f, d], op
+"swiglu", FLOP of the 2f-wide GEMM): (a) the Triton kernel with the gather and the SwiGLU + ||phi||^2 in its
+epilogue, writing h, phi and ||phi||^2; (b) index_select + torch._grouped_mm + the SwiGLU and ||phi||^2 compiled
+(Inductor fuses them into one pass); (c) torch._grouped_mm alone on pre-gathered rows (h only).
+Group sizes: balanced (R/E each) and skewed (a multinomial draw with log-normal expert popularity, sigma 1, fixed
+seed: at 65,536 rows the hottest expert gets 8,150 rows, 16x the mean, the coldest 23). The "groups" column shows
+the largest group.
 
 Prints one table: median time (triton.testing.do_bench), TFLOP/s (2·R·O·I / time), the ratio to (c) (target:
 the fused kernel at >= 0.90 of torch._grouped_mm), and the largest relative error against (b).
@@ -19,8 +23,7 @@ from __future__ import annotations
 import argparse
 
 import torch
-
-from lrmoe_kernels.grouped_gemm import gather_grouped_mm_triton, grouped_outer_triton
+from lrmoe_kernels.grouped_gemm import gather_grouped_mm_triton, gather_grouped_swiglu_triton, grouped_outer_triton
 
 # name: (I, O). Qwen3-30B-A3B d=2048, f=768; GLM-4.5-Air d=4096, f=1408 (DESIGN.md §7); up = d -> f, down = f -> d.
 SHAPES = {
@@ -59,6 +62,28 @@ def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got.float() - want.float()).abs().max() / want.float().abs().max().clamp(min=1e-30)).item()
 
 
+def swiglu_fns(x_NI, x_RI, rows_R, offsets_E, F) -> dict:
+    """The three ways to the gate/up projection (2F wide) and phi; each returns phi, except (c): h."""
+    E, I = offsets_E.shape[0], x_NI.shape[1]
+    gen = torch.Generator().manual_seed(1)
+    gate_up_EFI = (torch.randn(E, 2 * F, I, generator=gen) / I**0.5).bfloat16().to(x_NI.device)
+    w_t = gate_up_EFI.transpose(-2, -1)
+
+    @torch.compile(fullgraph=True)
+    def unfused(x_NI, rows_R):
+        h = torch._grouped_mm(x_NI.index_select(0, rows_R), w_t, offs=offsets_E)
+        gate, up = h.chunk(2, dim=-1)
+        phi = torch.nn.functional.silu(gate) * up
+        return h, phi, phi.float().square().sum(-1)
+
+    return {
+        "(a) triton gather+SwiGLU fused": lambda: gather_grouped_swiglu_triton(x_NI, gate_up_EFI, rows_R,
+                                                                               offsets_E)[1],
+        "(b) index_select+_grouped_mm": lambda: unfused(x_NI, rows_R)[1],
+        "(c) _grouped_mm pre-gathered": lambda: torch._grouped_mm(x_RI, w_t, offs=offsets_E),
+    }
+
+
 def main() -> None:
     from triton.testing import do_bench
 
@@ -78,7 +103,6 @@ def main() -> None:
         I, O = SHAPES[name]
         for skewed in (False, True):
             (x_NI, weight_EOI, a_RO, rows_R, offsets_E), sizes_E = make_inputs(args.rows, I, O, skewed)
-            flop = 2 * args.rows * O * I
             x_RI = x_NI.index_select(0, rows_R)
             w_t = weight_EOI.transpose(-2, -1)
             fwd = {
@@ -95,14 +119,19 @@ def main() -> None:
                 ),
                 "(c) _grouped_mm pre-gathered": lambda: torch._grouped_mm(a_RO.t(), x_RI, offs=offsets_E),
             }
+            ops = [("fwd", fwd), ("wgrad", wgrad)]
+            if name.endswith("-up"):
+                ops.append(("swiglu", swiglu_fns(x_NI, x_RI, rows_R, offsets_E, O)))
             groups = f"{'skew' if skewed else 'bal'} {int(sizes_E.max())}"
-            for op, fns in (("fwd", fwd), ("wgrad", wgrad)):
+            for op, fns in ops:
+                flop = 2 * args.rows * O * I * (2 if op == "swiglu" else 1)
                 want = fns["(b) index_select+_grouped_mm"]()
                 ms = {k: bench(fn) for k, fn in fns.items()}
                 for k, fn in fns.items():
                     tflops = flop / ms[k] / 1e9
                     ratio = ms["(c) _grouped_mm pre-gathered"] / ms[k]
-                    err = rel_err(fn(), want)
+                    out = fn()
+                    err = rel_err(out, want) if out.shape == want.shape else float("nan")  # swiglu (c): h
                     print(f"{name:>10} {groups:>8} {op:>5} {k:>30} ", end="")
                     print(f"{ms[k]:>8.3f} {tflops:>8.1f} {ratio:>7.2f} {err:>8.1e}")
 

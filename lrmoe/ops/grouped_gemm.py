@@ -7,6 +7,10 @@ Shapes: N source rows, R buffer rows, E experts (groups), O output features, I i
     (offsets are cumulative ends); y[i] = 0 past offsets[-1]. Differentiable in x and weight.
 ``lrmoe::grouped_outer(a_RO, b_NI, rows_R, offsets_E) -> w_EOI``
     w[e] = sum over i in group e of outer(a[i], b[rows[i]]): the weight gradient of the op above.
+``lrmoe::gather_grouped_swiglu(x_NI, gate_up_EFI, rows_R, offsets_E, store_h) -> (h_R2F, phi_RF, phi_sq_R)``
+    the gate/up GEMM with the SwiGLU in its epilogue (CUDA: one Triton kernel): h = gather_grouped_mm(x,
+    gate_up, rows, offsets) ([0, 2F] unless store_h), phi = silu(h[:, :F]) * h[:, F:] in x's dtype and
+    ||phi||^2 per row in fp32; zeros past offsets[-1]. Forward only (outputs non-differentiable).
 rows_R = None means the identity (rows[i] = i, so N = R): the rows are already in place, and the CUDA kernels
 skip the gather copy.
 
@@ -26,7 +30,7 @@ import torch
 
 from lrmoe.ops._kernels import inline_when_compiled, kernel_module
 
-__all__ = ["gather_grouped_mm", "grouped_outer"]
+__all__ = ["gather_grouped_mm", "gather_grouped_swiglu", "grouped_outer"]
 
 
 def _group_bounds(offsets_E: torch.Tensor, n_rows: int) -> list[tuple[int, int, int]]:
@@ -185,3 +189,62 @@ def _grouped_outer_backward(ctx, grad_w_EOI):
 
 grouped_outer.register_autograd(_grouped_outer_backward, setup_context=_grouped_outer_setup)
 inline_when_compiled(grouped_outer, _grouped_outer_cuda, when=lambda a, b, *_: _grouped_mm_ok(a, b))
+
+
+# --------------------------------------------------------------------------------------- gather_grouped_swiglu
+
+
+@torch.library.custom_op("lrmoe::gather_grouped_swiglu", mutates_args=())
+def gather_grouped_swiglu(
+    x_NI: torch.Tensor, gate_up_EFI: torch.Tensor, rows_R: torch.Tensor | None, offsets_E: torch.Tensor,
+    store_h: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    _check_swiglu(gate_up_EFI)
+    return _swiglu_reference(x_NI, gate_up_EFI, rows_R, offsets_E, store_h)
+
+
+def _check_swiglu(gate_up_EFI: torch.Tensor) -> None:
+    if gate_up_EFI.dim() != 3 or gate_up_EFI.shape[1] % 2:
+        raise ValueError(f"gate_up_EFI must be [E, 2F, I], got {tuple(gate_up_EFI.shape)}")
+
+
+def _swiglu_reference(x_NI, gate_up_EFI, rows_R, offsets_E, store_h):
+    """The unfused computation: h by gather_grouped_mm, phi = silu(gate) * up in x's dtype, ||phi||^2 in fp32."""
+    h_R2F = gather_grouped_mm(x_NI, gate_up_EFI, rows_R, offsets_E)
+    gate, up = h_R2F.chunk(2, dim=-1)
+    phi_RF = torch.nn.functional.silu(gate) * up
+    phi_sq_R = phi_RF.float().square().sum(-1)
+    return (h_R2F if store_h else h_R2F.new_empty(0, h_R2F.shape[1])), phi_RF, phi_sq_R
+
+
+@gather_grouped_swiglu.register_kernel("cuda")
+def _(x_NI, gate_up_EFI, rows_R, offsets_E, store_h):
+    _check_swiglu(gate_up_EFI)
+    kernels = kernel_module("grouped_gemm")
+    if kernels is None or x_NI.dtype == torch.float64:
+        return _swiglu_reference(x_NI, gate_up_EFI, rows_R, offsets_E, store_h)
+    h_R2F, phi_RF, phi_sq_R = kernels.gather_grouped_swiglu_triton(
+        x_NI, gate_up_EFI, _identity_rows(x_NI, rows_R), offsets_E, store_h=store_h
+    )
+    return (h_R2F if store_h else x_NI.new_empty(0, gate_up_EFI.shape[1])), phi_RF, phi_sq_R
+
+
+@gather_grouped_swiglu.register_fake
+def _(x_NI, gate_up_EFI, rows_R, offsets_E, store_h):
+    _check_swiglu(gate_up_EFI)
+    R, F2 = _n_rows(x_NI, rows_R), gate_up_EFI.shape[1]
+    return (x_NI.new_empty(R if store_h else 0, F2), x_NI.new_empty(R, F2 // 2),
+            x_NI.new_empty(R, dtype=torch.float32))
+
+
+def _swiglu_setup(ctx, inputs, output):
+    ctx.mark_non_differentiable(*output)
+
+
+def _swiglu_backward(ctx, *grads):
+    return None, None, None, None, None  # never called: the outputs are non-differentiable
+
+
+# Forward only (the selective layers differentiate it themselves, see lrmoe.functional.experts); its outputs do
+# not require grad, so a backward through them fails loudly instead of giving zero gradients.
+gather_grouped_swiglu.register_autograd(_swiglu_backward, setup_context=_swiglu_setup)
