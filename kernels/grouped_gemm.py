@@ -124,8 +124,17 @@ def _check_device(*tensors: torch.Tensor) -> None:
 
 
 @triton.jit
-def _row_tile(offsets_ptr, pid_m, R, E, G_POW2: tl.constexpr, BLOCK_M: tl.constexpr):
-    """(group, rows of this tile, row mask) for row tile pid_m of a grouped GEMM over R buffer rows."""
+def _tile(offsets_ptr, R, E, n_cols, G_POW2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(group, rows, row mask, columns) of this program's output tile in a grouped GEMM over R buffer rows.
+
+    Column tiles vary fastest: the cdiv(n_cols, BLOCK_N) programs of one row tile run side by side and share its
+    gathered x rows in L2, and one expert's weight (3-11 MiB at the target shapes) stays in the 60 MB L2 while all
+    its row tiles pass.
+    """
+    pid = tl.program_id(0)
+    num_n = tl.cdiv(n_cols, BLOCK_N)
+    pid_m = pid // num_n
+    offs_n = (pid % num_n) * BLOCK_N + tl.arange(0, BLOCK_N)
     # Groups 0..E-1 are the experts; group E is the tail [offsets[-1], R), whose rows get zeros (so y needs no
     # memset); groups past E are empty padding up to the power of two. Clipping to R makes offsets past the
     # buffer harmless.
@@ -144,7 +153,7 @@ def _row_tile(offsets_ptr, pid_m, R, E, G_POW2: tl.constexpr, BLOCK_M: tl.conste
     row_end = tl.sum(tl.where(mine, end_g, 0), 0)
     tile = pid_m - tl.sum(tl.where(mine, tile_end_g - tiles_g, 0), 0)
     offs_m = tl.sum(tl.where(mine, start_g, 0), 0) + tile * BLOCK_M + tl.arange(0, BLOCK_M)
-    return group, offs_m, offs_m < row_end
+    return group, offs_m, offs_m < row_end, offs_n
 
 
 @triton.heuristics(dict(EVEN_K=lambda args: args["I"] % args["BLOCK_K"] == 0))
@@ -157,16 +166,7 @@ def _gather_grouped_mm_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     UPCAST: tl.constexpr, ACC_FP64: tl.constexpr, INPUT_PRECISION: tl.constexpr,
 ):  # fmt: skip
-    # Column tiles vary fastest: the cdiv(O, BLOCK_N) programs of one row tile run side by side and share its
-    # gathered x rows in L2, and one expert's weight (3-11 MiB at the target shapes) stays in the 60 MB L2 while
-    # all its row tiles pass.
-    pid = tl.program_id(0)
-    num_n = tl.cdiv(O, BLOCK_N)
-    pid_m = pid // num_n
-    pid_n = pid % num_n
-
-    group, offs_m, m_mask = _row_tile(offsets_ptr, pid_m, R, E, G_POW2, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    group, offs_m, m_mask, offs_n = _tile(offsets_ptr, R, E, O, G_POW2, BLOCK_M, BLOCK_N)
     y_ptrs = y_ptr + offs_m[:, None].to(tl.int64) * stride_yr + offs_n[None, :] * stride_yo
     y_mask = m_mask[:, None] & (offs_n[None, :] < O)
 
@@ -267,17 +267,12 @@ def _gather_grouped_swiglu_kernel(
     # (weight rows F + n), so the epilogue has both halves of its phi columns. Each value is rounded to the output
     # dtype where the unfused path rounds it (h, then silu(gate), then the product), so phi matches
     # silu(h[:, :F]) * h[:, F:] computed by PyTorch in that dtype.
-    pid = tl.program_id(0)
-    num_n = tl.cdiv(F, BLOCK_N)
-    pid_m = pid // num_n
-    pid_n = pid % num_n
-    group, offs_m, m_mask = _row_tile(offsets_ptr, pid_m, R, E, G_POW2, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    group, offs_m, m_mask, offs_n = _tile(offsets_ptr, R, E, F, G_POW2, BLOCK_M, BLOCK_N)
     mask = m_mask[:, None] & (offs_n[None, :] < F)
     rows64 = offs_m[:, None].to(tl.int64)
     h_ptrs = h_ptr + rows64 * stride_hr + offs_n[None, :] * stride_hf
     phi_ptrs = phi_ptr + rows64 * stride_pr + offs_n[None, :] * stride_pf
-    part_ptrs = part_ptr + offs_m.to(tl.int64) * stride_qr + pid_n
+    part_ptrs = part_ptr + offs_m.to(tl.int64) * stride_qr + tl.program_id(0) % tl.cdiv(F, BLOCK_N)  # column tile
     dtype = phi_ptr.dtype.element_ty
 
     if group == E:  # the tail: zeros everywhere
