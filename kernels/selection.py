@@ -222,15 +222,14 @@ def _top_kernel(
     PROBES: tl.constexpr, BLOCK: tl.constexpr, FILL_BLOCK: tl.constexpr,
 ):
     # The whole of mode "top" in one launch. Every program first plans all groups (the searches are tiny and
-    # L2-resident, so doing them in every program costs what one plan kernel costs, and saves its launch); program
-    # 0 writes the counts and offsets. With PLANNED (more groups than BLOCK_G: planning all of them in every
-    # program would cost G^2) the plan comes from _plan_kernel's arrays instead. Programs 0..G-1 then take one group each, over its members in pair-id order
-    # (the group order): the take-th largest score key T by radix select, 8 bits at a time from the top (4
-    # histograms of the keys that share the digits found so far); what is left of the count at the last digit is
-    # how many keys == T to keep, the lowest pair ids. Then one pass keeps every key > T and those ties, writing
-    # them in pair-id order at the group's base. A group of at most BLOCK members is loaded once and counted in
-    # registers; a larger one is re-read per pass. Programs G.. fill the rows after the last group's kept pairs
-    # with padding (-1, 0).
+    # L2-resident, so doing them in every program costs what one plan kernel costs, and saves its launch); program 0
+    # writes the counts and offsets. With PLANNED (more groups than BLOCK_G: planning all of them in every program would
+    # cost G^2) the plan comes from _plan_kernel's arrays instead. Programs 0..G-1 then take one group each, over its
+    # members in pair-id order (the group order): the take-th largest score key T by radix select, 8 bits at a time from
+    # the top (4 histograms of the keys that share the digits found so far); what is left of the count at the last digit
+    # is how many keys == T to keep, the lowest pair ids. Then one pass keeps every key > T and those ties, writing them
+    # in pair-id order at the group's base. A group of at most BLOCK members is loaded once and counted in registers; a
+    # larger one is re-read per pass. Programs G.. fill the rows after the last group's kept pairs with padding (-1, 0).
     pid = tl.program_id(0)
     carry = tl.zeros((), tl.int64)
     start = tl.zeros((), tl.int64)

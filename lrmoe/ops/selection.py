@@ -293,7 +293,8 @@ def select_within_quota(
 
 
 @select_within_quota.register_kernel("cuda")
-def _select_within_quota_cuda(scores, group_ids, quotas, max_rows, mode, uniform, group_order=None, max_group_size=None):
+def _select_within_quota_cuda(scores, group_ids, quotas, max_rows, mode, uniform, group_order=None,
+                              max_group_size=None):
     if kernel_module("selection") is None:  # no Triton on this machine
         return select_within_quota_reference(scores, group_ids, quotas, max_rows, mode, uniform, group_order)
     return select_within_quota_triton(scores, group_ids, quotas, max_rows, mode, uniform, group_order,
