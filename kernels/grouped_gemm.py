@@ -156,6 +156,20 @@ def _tile(offsets_ptr, R, E, n_cols, G_POW2: tl.constexpr, BLOCK_M: tl.constexpr
     return group, offs_m, offs_m < row_end, offs_n
 
 
+@triton.jit
+def _gather_operands(x_ptr, w_ptr, rows_ptr, group, offs_m, m_mask, offs_n, n_cols,
+                     stride_xn, stride_xi, stride_we, stride_wo, stride_wi, BLOCK_K: tl.constexpr):
+    """(A pointers, B pointers, offs_k) for the first K block of a gather GEMM tile. The gather, fused: each row of
+    the A tile is read straight from x at rows[i]. Rows past the group's end read row 0 and columns past n_cols
+    wrap around, so the K loop masks only K; those rows and columns are never stored."""
+    src_m = tl.load(rows_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = x_ptr + src_m[:, None] * stride_xn + offs_k[None, :] * stride_xi
+    b_ptrs = (w_ptr + group.to(tl.int64) * stride_we
+              + (offs_n % n_cols)[None, :].to(tl.int64) * stride_wo + offs_k[:, None] * stride_wi)  # fmt: skip
+    return a_ptrs, b_ptrs, offs_k
+
+
 @triton.heuristics(dict(EVEN_K=lambda args: args["I"] % args["BLOCK_K"] == 0))
 @triton.jit
 def _gather_grouped_mm_kernel(
@@ -173,15 +187,8 @@ def _gather_grouped_mm_kernel(
     if group == E:
         tl.store(y_ptrs, tl.zeros((BLOCK_M, BLOCK_N), dtype=y_ptr.dtype.element_ty), mask=y_mask)
     elif group < E:
-        # The gather, fused: each row of the A tile is read straight from x at rows[i]. Rows past the group's end
-        # read row 0 and columns past O wrap around, so the inner loop masks only K; those rows and columns are
-        # never stored.
-        src_m = tl.load(rows_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)
-        offs_n_safe = offs_n % O
-        offs_k = tl.arange(0, BLOCK_K)
-        a_ptrs = x_ptr + src_m[:, None] * stride_xn + offs_k[None, :] * stride_xi
-        b_ptrs = (w_ptr + group.to(tl.int64) * stride_we
-                  + offs_n_safe[None, :].to(tl.int64) * stride_wo + offs_k[:, None] * stride_wi)  # fmt: skip
+        a_ptrs, b_ptrs, offs_k = _gather_operands(x_ptr, w_ptr, rows_ptr, group, offs_m, m_mask, offs_n, O,
+                                                  stride_xn, stride_xi, stride_we, stride_wo, stride_wi, BLOCK_K)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float64 if ACC_FP64 else tl.float32)
         for k in range(0, tl.cdiv(I, BLOCK_K)):
             if EVEN_K:
@@ -283,12 +290,8 @@ def _gather_grouped_swiglu_kernel(
         tl.store(phi_ptrs, zeros, mask=mask)
         tl.store(part_ptrs, tl.zeros((BLOCK_M,), dtype=tl.float32), mask=m_mask)
     elif group < E:
-        src_m = tl.load(rows_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)
-        offs_n_safe = offs_n % F
-        offs_k = tl.arange(0, BLOCK_K)
-        a_ptrs = x_ptr + src_m[:, None] * stride_xn + offs_k[None, :] * stride_xi
-        g_ptrs = (w_ptr + group.to(tl.int64) * stride_we
-                  + offs_n_safe[None, :].to(tl.int64) * stride_wo + offs_k[:, None] * stride_wi)  # fmt: skip
+        a_ptrs, g_ptrs, offs_k = _gather_operands(x_ptr, w_ptr, rows_ptr, group, offs_m, m_mask, offs_n, F,
+                                                  stride_xn, stride_xi, stride_we, stride_wo, stride_wi, BLOCK_K)
         u_ptrs = g_ptrs + F * stride_wo
         acc_dtype = tl.float64 if ACC_FP64 else tl.float32
         acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=acc_dtype)
