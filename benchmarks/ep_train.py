@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 
 import torch
@@ -207,6 +208,10 @@ def train_run(retain: float, target: float | None, args, corpus, heldout, device
             clock = torch.tensor([train_s, moe_s], dtype=torch.float64, device=device)
             dist.broadcast(clock, 0)
             history.append({"step": step + 1, "train_s": clock[0].item(), "moe_s": clock[1].item(), "loss": evaluate()})
+            if rank == 0:  # progress, so a run cut short by a time limit still shows how far it got
+                h = history[-1]
+                print(f"# retain {retain} step {h['step']}: held-out {h['loss']:.4f}, train {h['train_s']:.1f} s, "
+                      f"MoE {h['moe_s']:.1f} s", file=sys.stderr, flush=True)
             if target is not None and history[-1]["loss"] <= target:
                 reached_at = history[-1]
                 break
