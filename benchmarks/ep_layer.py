@@ -49,6 +49,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.distributed as dist
 from layer_fwd_bwd import SHAPES as GPU_SHAPES
+from torch.autograd import DeviceType
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import parallelize_module
 from torch.profiler import ProfilerActivity, profile, record_function
@@ -105,6 +106,9 @@ def split_from_profile(events: list, device_time: bool) -> list[dict[str, float]
     def ms(e) -> float:
         return (e.device_time_total if device_time else e.cpu_time_total) / 1e3
 
+    # With CUDA activity each record_function range also appears on the GPU timeline (a "user annotation" event of
+    # the same name); the ops and ranges to match are the host-side events.
+    events = [e for e in events if e.device_type == DeviceType.CPU]
     ranges = sorted((e for e in events if e.name in (FORWARD_RANGE, BACKWARD_RANGE)), key=lambda e: e.time_range.start)
     comm = _outermost([e for e in events if e.name.endswith(("::all_to_all_single", "::all_gather_into_tensor"))
                        or e.name == "_c10d_functional::wait_tensor"])

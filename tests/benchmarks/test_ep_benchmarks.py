@@ -129,6 +129,7 @@ def _load(name: str, monkeypatch):
     monkeypatch.syspath_prepend(str(BENCHMARKS))  # the scripts import each other, as when run from benchmarks/
     spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCHMARKS / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, module)  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 
@@ -142,3 +143,29 @@ def test_ep_train_settle_marks_unreached_runs(monkeypatch):
     assert hit["reached"] and hit["reached_at"]["step"] == 4 and hit["time_to_target_s"] == 1.0
     miss = settle(run, 3.0)
     assert not miss["reached"] and miss["time_to_target_s"] is None and miss["moe_time_to_target_s"] is None
+
+
+def test_ep_layer_split_ignores_gpu_copies_of_the_step_ranges(monkeypatch):
+    """With CUDA activity the profiler repeats each record_function range on the GPU timeline; the split must
+    match ops to the host-side ranges only (the first two-GPU run failed on the repeated ranges)."""
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    bench = _load("ep_layer", monkeypatch)
+
+    def event(name, start, end, device_us=0.0, device=DeviceType.CPU):
+        return SimpleNamespace(name=name, time_range=SimpleNamespace(start=start, end=end), thread=0,
+                               device_type=device, cpu_time_total=1.0, device_time_total=device_us)
+
+    a2a, gemm = "_c10d_functional::all_to_all_single", "lrmoe::gather_grouped_mm"
+    host = [event(bench.FORWARD_RANGE, 0, 100), event(gemm, 10, 15, 5000), event(a2a, 20, 25, 2000),
+            event(a2a, 30, 35, 3000), event(bench.BACKWARD_RANGE, 100, 200), event(a2a, 110, 115, 1000),
+            event(a2a, 120, 125, 4000), event(gemm, 130, 135, 6000)]
+    gpu_ranges = [event(bench.FORWARD_RANGE, 50, 150, 90000, DeviceType.CUDA),
+                  event(bench.BACKWARD_RANGE, 150, 250, 90000, DeviceType.CUDA)]
+    (step,) = bench.split_from_profile(host + gpu_ranges, device_time=True)
+    assert step["expert_fwd"] == 5 and step["expert_bwd"] == 6
+    assert (step["dispatch_fwd"], step["combine_fwd"]) == (2, 3)
+    assert (step["dispatch_bwd"], step["combine_bwd"]) == (1, 4)
+    assert step["replica_fwd"] == step["replica_bwd"] == 0
