@@ -76,7 +76,12 @@ def _loop_mm(x_NI, weight_EOI, rows_R, offsets_E):
 
 
 def _grouped_mm_ok(*tensors: torch.Tensor) -> bool:
-    return all(t.dtype == torch.bfloat16 and t.shape[-1] % 8 == 0 and t.shape[-2] % 8 == 0 for t in tensors)
+    """Whether torch._grouped_mm takes these operands: bf16 with 16-byte-aligned strides, so a multiple of 8 in
+    the last dimension (and, for 3-D weights, in the other one). A 2-D operand's row count is free (groups have any
+    size), and must stay unchecked: under expert parallelism it is a received row count, an unbacked SymInt under
+    torch.compile, and a test on it would fail the compile (data-dependent guard)."""
+    return all(t.dtype == torch.bfloat16 and t.shape[-1] % 8 == 0 and (t.dim() == 2 or t.shape[-2] % 8 == 0)
+               for t in tensors)
 
 
 # ---------------------------------------------------------------------------------------------- gather_grouped_mm

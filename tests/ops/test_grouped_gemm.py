@@ -160,3 +160,28 @@ def test_identity_rows_equal_explicit_arange_with_gradients(case):
         results.append((y, g, xi.grad, wi.grad, ai.grad))
     for got, want in zip(results[1], results[0]):
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+def test_grouped_mm_path_ignores_row_counts_so_unbacked_ones_compile():
+    """The _grouped_mm path depends on dtype and strides only. Under expert parallelism the operands' row count is
+    received from other ranks (an unbacked SymInt when compiled): testing it (it once required a multiple of 8)
+    failed the compile of the expert-parallel layer on CUDA with a data-dependent guard."""
+    from lrmoe.ops.grouped_gemm import _grouped_mm_ok
+
+    w_EOI = torch.zeros(3, 24, 16, dtype=torch.bfloat16)
+    assert _grouped_mm_ok(torch.zeros(13, 16, dtype=torch.bfloat16), w_EOI)  # 13 rows: not a multiple of 8
+    assert not _grouped_mm_ok(torch.zeros(13, 12, dtype=torch.bfloat16), w_EOI)  # 24-byte rows: misaligned
+    assert not _grouped_mm_ok(torch.zeros(16, 16), w_EOI)  # fp32
+    assert not _grouped_mm_ok(torch.zeros(16, 16, dtype=torch.bfloat16), torch.zeros(3, 20, 16, dtype=torch.bfloat16))
+
+    def f(x_ND, n_rows):
+        n = n_rows.item()
+        torch._check(n >= 0)
+        torch._check(n <= x_ND.shape[0])
+        rows = x_ND[:n]
+        return rows.sum() if _grouped_mm_ok(rows, w_EOI) else -rows.sum()
+
+    x_ND = torch.ones(20, 16, dtype=torch.bfloat16)
+    with torch._dynamo.config.patch(capture_scalar_outputs=True):
+        got = torch.compile(f, fullgraph=True, backend="aot_eager")(x_ND, torch.tensor(13))
+    assert got.item() == 13 * 16
