@@ -46,7 +46,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import launch
+from .launch import known_empty, launch
 
 __all__ = [
     "gather_grouped_mm_triton",
@@ -220,7 +220,7 @@ def gather_grouped_mm_triton(
     _check_device(x_NI, weight_EOI, rows_R, offsets_E)
     R, (E, O, I) = rows_R.shape[0], weight_EOI.shape
     y_RO = torch.empty((R, O), dtype=x_NI.dtype, device=x_NI.device)
-    if R == 0 or O == 0:
+    if known_empty(R, O):
         return y_RO
     fixed = _interpreter_config() if _INTERPRET else {}
     grid = lambda meta: ((triton.cdiv(R, meta["BLOCK_M"]) + E) * triton.cdiv(O, meta["BLOCK_N"]),)  # noqa: E731
@@ -357,7 +357,7 @@ def gather_grouped_swiglu_triton(
     h_R2F = torch.empty((R, F2), dtype=x_NI.dtype, device=x_NI.device) if store_h else None
     block_n = _swiglu_block_n()
     part_RT = torch.empty((R, triton.cdiv(F, block_n)), dtype=torch.float32, device=x_NI.device)
-    if R == 0 or F == 0:
+    if known_empty(R, F):
         return h_R2F, phi_RF, part_RT.sum(1)
     h_out = phi_RF if h_R2F is None else h_R2F  # an unused stand-in pointer when h is not stored
     fixed = _interpreter_config() if _INTERPRET else {}
@@ -393,7 +393,7 @@ def zero_rows_past_last_offset_(y_RO: torch.Tensor, offsets_E: torch.Tensor) -> 
     """Zero y_RO's rows from offsets_E[-1] on, in place, without reading the offset on the host. Returns y_RO."""
     R, O = y_RO.shape
     E = offsets_E.shape[0]
-    if R == 0 or O == 0:
+    if known_empty(R, O):
         return y_RO
     if E == 0:
         return y_RO.zero_()
@@ -471,7 +471,7 @@ def grouped_outer_triton(
     _check_device(a_RO, b_NI, rows_R, offsets_E)
     R, O, I, E = rows_R.shape[0], a_RO.shape[1], b_NI.shape[1], offsets_E.shape[0]
     w_EOI = torch.empty((E, O, I), dtype=a_RO.dtype, device=a_RO.device)
-    if w_EOI.numel() == 0:
+    if known_empty(E, O, I):
         return w_EOI
     fixed = _interpreter_config() if _INTERPRET else {}
     grid = lambda meta: (E * triton.cdiv(O, meta["BLOCK_M"]) * triton.cdiv(I, meta["BLOCK_N"]),)  # noqa: E731

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["launch", "traced"]
+__all__ = ["known_empty", "launch", "traced"]
 
 _state = threading.local()
 
@@ -30,6 +30,16 @@ def traced() -> Iterator[None]:
         yield
     finally:
         _state.traced = before
+
+
+def known_empty(*sizes: Any) -> bool:
+    """Whether one of ``sizes`` is certainly 0, for a launcher's early return. Traced under torch.compile, a row
+    count received from other ranks (expert parallelism) is an unbacked SymInt, whose value no test may depend on
+    (the compile fails on a data-dependent guard): it counts as not known to be empty, the launch goes ahead, and at
+    run time a size of 0 gives an empty grid, which launches nothing."""
+    from torch.fx.experimental.symbolic_shapes import guard_or_false
+
+    return any(guard_or_false(n == 0) for n in sizes)
 
 
 def launch(kernel: Any, grid: Any) -> Callable[..., Any]:

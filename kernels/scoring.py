@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import launch
+from .launch import known_empty, launch
 
 __all__ = ["METRIC_IDS", "score_pairs_triton"]
 
@@ -114,7 +114,8 @@ def _block_sizes(T: int, K: int, D: int) -> tuple[int, int, int, int]:
     noise next to g.
     """
     block_d = min(triton.next_power_of_2(max(D, 1)), 512)
-    block_t = max(1, min(32, 2048 // block_d, triton.next_power_of_2(max(T, 1))))
+    rows = T if isinstance(T, int) else 32  # a symbolic T (under torch.compile): the cap, no guard on it
+    block_t = max(1, min(32, 2048 // block_d, triton.next_power_of_2(max(rows, 1))))
     block_k = triton.next_power_of_2(max(K, 1))
     return block_t, block_d, block_k, 4
 
@@ -140,7 +141,7 @@ def score_pairs_triton(
     T, K = gates_TK.shape
     D = grad_out_TD.shape[1]
     scores_TK = torch.empty((T, K), dtype=torch.float32, device=gates_TK.device)
-    if T == 0 or K == 0:
+    if known_empty(T, K):
         return scores_TK
     bt, bd, bk, nw = _block_sizes(T, K, D)
     bt, bd, nw = block_t or bt, block_d or bd, num_warps or nw

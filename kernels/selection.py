@@ -44,7 +44,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import launch
+from .launch import known_empty, launch
 
 __all__ = [
     "SORT_MAX", "compact", "group_score_order", "plan_groups", "sample_probabilities", "score_order", "select_top",
@@ -408,7 +408,7 @@ def sample_probabilities(w_P: torch.Tensor, order_P: torch.Tensor, plan: dict[st
     ``score_order`` and its plan. One program per group; scratch of 2 * P fp64."""
     P, G = w_P.shape[0], plan["starts"].shape[0]
     p_P = torch.empty(P, dtype=torch.float64, device=w_P.device)
-    if P == 0 or G == 0:
+    if known_empty(P, G):
         return p_P
     scratch = torch.empty(2, P, dtype=torch.float64, device=w_P.device)
     launch(_sample_probabilities_kernel, (G,))(
@@ -449,8 +449,8 @@ def score_order(
     keys_P = torch.empty(P, dtype=torch.int64, device=device)
     pair_ids_R = torch.empty(max_rows, dtype=torch.int64, device=device)
     weights_R = torch.empty(max_rows, dtype=torch.float32, device=device)
-    n = max(P, max_rows)
-    if n > 0:
+    n = torch.sym_max(P, max_rows)  # no Python max: max_rows may be an unbacked SymInt under compile
+    if not known_empty(n):
         launch(_group_keys_kernel, (triton.cdiv(n, BLOCK),))(
             scores_P, group_ids_P, keys_P, pair_ids_R, weights_R, P, max_rows, BLOCK=BLOCK, num_warps=4,
         )
@@ -526,7 +526,7 @@ def compact(
     pair order, the inclusive cumulative sum of p in the group order over all groups, and the uniforms per group
     (any float dtype, read as fp64)."""
     P = order_P.shape[0]
-    if P == 0:
+    if known_empty(P):
         return
     launch(_compact_kernel, (triton.cdiv(P, BLOCK),))(
         order_P, group_ids_P, plan["starts"], plan["sizes"], plan["takes"], plan["bases"], p_P, cum_P, uniform_G,

@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import launch
+from .launch import known_empty, launch
 
 __all__ = ["gather_dot_rows_triton", "gather_sum_rows_triton"]
 
@@ -102,7 +102,7 @@ def gather_sum_rows_triton(src_NC: torch.Tensor, rows_TK: torch.Tensor, weights_
     n_tok, top_k = rows_TK.shape
     n_cols = src_NC.shape[1]
     out_TC = torch.empty(n_tok, n_cols, dtype=src_NC.dtype, device=src_NC.device)
-    if out_TC.numel() == 0:
+    if known_empty(n_tok, n_cols):
         return out_TC
     src_NC = src_NC if src_NC.stride(1) == 1 else src_NC.contiguous()
     rows_TK = rows_TK.contiguous()
@@ -124,7 +124,7 @@ def gather_dot_rows_triton(src_NC: torch.Tensor, rows_TK: torch.Tensor, g_TC: to
     _check(src_NC, rows_TK)
     n_tok, top_k = rows_TK.shape
     out_TK = torch.empty(n_tok, top_k, dtype=torch.float32, device=src_NC.device)
-    if out_TK.numel() == 0:
+    if known_empty(n_tok, top_k):
         return out_TK
     src_NC = src_NC if src_NC.stride(1) == 1 else src_NC.contiguous()
     g_TC = g_TC if g_TC.stride(1) == 1 else g_TC.contiguous()
