@@ -231,6 +231,9 @@ def measure(layer: LRMoE, cfg: Config, args, ranks: Ranks) -> dict:
     x_TD = x_TD.to(ranks.device, dtype).requires_grad_()
     grad_TD = torch.randn(args.tokens, dim, generator=gen).to(ranks.device, dtype)
     params = list(layer.parameters())
+    # --compile: one fullgraph compile of the layer; the all-to-all split sizes are unbacked SymInts
+    # (capture_scalar_outputs, set in main), so steps with other loads reuse the graph.
+    step = torch.compile(layer, fullgraph=True) if args.compile else layer
 
     def clear() -> None:
         x_TD.grad = None
@@ -240,7 +243,7 @@ def measure(layer: LRMoE, cfg: Config, args, ranks: Ranks) -> dict:
 
     for _ in range(args.warmup):
         clear()
-        layer(x_TD).backward(grad_TD)
+        step(x_TD).backward(grad_TD)
 
     fwd_ms, step_ms = [], []
     if ranks.cuda:
@@ -251,7 +254,7 @@ def measure(layer: LRMoE, cfg: Config, args, ranks: Ranks) -> dict:
         if ranks.cuda:
             ev = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
             ev[0].record()
-            out = layer(x_TD)
+            out = step(x_TD)
             ev[1].record()
             out.backward(grad_TD)
             ev[2].record()
@@ -260,7 +263,7 @@ def measure(layer: LRMoE, cfg: Config, args, ranks: Ranks) -> dict:
             step_ms.append(ev[0].elapsed_time(ev[2]))
         else:
             t0 = time.perf_counter()
-            out = layer(x_TD)
+            out = step(x_TD)
             t1 = time.perf_counter()
             out.backward(grad_TD)
             t2 = time.perf_counter()
@@ -281,6 +284,7 @@ def measure(layer: LRMoE, cfg: Config, args, ranks: Ranks) -> dict:
     ]).tolist()
 
     # The split comes from separate, profiled steps; "other" is their own latency minus the classified parts.
+    # --profile-steps 0: no split (NaN columns).
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if ranks.cuda else [])
     profiled_ms = []
     with profile(activities=activities) as prof:
@@ -289,21 +293,24 @@ def measure(layer: LRMoE, cfg: Config, args, ranks: Ranks) -> dict:
             ranks.sync()
             with record_function(FORWARD_RANGE):
                 t0 = time.perf_counter()
-                out = layer(x_TD)
+                out = step(x_TD)
             with record_function(BACKWARD_RANGE):
                 out.backward(grad_TD)
                 if ranks.cuda:
                     torch.cuda.synchronize()
                 profiled_ms.append(1e3 * (time.perf_counter() - t0))
             del out
-    split_steps = split_from_profile(list(prof.events()), device_time=ranks.cuda)
-    for step, total in zip(split_steps, profiled_ms, strict=True):
-        step["other"] = total - sum(step.values())
-    split = [statistics.median(step[k] for step in split_steps) for k in (*SPLIT_KEYS, "other")]
-    # Cross-check on GPU: all NCCL kernel time per step, whichever op launched it. If the split's collectives
-    # show ~0 while this does not, the profiler did not attribute NCCL kernels to the collective ops.
-    nccl_ms = sum(e.self_device_time_total for e in prof.key_averages() if "nccl" in e.key.lower())
-    nccl_ms /= 1e3 * args.profile_steps
+    if args.profile_steps:
+        split_steps = split_from_profile(list(prof.events()), device_time=ranks.cuda)
+        for parts, total in zip(split_steps, profiled_ms, strict=True):
+            parts["other"] = total - sum(parts.values())
+        split = [statistics.median(parts[k] for parts in split_steps) for k in (*SPLIT_KEYS, "other")]
+        # Cross-check on GPU: all NCCL kernel time per step, whichever op launched it. If the split's collectives
+        # show ~0 while this does not, the profiler did not attribute NCCL kernels to the collective ops.
+        nccl_ms = sum(e.self_device_time_total for e in prof.key_averages() if "nccl" in e.key.lower())
+        nccl_ms /= 1e3 * args.profile_steps
+    else:
+        split, nccl_ms, profiled_ms = [float("nan")] * (len(SPLIT_KEYS) + 1), float("nan"), [float("nan")]
 
     mine = [statistics.median(fwd_ms), statistics.median(step_ms), statistics.median(profiled_ms), peak_gib, nccl_ms,
             *split, *counts[:6]]
@@ -339,7 +346,7 @@ def print_table(rows: list[dict], meta: dict) -> None:
     unit, scale = ("MiB", 2**20) if max(max(r["bytes_mean"].values()) for r in rows) > 2**20 else ("KiB", 2**10)
     print(f"# {meta['shape_name']} {meta['shape']}, tokens/rank={meta['tokens']}, W={meta['world']} "
           f"({meta['backend']}, {meta['device_name']}), {meta['dtype']}, torch {meta['torch']}, skew={meta['skew']}, "
-          f"selection={meta['selection']}")
+          f"selection={meta['selection']}{', compiled' if meta['compiled'] else ''}")
     print(f"# times: ms, {meta['timing']}; fwd, fwd+bwd: median of {meta['steps']} steps, slowest rank; split: "
           f"{meta['split_time']}, median of {meta['profile_steps']} profiled steps, mean over ranks. a2a: all-to-all, "
           "f/b forward/backward, disp dispatch, comb combine (backward: input-gradient return), repl replica weights "
@@ -386,15 +393,21 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=("bf16", "fp32"), default=None, help="default: bf16 on CUDA, fp32 on CPU")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="write the numbers here (rank 0)")
+    p.add_argument("--compile", action="store_true",
+                   help="time torch.compile(layer, fullgraph=True); expert ops inlined into the compiled code on "
+                        "CUDA do not show as ops, so the split's expert column is not meaningful then")
     args = p.parse_args(argv)
-    if args.steps < 1 or args.profile_steps < 1 or args.warmup < 0:
-        p.error("--steps and --profile-steps must be >= 1, --warmup >= 0")
+    if args.steps < 1 or args.profile_steps < 0 or args.warmup < 0:
+        p.error("--steps must be >= 1, --profile-steps and --warmup >= 0")
     return args
 
 
 def main() -> None:
     args = parse_args()
     ranks = Ranks(args.device)
+    if args.compile:
+        torch._dynamo.config.capture_scalar_outputs = True
+        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 2 * len(args.retain) + 2)
     shape = SHAPES[args.shape]
     if shape["num_experts"] % ranks.world:
         raise SystemExit(f"--shape {args.shape}: E={shape['num_experts']} is not divisible by W={ranks.world}")
@@ -404,7 +417,8 @@ def main() -> None:
         "shape_name": args.shape, "shape": shape, "tokens": args.tokens, "world": ranks.world,
         "backend": dist.get_backend(), "device_name": torch.cuda.get_device_name() if ranks.cuda else "cpu",
         "dtype": str(dtype).removeprefix("torch."),
-        "torch": torch.__version__, "skew": args.skew, "selection": args.selection, "steps": args.steps,
+        "torch": torch.__version__, "compiled": args.compile, "skew": args.skew, "selection": args.selection,
+        "steps": args.steps,
         "profile_steps": args.profile_steps, "max_replicas": args.max_replicas, "capacity_factor": capacity,
         "timing": "CUDA events" if ranks.cuda else "perf_counter on CPU ranks: NOT MEANINGFUL as performance",
         "split_time": "device (kernel) time" if ranks.cuda else "CPU time",
