@@ -55,6 +55,15 @@ def ep_layer(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def ep_layer_compiled(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("ep_layer_compiled")
+    torchrun(tmp, "ep_layer.py", "--device", "cpu", "--shape", "tiny", "--tokens", "64", "--steps", "2",
+             "--warmup", "1", "--compile", "--retain", "0.5", "--max-replicas", "0", "--profile-steps", "0",
+             "--json", str(tmp / "layer.json"))
+    return json.loads((tmp / "layer.json").read_text())
+
+
+@pytest.fixture(scope="module")
 def ep_train(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("ep_train")
     out = torchrun(tmp, "ep_train.py", "--tiny", "--device", "cpu", "--runs", "1", "0.5", "--steps", "8",
@@ -107,6 +116,21 @@ def test_ep_layer_split_finds_every_all_to_all(ep_layer):
         assert (split["replica_fwd"] > 0) == (row["max_replicas"] > 0), row["name"]
         assert (split["replica_bwd"] > 0) == (row["max_replicas"] > 0), row["name"]
         assert len(row["per_rank"]["split_dispatch_fwd"]) == 2
+
+
+def test_ep_layer_compiled_moves_what_eager_moves(ep_layer, ep_layer_compiled):
+    """--compile times torch.compile(layer, fullgraph=True): the same tokens and router, so the same pairs kept and
+    the same bytes in every all-to-all as the eager rows; --profile-steps 0 leaves the split out (NaN)."""
+    assert ep_layer_compiled["meta"]["compiled"] and not ep_layer[1]["meta"]["compiled"]
+    eager = _by_name(ep_layer[1])
+    names = [row["name"] for row in ep_layer_compiled["rows"]]
+    assert names == ["dense R=0", "lrmoe r=0.5 R=0 c=1.25"]
+    for row in ep_layer_compiled["rows"]:
+        want = eager[row["name"]]
+        assert row["retained_pairs"] == want["retained_pairs"] and row["total_pairs"] == want["total_pairs"]
+        assert row["bytes_mean"] == want["bytes_mean"], row["name"]
+        assert all(v != v for v in row["split_ms"].values())  # NaN: not profiled
+        assert row["step_ms"] > 0
 
 
 def test_ep_train_reports_time_to_target(ep_train):
