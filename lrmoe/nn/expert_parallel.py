@@ -21,7 +21,9 @@ Forward, on every rank:
    exactly quotas[s, w, i] of its own pairs that ran on instance (w, i), so it knows its quotas without backward
    communication; plus this rank's sampling uniforms [G];
 4. read the plan on the host once: the split sizes of the all-to-alls of this step (dispatch, combine, backward
-   dispatch and return, replica weights) follow from it (the only host synchronisation of the layer step);
+   dispatch and return, replica weights) follow from it (the only host synchronisation of the layer step). With
+   ``ExpertParallel(plan_on="host")`` steps 3-4 swap: the load matrix is read on the host (the one host
+   synchronisation), the plan runs on CPU tensors and goes to the device in one copy;
 5. replica weights (R > 0): owners send the weights of the experts others replicate through one
    differentiable all-to-all (``funcol.all_to_all_single``, autograd-aware), so in backward the replicas'
    weight gradients travel back to the owners and are summed into their shards by autograd;
@@ -281,6 +283,20 @@ def _plan_step(loads_WE: torch.Tensor, layer: LRMoE, rep: _Replication) -> Exper
                               capacity=None if rep.capacity_factor is None else capacity)
 
 
+def _plan_to(plan: ExpertParallelPlan, loads_WE: torch.Tensor) -> ExpertParallelPlan:
+    """A plan computed on CPU tensors, on the device of ``loads_WE`` (which it carries as its loads): one copy of
+    the packed integer tensors, then views."""
+    parts = [plan.instances, plan.routes, plan.assignment, plan.instance_quotas, plan.quotas]
+    if plan.capacity is not None:
+        parts.append(plan.capacity)
+    packed = torch.cat([t.reshape(-1) for t in parts]).to(loads_WE.device)
+    views = [v.view(t.shape) for v, t in zip(packed.split([t.numel() for t in parts]), parts, strict=True)]
+    inst, routes, assign, inst_quotas, quotas = views[:5]
+    return ExpertParallelPlan(loads=loads_WE.long(), instances=inst, routes=routes, assignment=assign,
+                              instance_quotas=inst_quotas, quotas=quotas,
+                              capacity=views[5] if plan.capacity is not None else None)
+
+
 def instance_slots(instances_WI: torch.Tensor, num_experts: int) -> torch.Tensor:
     """[E, W] int64: the slot of expert e on rank w, -1 where rank w holds no instance of e."""
     n_ranks, n_inst = instances_WI.shape
@@ -337,7 +353,8 @@ def expert_major_order(counts_SL: torch.Tensor, n_rows: int) -> torch.Tensor:
 
 
 def _host_splits(plan: ExpertParallelPlan, ep: _EPGroup, n_local: int) -> _Splits:
-    # HOST SYNC: the one host read of the EP layer step. The split sizes of every all-to-all of the step (forward
+    # HOST SYNC (plan on the device; with plan_on="host" the plan is already on the host): the one host read of the
+    # EP layer step. The split sizes of every all-to-all of the step (forward
     # dispatch and combine, backward dispatch and input-gradient return, replica weights and their gradients)
     # follow from the plan, so one .tolist() here serves all of them; backward reads nothing from the device.
     rows = [
@@ -628,6 +645,7 @@ class _Replication:
     capacity_factor: float | None
     placement_policy: PlacementPolicy
     placement_key: str  # the policy's key in _PLACEMENT_POLICIES, for the plan op
+    plan_on: str = "device"  # "device" or "host": where plan_expert_parallel runs (see ExpertParallel)
 
 
 class ExpertParallel(ParallelStyle):
@@ -643,6 +661,13 @@ class ExpertParallel(ParallelStyle):
             rank whose min_retain floors exceed it keeps a waterfilled share of them (``plan_quotas``).
         placement_policy: ``(loads_WE, max_replicas) -> replicas_WR`` (see lrmoe.functional.replicas); must be
             deterministic. Default :func:`~lrmoe.functional.place_hot_replicas`.
+        plan_on: where the per-step plan (``plan_expert_parallel`` on the [W, E] load matrix: a few hundred tiny
+            integer ops, more with replicas and a capacity) runs. "device" (default): on the layer's device, then
+            one host read of the split sizes. "host": one device-to-host copy of the load matrix (the step's one
+            host synchronisation, earlier), the plan on CPU tensors, one host-to-device copy of the plan. On a GPU
+            "host" trades each op's kernel launch for a CPU op; which is faster is measured in
+            docs/multi_gpu.md. The same plan either way on every rank (all ranks plan on the same kind of device);
+            on a CPU mesh the two are the same.
 
     Expert parameters become DTensors ``Shard(0)`` (rank w holds experts [w*E/W, (w+1)*E/W)); the router stays a
     plain replicated tensor. Parameters are replaced, so build the optimiser afterwards. With
@@ -662,8 +687,11 @@ class ExpertParallel(ParallelStyle):
         max_replicas: int = 0,
         capacity_factor: float | None = None,
         placement_policy: PlacementPolicy = place_hot_replicas,
+        plan_on: str = "device",
     ):
         super().__init__()
+        if plan_on not in ("device", "host"):
+            raise ValueError(f'plan_on must be "device" or "host", got {plan_on!r}')
         if not isinstance(max_replicas, int) or isinstance(max_replicas, bool) or max_replicas < 0:
             raise ValueError(f"max_replicas must be a non-negative int, got {max_replicas!r}")
         if capacity_factor is not None:
@@ -679,7 +707,7 @@ class ExpertParallel(ParallelStyle):
                             f"{type(placement_policy).__name__}")
         self.mesh_dim_name = mesh_dim_name
         self.replication = _Replication(max_replicas, capacity_factor, placement_policy,
-                                        _placement_key(placement_policy))
+                                        _placement_key(placement_policy), plan_on)
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         if not isinstance(module, LRMoE):
@@ -776,8 +804,16 @@ class _ExpertParallelMixin:
         # The tiny [W, E] load matrix, all-gathered (no host sync), then the same plan on every rank.
         loads_E = expert_loads(routing.expert_ids, self.num_experts)
         loads_WE = funcol.wait_tensor(funcol.all_gather_tensor(loads_E, 0, ep.group)).view(ep.size, -1)
-        plan = _plan_step(loads_WE, self, rep)  # plan_expert_parallel, opaque to the compiler (see _ep_plan)
         n_local = self.num_experts // ep.size
+        if rep.plan_on == "host":
+            # HOST SYNC: the load matrix to the host (the one host read of this step, see ExpertParallel's plan_on);
+            # the split sizes below then read CPU tensors, and the plan goes to the device in one copy.
+            plan_host = _plan_step(loads_WE.cpu(), self, rep)
+            splits = _host_splits(plan_host, ep, n_local)
+            plan = _plan_to(plan_host, loads_WE)
+        else:
+            plan = _plan_step(loads_WE, self, rep)  # plan_expert_parallel, opaque to the compiler (see _ep_plan)
+            splits = _host_splits(plan, ep, n_local)  # the one host synchronisation of this layer step
         n_inst = plan.instances.shape[1]
         dense = self.retain >= 1.0 and rep.capacity_factor is None
         if probe is not None and self.selection == "sample" and not dense:
@@ -785,7 +821,6 @@ class _ExpertParallelMixin:
             # generator (the global RNG when None).
             uniform_G = torch.rand(ep.size * n_inst, generator=self.generator, device=x.device)
             plan = replace(plan, uniform=uniform_G)
-        splits = _host_splits(plan, ep, n_local)  # the one host synchronisation of this layer step
 
         # Which instance runs each of this rank's pairs: g = w * I + i.
         slots_EW = instance_slots(plan.instances, self.num_experts)

@@ -30,7 +30,7 @@ def tokens_of(rank: int) -> int:
     return 10 + 3 * rank
 
 
-def _compiled_matches_eager(rank, world, max_replicas):
+def _compiled_matches_eager(rank, world, max_replicas, plan_on="device"):
     mesh = init_device_mesh("cpu", (world,))
     torch.manual_seed(0)
     ref = LRMoE(D, FF, E, K, retain=0.75, selection="top")
@@ -39,7 +39,7 @@ def _compiled_matches_eager(rank, world, max_replicas):
     shift = 2 * torch.nn.functional.normalize(torch.randn(D), dim=0)
     with torch.no_grad():
         ref.gate.weight[:2] += 2 * shift
-    style = {"capacity_factor": 1.0, "max_replicas": max_replicas}
+    style = {"capacity_factor": 1.0, "max_replicas": max_replicas, "plan_on": plan_on}
     # Two copies of one layer (an expert-parallel layer holds a process group, so it cannot be deep-copied).
     layer = parallelize_module(copy.deepcopy(ref), mesh, ExpertParallel(**style))
     eager = parallelize_module(copy.deepcopy(ref), mesh, ExpertParallel(**style))
@@ -82,9 +82,10 @@ def _compiled_matches_eager(rank, world, max_replicas):
 
 # Each case compiles forward and backward on 2 ranks (~25-45 s on two cores); 4 ranks compile too (checked by hand,
 # ~2.5 min) but cost too much for CI.
-@pytest.mark.parametrize("max_replicas", [0, 1], ids=["capacity", "replicas"])
-def test_compiled_expert_parallel_with_capacity_equals_eager_at_retain_075(max_replicas):
-    run_ranks(2, _compiled_matches_eager, max_replicas)
+@pytest.mark.parametrize("max_replicas, plan_on", [(0, "device"), (1, "device"), (1, "host")],
+                         ids=["capacity", "replicas", "replicas-plan-on-host"])
+def test_compiled_expert_parallel_with_capacity_equals_eager_at_retain_075(max_replicas, plan_on):
+    run_ranks(2, _compiled_matches_eager, max_replicas, plan_on)
 
 
 def test_plan_op_passes_opcheck():

@@ -159,11 +159,11 @@ def test_replicas_match_single_device_under_the_same_plan(world):
 
 
 
-def _capacity_and_payloads(rank, world, max_replicas, capacity_factor, retain):
+def _capacity_and_payloads(rank, world, max_replicas, capacity_factor, retain, plan_on="device"):
     mesh = init_device_mesh("cpu", (world,))
     base, u = skewed_layer(retain, "top", 0)
     layer = parallelize_module(base, mesh, ExpertParallel(max_replicas=max_replicas,
-                                                          capacity_factor=capacity_factor))
+                                                          capacity_factor=capacity_factor, plan_on=plan_on))
     torch.manual_seed(10 + rank)
     x = (torch.randn(48, D) + 2 * u).requires_grad_(True)
     with RecordAllToAll() as fwd:
@@ -215,9 +215,26 @@ def _capacity_and_payloads(rank, world, max_replicas, capacity_factor, retain):
     assert int(uncapped.max()) > cap, (uncapped.tolist(), cap)
 
 
-@pytest.mark.parametrize("world, max_replicas", [(2, 0), (4, 1)])
-def test_backward_load_within_capacity_and_bytes_follow_retained_rows(world, max_replicas):
-    run_ranks(world, _capacity_and_payloads, max_replicas, 1.0, 0.5)
+# plan_on="host": the plan on CPU tensors, then packed into one copy to the layer's device (here also the CPU, so
+# this checks the packing and that every invariant still holds; the device-to-host path runs on the GPU).
+@pytest.mark.parametrize("world, max_replicas, plan_on", [(2, 0, "device"), (4, 1, "device"), (4, 1, "host")])
+def test_backward_load_within_capacity_and_bytes_follow_retained_rows(world, max_replicas, plan_on):
+    run_ranks(world, _capacity_and_payloads, max_replicas, 1.0, 0.5, plan_on)
+
+
+@pytest.mark.parametrize("capacity_factor", [None, 1.25])
+def test_plan_moved_to_the_device_in_one_copy_keeps_every_tensor(capacity_factor):
+    from lrmoe.nn.expert_parallel import _plan_to, plan_expert_parallel
+
+    loads_WE = torch.tensor([[9, 0, 3, 1, 7, 2], [4, 4, 0, 8, 1, 5], [0, 6, 2, 2, 3, 9]])
+    plan = plan_expert_parallel(loads_WE, 0.5, max_replicas=1, capacity_factor=capacity_factor)
+    moved = _plan_to(plan, loads_WE)
+    for name in ("loads", "instances", "routes", "assignment", "instance_quotas", "quotas", "capacity"):
+        want, got = getattr(plan, name), getattr(moved, name)
+        if want is None:
+            assert got is None, name
+        else:
+            assert got.dtype == want.dtype and torch.equal(got, want), name
 
 
 # ------------------------------------------------------------------------------------------------ bad configs
@@ -232,6 +249,7 @@ def test_backward_load_within_capacity_and_bytes_follow_retained_rows(world, max
         ({"capacity_factor": float("nan")}, ValueError, "capacity_factor"),
         ({"capacity_factor": "2"}, TypeError, "capacity_factor"),
         ({"placement_policy": "hot"}, TypeError, "placement_policy"),
+        ({"plan_on": "gpu"}, ValueError, "plan_on"),
     ],
 )
 def test_style_arguments_are_checked(kwargs, exc, name):
