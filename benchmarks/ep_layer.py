@@ -72,14 +72,21 @@ class Config:
     retain: float
     max_replicas: int
     capacity_factor: float | None
+    plan_on: str = "device"
 
 
-def configurations(retains: list[float], max_replicas: int, capacity_factor: float | None) -> list[Config]:
+def configurations(retains: list[float], max_replicas: int, capacity_factor: float | None,
+                   plan_on: tuple[str, ...] = ("device",)) -> list[Config]:
+    """Dense and LRMoE rows for R in (0, max_replicas), for each plan_on (named " host" when it is not the only
+    one and not "device")."""
     cap = f" c={capacity_factor:g}" if capacity_factor is not None else ""
     configs = []
-    for reps in dict.fromkeys((0, max_replicas)):  # (0,) when --max-replicas 0
-        configs.append(Config(f"dense R={reps}", 1.0, reps, None))
-        configs += [Config(f"lrmoe r={r:g} R={reps}{cap}", r, reps, capacity_factor) for r in retains]
+    for where in plan_on:
+        tag = " host" if where == "host" and len(plan_on) > 1 else ""
+        for reps in dict.fromkeys((0, max_replicas)):  # (0,) when --max-replicas 0
+            configs.append(Config(f"dense R={reps}{tag}", 1.0, reps, None, where))
+            configs += [Config(f"lrmoe r={r:g} R={reps}{cap}{tag}", r, reps, capacity_factor, where)
+                        for r in retains]
     return configs
 
 
@@ -208,7 +215,7 @@ def build_layer(shape: dict, cfg: Config, args, ranks: Ranks, dtype: torch.dtype
     layer = LRMoE(**shape, retain=cfg.retain, selection=args.selection)
     skew_router(layer, args.skew, args.seed)
     layer = layer.to(ranks.device, dtype)
-    style = ExpertParallel(max_replicas=cfg.max_replicas, capacity_factor=cfg.capacity_factor)
+    style = ExpertParallel(max_replicas=cfg.max_replicas, capacity_factor=cfg.capacity_factor, plan_on=cfg.plan_on)
     return parallelize_module(layer, ranks.mesh, style)
 
 
@@ -360,14 +367,14 @@ def print_table(rows: list[dict], meta: dict) -> None:
         if unattributed:
             print(f"# WARNING: NCCL kernel time not attributed to the all-to-all ops in {unattributed}: the a2a "
                   "columns are wrong there; see nccl_kernel_ms in the JSON")
-    head = (f"{'config':<24} {'kept':>5} {'fwd':>7} {'fwd+bwd':>8} {'expert':>7} {'disp f':>7} {'comb f':>7} "
+    head = (f"{'config':<29} {'kept':>5} {'fwd':>7} {'fwd+bwd':>8} {'expert':>7} {'disp f':>7} {'comb f':>7} "
             f"{'disp b':>7} {'comb b':>7} {'repl':>7} {'other':>7} | {'disp f':>8} {'comb f':>8} {'disp b':>8} "
             f"{'comb b':>8} {'repl':>8} | {'imb f':>5} {'imb b':>5} {'peak':>6}")
     print(head)
     for r in rows:
         sp, by = r["split_ms"], r["bytes_mean"]
         peak = "n/a" if r["peak_gib"] is None else f"{r['peak_gib']:.2f}"
-        print(f"{r['name']:<24} {r['retained_fraction']:>5.3f} {r['fwd_ms']:>7.2f} {r['step_ms']:>8.2f} "
+        print(f"{r['name']:<29} {r['retained_fraction']:>5.3f} {r['fwd_ms']:>7.2f} {r['step_ms']:>8.2f} "
               f"{sp['expert_fwd'] + sp['expert_bwd']:>7.2f} {sp['dispatch_fwd']:>7.2f} {sp['combine_fwd']:>7.2f} "
               f"{sp['dispatch_bwd']:>7.2f} {sp['combine_bwd']:>7.2f} {sp['replica_fwd'] + sp['replica_bwd']:>7.2f} "
               f"{sp['other']:>7.2f} | {by['dispatch_fwd'] / scale:>8.1f} {by['combine_fwd'] / scale:>8.1f} "
@@ -393,6 +400,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=("bf16", "fp32"), default=None, help="default: bf16 on CUDA, fp32 on CPU")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="write the numbers here (rank 0)")
+    p.add_argument("--plan-on", nargs="+", default=["device"], choices=["device", "host"],
+                   help="where each step's plan runs (ExpertParallel(plan_on=...)); several: every configuration "
+                        "for each, rows of the host plan tagged ' host'")
     p.add_argument("--compile", action="store_true",
                    help="time torch.compile(layer, fullgraph=True); expert ops inlined into the compiled code on "
                         "CUDA do not show as ops, so the split's expert column is not meaningful then")
@@ -424,7 +434,7 @@ def main() -> None:
         "split_time": "device (kernel) time" if ranks.cuda else "CPU time",
     }
     rows = []
-    for cfg in configurations(args.retain, args.max_replicas, capacity):
+    for cfg in configurations(args.retain, args.max_replicas, capacity, tuple(dict.fromkeys(args.plan_on))):
         layer = build_layer(shape, cfg, args, ranks, dtype)
         rows.append(measure(layer, cfg, args, ranks))
         del layer

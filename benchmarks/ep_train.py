@@ -65,6 +65,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--selection", choices=("sample", "top"), default="sample")
     p.add_argument("--max-replicas", type=int, default=0, help="replica slots per rank (every run, dense too)")
     p.add_argument("--capacity-factor", type=float, default=1.25, help="LRMoE runs' backward capacity (0: none)")
+    p.add_argument("--plan-on", choices=("device", "host"), default="device",
+                   help="where each layer step's plan runs (ExpertParallel(plan_on=...)), every run")
     p.add_argument("--target-loss", type=float, default=None)
     p.add_argument("--target-margin", type=float, default=0.01)
     p.add_argument("--corpus", default=None, help="built-in corpus name or a text file (default: stdlib sources)")
@@ -144,7 +146,8 @@ def train_run(retain: float, target: float | None, args, corpus, heldout, device
     torch.manual_seed(args.seed)  # the same initial weights on every rank and in every run
     model = MoELM(cfg).to(device, dtype)
     style = ExpertParallel(max_replicas=args.max_replicas,
-                           capacity_factor=None if dense or not args.capacity_factor else args.capacity_factor)
+                           capacity_factor=None if dense or not args.capacity_factor else args.capacity_factor,
+                           plan_on=args.plan_on)
     parallelize_module(model, mesh, {f"blocks.{i}.moe": style for i in range(cfg.n_layers)})
     layers = list(lrmoe_layers(model))
     params = list(model.parameters())
