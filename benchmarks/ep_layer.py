@@ -62,6 +62,7 @@ SHAPES = {**GPU_SHAPES, "tiny": {"dim": 32, "hidden_dim": 64, "num_experts": 8, 
 SPLIT_KEYS = ("expert_fwd", "expert_bwd", "dispatch_fwd", "combine_fwd", "dispatch_bwd", "combine_bwd",
               "replica_fwd", "replica_bwd", "load_allgather")
 BYTE_KEYS = ("dispatch_fwd", "combine_fwd", "dispatch_bwd", "combine_bwd", "replica_fwd", "replica_bwd")
+PLAN_OP = "lrmoe::ep_plan"
 EXPERT_OPS = ("lrmoe::gather_grouped_mm", "lrmoe::grouped_outer")
 FORWARD_RANGE, BACKWARD_RANGE = "ep_bench.forward", "ep_bench.backward"
 
@@ -314,15 +315,23 @@ def measure(layer: LRMoE, cfg: Config, args, ranks: Ranks) -> dict:
         split = [statistics.median(parts[k] for parts in split_steps) for k in (*SPLIT_KEYS, "other")]
         # Cross-check on GPU: all NCCL kernel time per step, whichever op launched it. If the split's collectives
         # show ~0 while this does not, the profiler did not attribute NCCL kernels to the collective ops.
-        nccl_ms = sum(e.self_device_time_total for e in prof.key_averages() if "nccl" in e.key.lower())
+        averages = prof.key_averages()
+        nccl_ms = sum(e.self_device_time_total for e in averages if "nccl" in e.key.lower())
         nccl_ms /= 1e3 * args.profile_steps
+        # Host time of the per-step plan (lrmoe::ep_plan with everything it calls), and GPU kernels per step (each
+        # one a launch the host pays for; on CPU there are none).
+        plan_ms = sum(e.cpu_time_total for e in averages if e.key == PLAN_OP) / (1e3 * args.profile_steps)
+        kernels = sum(1 for e in prof.events() if e.device_type == DeviceType.CUDA and not e.is_user_annotation)
+        kernels /= args.profile_steps
     else:
         split, nccl_ms, profiled_ms = [float("nan")] * (len(SPLIT_KEYS) + 1), float("nan"), [float("nan")]
+        plan_ms = kernels = float("nan")
 
     mine = [statistics.median(fwd_ms), statistics.median(step_ms), statistics.median(profiled_ms), peak_gib, nccl_ms,
-            *split, *counts[:6]]
+            plan_ms, kernels, *split, *counts[:6]]
     per_rank = ranks.gather(mine)  # [W][n]
-    col = dict(zip(["fwd_ms", "step_ms", "profiled_step_ms", "peak_gib", "nccl_kernel_ms",
+    col = dict(zip(["fwd_ms", "step_ms", "profiled_step_ms", "peak_gib", "nccl_kernel_ms", "plan_host_ms",
+                    "kernels_per_step",
                     *(f"split_{k}" for k in (*SPLIT_KEYS, "other")),
                     *(f"bytes_{k}" for k in BYTE_KEYS)], zip(*per_rank, strict=True), strict=True))
     retained, total, fwd_imb, bwd_imb, expert_imb, n_replicas = counts[6:]
@@ -333,6 +342,8 @@ def measure(layer: LRMoE, cfg: Config, args, ranks: Ranks) -> dict:
         "profiled_step_ms": statistics.fmean(col["profiled_step_ms"]),
         "split_ms": {k: statistics.fmean(col[f"split_{k}"]) for k in (*SPLIT_KEYS, "other")},
         "nccl_kernel_ms": max(col["nccl_kernel_ms"]),
+        "plan_host_ms": statistics.fmean(col["plan_host_ms"]),
+        "kernels_per_step": max(col["kernels_per_step"]),
         "bytes_mean": {k: statistics.fmean(col[f"bytes_{k}"]) for k in BYTE_KEYS},
         "retained_fraction": retained / max(total, 1.0),
         "total_pairs": total,
@@ -359,7 +370,8 @@ def print_table(rows: list[dict], meta: dict) -> None:
           "f/b forward/backward, disp dispatch, comb combine (backward: input-gradient return), repl replica weights "
           "(+ their gradients)")
     print(f"# bytes: {unit} each rank sends to its peers per all-to-all, mean over ranks. imb: busiest rank's rows "
-          "/ mean (forward, backward). peak: GiB, max over ranks")
+          "/ mean (forward, backward). peak: GiB, max over ranks. plan: host ms of the per-step plan op "
+          "(lrmoe::ep_plan), mean over ranks; kern: GPU kernels per step (profiled), max over ranks")
     print(f"# expert loads: busiest expert / mean = {rows[0]['expert_imbalance']:.2f} (--skew)")
     if meta["backend"] == "nccl":
         unattributed = [r["name"] for r in rows if r["split_ms"]["dispatch_fwd"] + r["split_ms"]["dispatch_bwd"] == 0
@@ -369,7 +381,7 @@ def print_table(rows: list[dict], meta: dict) -> None:
                   "columns are wrong there; see nccl_kernel_ms in the JSON")
     head = (f"{'config':<29} {'kept':>5} {'fwd':>7} {'fwd+bwd':>8} {'expert':>7} {'disp f':>7} {'comb f':>7} "
             f"{'disp b':>7} {'comb b':>7} {'repl':>7} {'other':>7} | {'disp f':>8} {'comb f':>8} {'disp b':>8} "
-            f"{'comb b':>8} {'repl':>8} | {'imb f':>5} {'imb b':>5} {'peak':>6}")
+            f"{'comb b':>8} {'repl':>8} | {'imb f':>5} {'imb b':>5} {'peak':>6} | {'plan':>6} {'kern':>6}")
     print(head)
     for r in rows:
         sp, by = r["split_ms"], r["bytes_mean"]
@@ -380,7 +392,8 @@ def print_table(rows: list[dict], meta: dict) -> None:
               f"{sp['other']:>7.2f} | {by['dispatch_fwd'] / scale:>8.1f} {by['combine_fwd'] / scale:>8.1f} "
               f"{by['dispatch_bwd'] / scale:>8.1f} {by['combine_bwd'] / scale:>8.1f} "
               f"{(by['replica_fwd'] + by['replica_bwd']) / scale:>8.1f} | {r['rank_imbalance_fwd']:>5.2f} "
-              f"{r['rank_imbalance_bwd']:>5.2f} {peak:>6}", flush=True)
+              f"{r['rank_imbalance_bwd']:>5.2f} {peak:>6} | {r['plan_host_ms']:>6.2f} {r['kernels_per_step']:>6.0f}",
+              flush=True)
 
 
 def parse_args(argv=None) -> argparse.Namespace:

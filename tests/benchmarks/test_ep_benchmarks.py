@@ -117,6 +117,8 @@ def test_ep_layer_split_finds_every_all_to_all(ep_layer):
         assert (split["replica_fwd"] > 0) == (row["max_replicas"] > 0), row["name"]
         assert (split["replica_bwd"] > 0) == (row["max_replicas"] > 0), row["name"]
         assert len(row["per_rank"]["split_dispatch_fwd"]) == 2
+        # The plan op was found in every profiled step, and a CPU run launches no GPU kernel.
+        assert row["plan_host_ms"] > 0 and row["kernels_per_step"] == 0, row["name"]
 
 
 def test_ep_layer_compiled_moves_what_eager_moves(ep_layer, ep_layer_compiled):
