@@ -97,7 +97,8 @@ def place_hot_replicas(loads_WE: torch.Tensor, max_replicas: int) -> torch.Tenso
     n_inst_E = torch.ones(n_exp, dtype=torch.float64, device=device)
     free_W = torch.full((n_ranks,), max_replicas, dtype=torch.int64, device=device)
     replicas_WR = torch.full((n_ranks, max_replicas), -1, dtype=torch.int64, device=device)
-    inf = torch.tensor(float("inf"), dtype=torch.float64, device=device)
+    # A fill, not torch.tensor(inf, device=...): that is a copy from host memory, which on CUDA waits for the stream.
+    inf = torch.full((), float("inf"), dtype=torch.float64, device=device)
     # A static number of small steps (W * R), so the loop unrolls into a compiled graph.
     for _ in range(n_ranks * max_replicas):
         share_E = load_E / n_inst_E

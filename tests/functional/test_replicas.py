@@ -230,3 +230,26 @@ def test_instances_and_balanced_capacity():
 def test_place_hot_replicas_errors_name_the_argument(R, loads, name):
     with pytest.raises((ValueError, TypeError), match=name):
         place_hot_replicas(loads, R)
+
+
+def test_plan_makes_no_tensor_from_host_data_on_a_device(monkeypatch):
+    """torch.tensor / torch.as_tensor with a device copy host memory to it, which on CUDA waits for the stream (a
+    hidden synchronisation the sync-debug mode does not flag). The whole expert-parallel plan, replicas and
+    capacity included, runs here on the meta device with both constructors refusing any device but the CPU."""
+    from lrmoe.nn.expert_parallel import plan_expert_parallel
+
+    for name in ("tensor", "as_tensor"):
+        original = getattr(torch, name)
+
+        def refuse(*args, _original=original, _name=name, **kwargs):
+            device = kwargs.get("device")
+            if device is not None and torch.device(device).type != "cpu":
+                raise AssertionError(f"torch.{_name}(..., device={device}) in the plan: a copy from host memory")
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(torch, name, refuse)
+    loads_WE = torch.empty(4, 16, dtype=torch.int64, device="meta")
+    plan = plan_expert_parallel(loads_WE, 0.5, max_replicas=2, capacity_factor=1.25)
+    assert plan.instances.device.type == "meta" and plan.quotas.device.type == "meta"
+    with pytest.raises(AssertionError, match="copy from host memory"):  # the guard itself works
+        torch.tensor(1.0, device="meta")
