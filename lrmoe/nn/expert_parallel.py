@@ -289,7 +289,9 @@ def _plan_to(plan: ExpertParallelPlan, loads_WE: torch.Tensor) -> ExpertParallel
     parts = [plan.instances, plan.routes, plan.assignment, plan.instance_quotas, plan.quotas]
     if plan.capacity is not None:
         parts.append(plan.capacity)
-    packed = torch.cat([t.reshape(-1) for t in parts]).to(loads_WE.device)
+    # non_blocking: CUDA stages pageable host memory at once and the stream does not wait; a blocking copy would
+    # synchronise the stream a second time in the step.
+    packed = torch.cat([t.reshape(-1) for t in parts]).to(loads_WE.device, non_blocking=True)
     views = [v.view(t.shape) for v, t in zip(packed.split([t.numel() for t in parts]), parts, strict=True)]
     inst, routes, assign, inst_quotas, quotas = views[:5]
     return ExpertParallelPlan(loads=loads_WE.long(), instances=inst, routes=routes, assignment=assign,
