@@ -356,9 +356,9 @@ def expert_major_order(counts_SL: torch.Tensor, n_rows: int) -> torch.Tensor:
 
 def _host_splits(plan: ExpertParallelPlan, ep: _EPGroup, n_local: int) -> _Splits:
     # HOST SYNC (plan on the device; with plan_on="host" the plan is already on the host): the one host read of the
-    # EP layer step. The split sizes of every all-to-all of the step (forward
-    # dispatch and combine, backward dispatch and input-gradient return, replica weights and their gradients)
-    # follow from the plan, so one .tolist() here serves all of them; backward reads nothing from the device.
+    # EP layer step. The split sizes of every all-to-all of the step (forward dispatch and combine, backward
+    # dispatch and input-gradient return, replica weights and their gradients) follow from the plan, so one
+    # .tolist() here serves all of them; backward reads nothing from the device.
     rows = [
         plan.assignment[ep.rank].sum(-1), plan.assignment[:, ep.rank].sum(-1),
         plan.instance_quotas[ep.rank].sum(-1), plan.instance_quotas[:, ep.rank].sum(-1),
