@@ -105,6 +105,29 @@ def _outermost(events: list) -> list:
     return kept
 
 
+def top_ops(averages, n: int, steps: int, cuda: bool) -> dict[str, list]:
+    """The n ops with the most self host time and (on GPU) the n kernels with the most device time, per profiled
+    step: [name, calls per step, ms per step]."""
+    def rows(key):
+        ranked = sorted(averages, key=key, reverse=True)[:n]
+        return [[e.key, e.count / steps, key(e) / (1e3 * steps)] for e in ranked if key(e) > 0]
+
+    out = {"host": rows(lambda e: e.self_cpu_time_total)}
+    if cuda:
+        out["device"] = rows(lambda e: e.self_device_time_total)
+    return out
+
+
+def print_top_ops(rows: list[dict]) -> None:
+    for r in rows:
+        if not r.get("top_ops"):
+            continue
+        for where, entries in r["top_ops"].items():
+            print(f"# {r['name']}: top {where} time per step (rank 0)")
+            for name, calls, ms in entries:
+                print(f"#   {ms:8.3f} ms  {calls:7.1f} calls  {name[:90]}")
+
+
 def split_from_profile(events: list, device_time: bool) -> list[dict[str, float]]:
     """Per profiled step, milliseconds per SPLIT_KEYS from torch.profiler events (see the module docstring).
 
@@ -323,9 +346,11 @@ def measure(layer: LRMoE, cfg: Config, args, ranks: Ranks) -> dict:
         plan_ms = sum(e.cpu_time_total for e in averages if e.key == PLAN_OP) / (1e3 * args.profile_steps)
         kernels = sum(1 for e in prof.events() if e.device_type == DeviceType.CUDA and not e.is_user_annotation)
         kernels /= args.profile_steps
+        tops = top_ops(averages, args.top_ops, args.profile_steps, ranks.cuda) if args.top_ops else None
     else:
         split, nccl_ms, profiled_ms = [float("nan")] * (len(SPLIT_KEYS) + 1), float("nan"), [float("nan")]
         plan_ms = kernels = float("nan")
+        tops = None
 
     mine = [statistics.median(fwd_ms), statistics.median(step_ms), statistics.median(profiled_ms), peak_gib, nccl_ms,
             plan_ms, kernels, *split, *counts[:6]]
@@ -344,6 +369,7 @@ def measure(layer: LRMoE, cfg: Config, args, ranks: Ranks) -> dict:
         "nccl_kernel_ms": max(col["nccl_kernel_ms"]),
         "plan_host_ms": statistics.fmean(col["plan_host_ms"]),
         "kernels_per_step": max(col["kernels_per_step"]),
+        "top_ops": tops,  # this rank's (the JSON is rank 0's)
         "bytes_mean": {k: statistics.fmean(col[f"bytes_{k}"]) for k in BYTE_KEYS},
         "retained_fraction": retained / max(total, 1.0),
         "total_pairs": total,
@@ -416,6 +442,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--plan-on", nargs="+", default=["device"], choices=["device", "host"],
                    help="where each step's plan runs (ExpertParallel(plan_on=...)); several: every configuration "
                         "for each, rows of the host plan tagged ' host'")
+    p.add_argument("--top-ops", type=int, default=0,
+                   help="also list the N ops with the most host time and kernels with the most device time in the "
+                        "profiled steps, per configuration (rank 0)")
     p.add_argument("--compile", action="store_true",
                    help="time torch.compile(layer, fullgraph=True); expert ops inlined into the compiled code on "
                         "CUDA do not show as ops, so the split's expert column is not meaningful then")
@@ -455,6 +484,7 @@ def main() -> None:
             torch.cuda.empty_cache()
     if ranks.rank == 0:
         print_table(rows, meta)
+        print_top_ops(rows)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"meta": meta, "rows": rows}, f, indent=1)

@@ -50,7 +50,7 @@ def table_rows(stdout: str, header: str) -> list[str]:
 def ep_layer(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("ep_layer")
     out = torchrun(tmp, "ep_layer.py", "--device", "cpu", "--shape", "tiny", "--tokens", "64", "--steps", "2",
-                   "--warmup", "1", "--profile-steps", "1", "--json", str(tmp / "layer.json"))
+                   "--warmup", "1", "--profile-steps", "1", "--top-ops", "3", "--json", str(tmp / "layer.json"))
     return out, json.loads((tmp / "layer.json").read_text())
 
 
@@ -83,6 +83,7 @@ def test_ep_layer_table_has_one_row_per_configuration(ep_layer):
     assert [row["name"] for row in data["rows"]] == LAYER_CONFIGS
     assert all(line.split("|")[2].split()[-1] == "n/a" for line in rows)  # peak memory: CUDA only
     assert "NOT MEANINGFUL" in stdout  # CPU timings are labelled
+    assert stdout.count("top host time per step") == len(LAYER_CONFIGS)
     assert data["meta"]["world"] == 2 and data["meta"]["backend"] == "gloo"
 
 
@@ -119,6 +120,10 @@ def test_ep_layer_split_finds_every_all_to_all(ep_layer):
         assert len(row["per_rank"]["split_dispatch_fwd"]) == 2
         # The plan op was found in every profiled step, and a CPU run launches no GPU kernel.
         assert row["plan_host_ms"] > 0 and row["kernels_per_step"] == 0, row["name"]
+        # --top-ops 3: at most three host entries, by decreasing time, no device list on CPU.
+        host = row["top_ops"]["host"]
+        assert 1 <= len(host) <= 3 and "device" not in row["top_ops"]
+        assert [ms for _, _, ms in host] == sorted((ms for _, _, ms in host), reverse=True) and host[-1][2] > 0
 
 
 def test_ep_layer_compiled_moves_what_eager_moves(ep_layer, ep_layer_compiled):
