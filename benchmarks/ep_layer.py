@@ -237,20 +237,23 @@ def shutdown() -> None:
 def build_layer(shape: dict, cfg: Config, args, ranks: Ranks, dtype: torch.dtype) -> LRMoE:
     torch.manual_seed(args.seed)  # the same layer on every rank
     layer = LRMoE(**shape, retain=cfg.retain, selection=args.selection)
-    skew_router(layer, args.skew, args.seed)
+    skew_router(layer, args.skew, args.seed, args.rank_skew, ranks.world)
     layer = layer.to(ranks.device, dtype)
     style = ExpertParallel(max_replicas=cfg.max_replicas, capacity_factor=cfg.capacity_factor, plan_on=cfg.plan_on)
     return parallelize_module(layer, ranks.mesh, style)
 
 
 @torch.no_grad()
-def skew_router(layer: LRMoE, skew: float, seed: int) -> None:
+def skew_router(layer: LRMoE, skew: float, seed: int, rank_skew: float = 0.0, world: int = 1) -> None:
     """Give expert e a fixed logit bias skew * sigma * z_e (z_e ~ N(0, 1), seeded; sigma the std of the random
-    logits), through input feature 0, which every benchmark input sets to 1. skew 0: near-balanced loads."""
+    logits), through input feature 0, which every benchmark input sets to 1. skew 0: near-balanced loads.
+    rank_skew adds rank_skew * sigma to the experts rank 0 owns (the first E / world), so that rank, not only some
+    experts, is hot: with many experts per rank, expert skew alone averages out over ranks."""
     weight_ED = layer.gate.weight
     sigma = weight_ED[:, 1:].square().sum(1).mean().sqrt()  # std of x . w_e for x ~ N(0, I)
     z_E = torch.randn(weight_ED.shape[0], generator=torch.Generator().manual_seed(seed + 7))
     weight_ED[:, 0] = skew * sigma * z_E
+    weight_ED[: weight_ED.shape[0] // world, 0] += rank_skew * sigma
 
 
 def measure(layer: LRMoE, cfg: Config, args, ranks: Ranks) -> dict:
@@ -390,6 +393,7 @@ def print_table(rows: list[dict], meta: dict) -> None:
     unit, scale = ("MiB", 2**20) if max(max(r["bytes_mean"].values()) for r in rows) > 2**20 else ("KiB", 2**10)
     print(f"# {meta['shape_name']} {meta['shape']}, tokens/rank={meta['tokens']}, W={meta['world']} "
           f"({meta['backend']}, {meta['device_name']}), {meta['dtype']}, torch {meta['torch']}, skew={meta['skew']}, "
+          f"rank skew={meta['rank_skew']}, "
           f"selection={meta['selection']}{', compiled' if meta['compiled'] else ''}")
     print(f"# times: ms, {meta['timing']}; fwd, fwd+bwd: median of {meta['steps']} steps, slowest rank; split: "
           f"{meta['split_time']}, median of {meta['profile_steps']} profiled steps, mean over ranks. a2a: all-to-all, "
@@ -432,6 +436,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--capacity-factor", type=float, default=1.25,
                    help="LRMoE rows' backward capacity per rank, times the balanced share (0: no capacity)")
     p.add_argument("--skew", type=float, default=1.0, help="router skew (0: near-balanced loads)")
+    p.add_argument("--rank-skew", type=float, default=0.0,
+                   help="extra logit (in router std units) for rank 0's experts, to load one rank more than the others")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--profile-steps", type=int, default=3)
@@ -469,7 +475,8 @@ def main() -> None:
         "shape_name": args.shape, "shape": shape, "tokens": args.tokens, "world": ranks.world,
         "backend": dist.get_backend(), "device_name": torch.cuda.get_device_name() if ranks.cuda else "cpu",
         "dtype": str(dtype).removeprefix("torch."),
-        "torch": torch.__version__, "compiled": args.compile, "skew": args.skew, "selection": args.selection,
+        "torch": torch.__version__, "compiled": args.compile, "skew": args.skew, "rank_skew": args.rank_skew,
+        "selection": args.selection,
         "steps": args.steps,
         "profile_steps": args.profile_steps, "max_replicas": args.max_replicas, "capacity_factor": capacity,
         "timing": "CUDA events" if ranks.cuda else "perf_counter on CPU ranks: NOT MEANINGFUL as performance",

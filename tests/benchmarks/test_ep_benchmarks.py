@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 BENCHMARKS = ROOT / "benchmarks"
@@ -176,6 +177,22 @@ def test_ep_layer_configurations_per_plan_location(monkeypatch):
     assert [(c.name, c.plan_on) for c in both] == [("dense R=0", "device"), ("lrmoe r=0.5 R=0", "device"),
                                                   ("dense R=0 host", "host"), ("lrmoe r=0.5 R=0 host", "host")]
     assert [c.name for c in configurations([1.0], 0, None, ("host",))] == ["dense R=0", "lrmoe r=1 R=0"]
+
+
+def test_ep_layer_rank_skew_raises_only_rank_zeros_experts(monkeypatch):
+    from lrmoe.nn import LRMoE
+
+    skew_router = _load("ep_layer", monkeypatch).skew_router
+    logits = []
+    for rank_skew in (0.0, 2.0):
+        torch.manual_seed(0)
+        layer = LRMoE(TINY_DIM, 16, 8, 2)
+        skew_router(layer, 1.0, 0, rank_skew, world=4)
+        weight = layer.gate.weight.detach()
+        logits.append(weight[:, 0].clone())
+    sigma = weight[:, 1:].square().sum(1).mean().sqrt()
+    # Rank 0 of 4 owns experts 0 and 1: only their bias moves, by rank_skew router standard deviations.
+    torch.testing.assert_close(logits[1] - logits[0], torch.tensor([2.0, 2.0, 0, 0, 0, 0, 0, 0]) * sigma)
 
 
 def test_ep_train_settle_marks_unreached_runs(monkeypatch):
