@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import lrmoe.functional.selection as selection_module
+import lrmoe.ops.grouped_gemm as grouped_gemm_module
 from lrmoe.nn import LRMoE
 from lrmoe.ops.selection import select_within_quota_reference
 
@@ -111,6 +112,9 @@ def main() -> None:
     parser.add_argument("--compiled-sample", default="op", choices=["reference", "op"],
                         help="what compiled 'sample' selection runs (lrmoe.functional.selection._COMPILED_SAMPLE): "
                              "the op (the default) or the reference's PyTorch traced inline")
+    parser.add_argument("--gather-gemm", nargs="+", default=["grouped_mm"], choices=["grouped_mm", "triton"],
+                        help="the kernel of LRMoE's bf16 GEMMs with a row gather (lrmoe.ops.grouped_gemm."
+                             "_GATHER_KERNEL); several: each LRMoE row once per kernel, tagged")
     args = parser.parse_args()
     if args.compiled_sample == "reference":
         selection_module._COMPILED_SAMPLE = select_within_quota_reference
@@ -123,17 +127,25 @@ def main() -> None:
     print(f"# {args.shape} {shape}, tokens={T}, bf16, {torch.cuda.get_device_name()}, torch {torch.__version__}")
     flop_step = 6 * T * k * 3 * d * f
     print(f"# GEMM FLOP: forward {flop_step / 3 / 1e12:.3f} TFLOP, forward+backward {flop_step / 1e12:.3f} TFLOP")
-    print(f"{'layer':>22} {'mode':>8} {'fwd ms':>8} {'fwd+bwd ms':>10} {'TFLOP/s':>8} {'peak GiB':>8} {'syncs':>5}")
+    print(f"{'layer':>26} {'mode':>8} {'fwd ms':>8} {'fwd+bwd ms':>10} {'TFLOP/s':>8} {'peak GiB':>8} {'syncs':>5}")
 
     both = len(args.selection) > 1
+    gathers = list(dict.fromkeys(args.gather_gemm))
     layers = [
-        (f"lrmoe r={r:g}" + (f" {sel}" if both and r < 1 else ""), lambda r=r, sel=sel: LRMoE(**shape, retain=r,
-                                                                                            selection=sel))
-        for r in args.retain for sel in (args.selection if r < 1 else args.selection[:1])
+        (f"lrmoe r={r:g}" + (f" {sel}" if both and r < 1 else "") + (" tri" if gather == "triton" and len(gathers) > 1
+                                                                     else ""),
+         lambda r=r, sel=sel: LRMoE(**shape, retain=r, selection=sel), gather)
+        for gather in gathers for r in args.retain for sel in (args.selection if r < 1 else args.selection[:1])
     ]
     if not args.skip_baselines:
-        layers += [("grouped_mm layer", lambda: GroupedMMLayer(**shape)), ("transformers qwen3", lambda: hf_block(**shape))]
-    for name, make in layers:
+        layers += [("grouped_mm layer", lambda: GroupedMMLayer(**shape), "grouped_mm"),
+                   ("transformers qwen3", lambda: hf_block(**shape), "grouped_mm")]
+    if len(gathers) == 1:
+        print(f"# LRMoE's gathered bf16 GEMMs: {gathers[0]}")
+    else:
+        print("# LRMoE rows tagged 'tri': gathered bf16 GEMMs by the Triton gather-fused kernel; others _grouped_mm")
+    for name, make, gather in layers:
+        grouped_gemm_module._GATHER_KERNEL = gather  # read when an op call runs or is traced
         torch.manual_seed(0)
         layer = make().cuda().bfloat16()
         x = torch.randn(T, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -168,7 +180,7 @@ def main() -> None:
             torch.cuda.reset_peak_memory_stats()
             step_ms = do_bench(step, warmup=5, rep=40, return_mode="median", grad_to_none=[x, *layer.parameters()])
             peak = torch.cuda.max_memory_allocated() / 2**30
-            print(f"{name:>22} {mode:>8} {fwd_ms:>8.3f} {step_ms:>10.3f} {flop_step / step_ms / 1e9:>8.0f} "
+            print(f"{name:>26} {mode:>8} {fwd_ms:>8.3f} {step_ms:>10.3f} {flop_step / step_ms / 1e9:>8.0f} "
                   f"{peak:>8.2f} {syncs:>5}", flush=True)
 
 

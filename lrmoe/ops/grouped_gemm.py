@@ -84,6 +84,19 @@ def _grouped_mm_ok(*tensors: torch.Tensor) -> bool:
                for t in tensors)
 
 
+# Which kernel runs a bf16 gather_grouped_mm with an explicit row gather (rows_R given) on CUDA: "grouped_mm"
+# (index_select into buffer order, then torch._grouped_mm; inlined under compile) or "triton" (the gather fused into
+# the Triton GEMM's A loads; stays one op under compile, whose autotuned launch Inductor would otherwise re-tune).
+# On the H200 (docs/performance.md, sixth session) the Triton forward beat index_select + _grouped_mm at both
+# gate/up shapes, balanced and skewed (0.386 vs 0.449 ms Qwen3, 1.510 vs 1.786 GLM, balanced); not yet timed inside
+# the layer, so the default stays; benchmarks/layer_fwd_bwd.py --gather-gemm sets this for that A/B.
+_GATHER_KERNEL = "grouped_mm"
+
+
+def _use_grouped_mm(x_NI: torch.Tensor, weight_EOI: torch.Tensor, rows_R: torch.Tensor | None) -> bool:
+    return _grouped_mm_ok(x_NI, weight_EOI) and (rows_R is None or _GATHER_KERNEL == "grouped_mm")
+
+
 # ---------------------------------------------------------------------------------------------- gather_grouped_mm
 
 
@@ -96,7 +109,7 @@ def gather_grouped_mm(
 
 @gather_grouped_mm.register_kernel("cuda")
 def _gather_grouped_mm_cuda(x_NI, weight_EOI, rows_R, offsets_E):
-    if not _grouped_mm_ok(x_NI, weight_EOI):
+    if not _use_grouped_mm(x_NI, weight_EOI, rows_R):
         kernels = kernel_module("grouped_gemm")
         if kernels is None:
             return _loop_mm(x_NI, weight_EOI, rows_R, offsets_E)
@@ -135,7 +148,7 @@ def _gather_grouped_mm_backward(ctx, grad_y_RO):
 
 gather_grouped_mm.register_autograd(_gather_grouped_mm_backward, setup_context=_gather_grouped_mm_setup)
 # Inlined under compile on the torch._grouped_mm path only: the Triton path autotunes, which Inductor would redo.
-inline_when_compiled(gather_grouped_mm, _gather_grouped_mm_cuda, when=lambda x, w, *_: _grouped_mm_ok(x, w))
+inline_when_compiled(gather_grouped_mm, _gather_grouped_mm_cuda, when=lambda x, w, rows, _: _use_grouped_mm(x, w, rows))
 
 
 # -------------------------------------------------------------------------------------------------- grouped_outer

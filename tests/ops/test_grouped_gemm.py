@@ -185,3 +185,17 @@ def test_grouped_mm_path_ignores_row_counts_so_unbacked_ones_compile():
     with torch._dynamo.config.patch(capture_scalar_outputs=True):
         got = torch.compile(f, fullgraph=True, backend="aot_eager")(x_ND, torch.tensor(13))
     assert got.item() == 13 * 16
+
+
+def test_gather_kernel_choice(monkeypatch):
+    """bf16 with aligned strides takes torch._grouped_mm; with an explicit row gather, _GATHER_KERNEL = "triton"
+    sends it to the gather-fused Triton kernel instead (identity rows keep _grouped_mm: nothing to gather)."""
+    import lrmoe.ops.grouped_gemm as module
+
+    x_NI, w_EOI = torch.zeros(13, 16, dtype=torch.bfloat16), torch.zeros(3, 24, 16, dtype=torch.bfloat16)
+    rows_R = torch.zeros(20, dtype=torch.int64)
+    assert module._GATHER_KERNEL == "grouped_mm"
+    assert module._use_grouped_mm(x_NI, w_EOI, rows_R) and module._use_grouped_mm(x_NI, w_EOI, None)
+    monkeypatch.setattr(module, "_GATHER_KERNEL", "triton")
+    assert not module._use_grouped_mm(x_NI, w_EOI, rows_R) and module._use_grouped_mm(x_NI, w_EOI, None)
+    assert not module._use_grouped_mm(x_NI.float(), w_EOI.float(), None)  # fp32: never _grouped_mm
