@@ -65,6 +65,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--selection", choices=("sample", "top"), default="sample")
     p.add_argument("--max-replicas", type=int, default=0, help="replica slots per rank (every run, dense too)")
     p.add_argument("--capacity-factor", type=float, default=1.25, help="LRMoE runs' backward capacity (0: none)")
+    p.add_argument("--compile", action="store_true", help="train torch.compile(model) (no MoE-layer time then)")
     p.add_argument("--plan-on", choices=("device", "host"), default="device",
                    help="where each layer step's plan runs (ExpertParallel(plan_on=...)), every run")
     p.add_argument("--target-loss", type=float, default=None)
@@ -122,6 +123,15 @@ class MoETimer:
         return total
 
 
+class NoTimer:
+    """MoETimer's interface when layers cannot be timed (compiled): every step NaN."""
+
+    active = False
+
+    def take_ms(self) -> float:
+        return float("nan")
+
+
 def clip_grad_norm(params, max_norm: float, group) -> None:
     """Clip by the global norm: expert shards (DTensor) are summed over ranks, replicated gradients (already
     all-reduced, identical everywhere) counted once."""
@@ -157,7 +167,10 @@ def train_run(retain: float, target: float | None, args, corpus, heldout, device
                                    {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}],
                                   lr=args.lr, betas=(0.9, 0.95), foreach=False)
     schedule = TrainConfig(steps=args.steps, warmup_steps=args.warmup_steps)
-    timer = MoETimer(layers, cuda)
+    # --compile: the whole model through torch.compile (graph breaks allowed outside the MoE layers, which compile
+    # whole); module hooks cannot time layers inside compiled code, so no MoE-layer time then (NaN).
+    timer = NoTimer() if args.compile else MoETimer(layers, cuda)
+    run_model = torch.compile(model) if args.compile else model
     batches = torch.Generator().manual_seed(args.seed + 1 + rank)  # every rank its own batches, same in every run
     torch.manual_seed(args.seed + 1000 + rank)  # and its own sampling uniforms
 
@@ -167,7 +180,8 @@ def train_run(retain: float, target: float | None, args, corpus, heldout, device
 
     def evaluate() -> float:
         with torch.no_grad():
-            losses = [F.cross_entropy(model(b[:, :-1].to(device)).flatten(0, 1).float(), b[:, 1:].to(device).flatten())
+            losses = [F.cross_entropy(run_model(b[:, :-1].to(device)).flatten(0, 1).float(),
+                                      b[:, 1:].to(device).flatten())
                       for b in heldout]
             mean = torch.stack(losses).mean().double()
         dist.all_reduce(mean)
@@ -185,7 +199,7 @@ def train_run(retain: float, target: float | None, args, corpus, heldout, device
             group["lr"] = args.lr * lr_factor(step, schedule)
         batch_BL1 = sample_batch(corpus.train_N, args.batch_size, args.seq_len, batches).to(device)
         timer.active = True
-        logits_BLV = model(batch_BL1[:, :-1])
+        logits_BLV = run_model(batch_BL1[:, :-1])
         loss = F.cross_entropy(logits_BLV.flatten(0, 1).float(), batch_BL1[:, 1:].flatten())
         (loss / world).backward()
         timer.active = False
@@ -266,6 +280,8 @@ def main() -> None:
     if args.experts % world:
         raise SystemExit(f"--experts {args.experts} is not divisible by W={world}")
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype or ("bf16" if cuda else "fp32")]
+    if args.compile:  # the EP layers' all-to-all split sizes become unbacked SymInts: one graph for every step
+        torch._dynamo.config.capture_scalar_outputs = True
     mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("ep",))
     corpus = load_corpus(args.corpus, max_bytes=args.max_bytes)
     # The same held-out bytes in every run, split over the ranks (each evaluates its share, then the mean).
@@ -293,6 +309,7 @@ def main() -> None:
             "target_source": "--target-loss" if args.target_loss is not None else source,
             "timing": "device-synchronised wall clock" if cuda else "CPU: NOT MEANINGFUL as performance",
             "corpus": corpus.describe(), "lr": args.lr, "selection": args.selection, "torch": torch.__version__,
+            "compiled": args.compile, "plan_on": args.plan_on,
         }
         print_table(runs, meta)
         if args.json:
