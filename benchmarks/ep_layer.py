@@ -266,7 +266,10 @@ def measure(layer: LRMoE, cfg: Config, args, ranks: Ranks) -> dict:
     grad_TD = torch.randn(args.tokens, dim, generator=gen).to(ranks.device, dtype)
     params = list(layer.parameters())
     # --compile: one fullgraph compile of the layer; the all-to-all split sizes are unbacked SymInts
-    # (capture_scalar_outputs, set in main), so steps with other loads reuse the graph.
+    # (capture_scalar_outputs, set in main), so steps with other loads reuse the graph. A fresh Dynamo cache per
+    # configuration: the layers of earlier ones would count towards the recompile limit.
+    if args.compile:
+        torch._dynamo.reset()
     step = torch.compile(layer, fullgraph=True) if args.compile else layer
 
     def clear() -> None:
@@ -465,7 +468,6 @@ def main() -> None:
     ranks = Ranks(args.device)
     if args.compile:
         torch._dynamo.config.capture_scalar_outputs = True
-        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 2 * len(args.retain) + 2)
     shape = SHAPES[args.shape]
     if shape["num_experts"] % ranks.world:
         raise SystemExit(f"--shape {args.shape}: E={shape['num_experts']} is not divisible by W={ranks.world}")
@@ -476,8 +478,7 @@ def main() -> None:
         "backend": dist.get_backend(), "device_name": torch.cuda.get_device_name() if ranks.cuda else "cpu",
         "dtype": str(dtype).removeprefix("torch."),
         "torch": torch.__version__, "compiled": args.compile, "skew": args.skew, "rank_skew": args.rank_skew,
-        "selection": args.selection,
-        "steps": args.steps,
+        "selection": args.selection, "steps": args.steps,
         "profile_steps": args.profile_steps, "max_replicas": args.max_replicas, "capacity_factor": capacity,
         "timing": "CUDA events" if ranks.cuda else "perf_counter on CPU ranks: NOT MEANINGFUL as performance",
         "split_time": "device (kernel) time" if ranks.cuda else "CPU time",
