@@ -148,7 +148,8 @@ def _gather_grouped_mm_backward(ctx, grad_y_RO):
 
 gather_grouped_mm.register_autograd(_gather_grouped_mm_backward, setup_context=_gather_grouped_mm_setup)
 # Inlined under compile on the torch._grouped_mm path only: the Triton path autotunes, which Inductor would redo.
-inline_when_compiled(gather_grouped_mm, _gather_grouped_mm_cuda, when=lambda x, w, rows, _: _use_grouped_mm(x, w, rows))
+inline_when_compiled(gather_grouped_mm, _gather_grouped_mm_cuda,
+                     when=lambda x, w, rows, *_: _use_grouped_mm(x, w, rows))
 
 
 # -------------------------------------------------------------------------------------------------- grouped_outer
