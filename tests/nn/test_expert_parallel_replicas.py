@@ -88,7 +88,7 @@ def reference_forward(layer: LRMoE, x_TD, token_counts, stats, uniform_SG=None):
     )
 
 
-def _matches_reference(rank, world, configs):
+def _matches_reference(rank, world, configs, plan_on="device"):
     mesh = init_device_mesh("cpu", (world,))
     counts = [tokens_of(r) for r in range(world)]
     start = sum(counts[:rank])
@@ -98,7 +98,7 @@ def _matches_reference(rank, world, configs):
         ref, u = skewed_layer(retain, selection, seed)
         x_all = torch.randn(sum(counts), D) + 2 * u
         c_all = torch.randn(sum(counts), D)
-        style = ExpertParallel(max_replicas=2, capacity_factor=capacity_factor)
+        style = ExpertParallel(max_replicas=2, capacity_factor=capacity_factor, plan_on=plan_on)
         layer = parallelize_module(copy.deepcopy(ref), mesh, style)
         layer.generator = torch.Generator().manual_seed(1000 + rank)
 
@@ -149,9 +149,9 @@ CONFIGS = [(1.0, "top", None, 0), (0.75, "top", None, 1), (0.75, "sample", None,
            (0.75, "sample", 1.0, 4)]
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_replicas_match_single_device_under_the_same_plan(world):
-    run_ranks(world, _matches_reference, CONFIGS)
+@pytest.mark.parametrize("world, plan_on", [(2, "device"), (4, "device"), (4, "host")])
+def test_replicas_match_single_device_under_the_same_plan(world, plan_on):
+    run_ranks(world, _matches_reference, CONFIGS, plan_on)
 
 
 # ------------------------------------------------------------------------------------- capacity and payloads
