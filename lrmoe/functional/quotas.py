@@ -68,6 +68,10 @@ def plan_quotas(
             raise ValueError(f"placement must have one rank per group, shape [{n_groups}], got "
                              f"{tuple(placement.shape)}")
 
+    if retain >= 1.0 and capacity is None:
+        # Every pair kept: quota == load whatever the policy and floors (the invariant above), with no planning.
+        # A copy: the result never aliases the input (ops such as lrmoe::ep_plan return it).
+        return loads_SE.to(torch.int64, copy=True)
     one_source = loads_SE.dim() == 1
     loads_SE = loads_SE.long().reshape(-1, n_groups)
     loads_E = loads_SE.sum(0)

@@ -201,12 +201,20 @@ def plan_expert_parallel(
         replicas_WR = torch.empty(n_ranks, 0, dtype=torch.int64, device=device)
     inst_WI = instance_experts(replicas_WR, n_exp)
     n_inst = inst_WI.shape[1]
-    valid_WI = inst_WI >= 0
-    safe_WI = inst_WI.clamp(min=0)
-    rank_WI = torch.arange(n_ranks, device=device).unsqueeze(1).expand_as(safe_WI)
 
-    routes_SEW = route_to_replicas(loads_WE, balanced_capacity(loads_WE.sum(0), inst_WI))
-    assign_SWI = routes_SEW[:, safe_WI, rank_WI] * valid_WI
+    if max_replicas == 0:
+        # Owners only: every pair runs on its expert's owner, which is what route_to_replicas gives with one
+        # instance per expert of capacity = its load (tests/nn/test_expert_parallel.py checks the two agree), and
+        # instance (w, i) is expert w * L + i. A few ops instead of the transport's ~60, every step.
+        owner_E = torch.arange(n_exp, device=device) // n_inst
+        routes_SEW = loads_WE.unsqueeze(2) * (owner_E.unsqueeze(1) == torch.arange(n_ranks, device=device))
+        assign_SWI = loads_WE.view(n_ranks, n_ranks, n_inst).clone()
+    else:
+        valid_WI = inst_WI >= 0
+        safe_WI = inst_WI.clamp(min=0)
+        rank_WI = torch.arange(n_ranks, device=device).unsqueeze(1).expand_as(safe_WI)
+        routes_SEW = route_to_replicas(loads_WE, balanced_capacity(loads_WE.sum(0), inst_WI))
+        assign_SWI = routes_SEW[:, safe_WI, rank_WI] * valid_WI
     loads_SG = assign_SWI.reshape(n_ranks, -1)
     if capacity_factor is None:
         capacity_W = None
@@ -217,8 +225,11 @@ def plan_expert_parallel(
         quotas_SG = plan_quotas(loads_SG, retain, min_retain=min_retain, policy=policy, capacity=capacity_W,
                                 placement=placement_G)
     quotas_SWI = quotas_SG.view(n_ranks, n_ranks, n_inst)
-    quotas_SE = torch.zeros_like(loads_WE).index_add_(1, safe_WI.reshape(-1), (quotas_SWI * valid_WI).reshape(
-        n_ranks, -1))
+    if max_replicas == 0:  # instances are the experts, in order
+        quotas_SE = quotas_SG.clone()
+    else:
+        quotas_SE = torch.zeros_like(loads_WE).index_add_(1, safe_WI.reshape(-1), (quotas_SWI * valid_WI).reshape(
+            n_ranks, -1))
     return ExpertParallelPlan(loads=loads_WE, instances=inst_WI, routes=routes_SEW, assignment=assign_SWI,
                               instance_quotas=quotas_SWI, quotas=quotas_SE, capacity=capacity_W)
 

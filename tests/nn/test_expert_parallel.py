@@ -312,3 +312,29 @@ def test_source_grouped_plan_shapes_and_retain_one():
     (layer(xd) * c).sum().backward()
     for g, w in zip([xd.grad] + [p.grad for p in layer.parameters()], want):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("world, n_exp, seed", [(2, 8, 0), (4, 16, 1), (3, 6, 2), (1, 4, 3)])
+def test_owner_only_plan_equals_the_transport(world, n_exp, seed):
+    """Without replicas the plan routes every pair to its expert's owner directly; that must be exactly what the
+    transport (route_to_replicas under balanced_capacity, the path with replicas) gives for owners only, and the
+    quotas at retain 1 without capacity must be the loads (no planning)."""
+    from lrmoe.functional import balanced_capacity, instance_experts, route_to_replicas
+    from lrmoe.nn.expert_parallel import plan_expert_parallel
+
+    gen = torch.Generator().manual_seed(seed)
+    loads_WE = torch.randint(0, 9, (world, n_exp), generator=gen)
+    loads_WE[0, 0] = 0  # empty blocks and experts too
+    loads_WE[:, -1] = 0
+    inst_WI = instance_experts(torch.empty(world, 0, dtype=torch.int64), n_exp)
+    routes = route_to_replicas(loads_WE, balanced_capacity(loads_WE.sum(0), inst_WI))
+    for retain, capacity_factor in ((1.0, None), (0.5, None), (0.75, 1.25)):
+        plan = plan_expert_parallel(loads_WE, retain, capacity_factor=capacity_factor)
+        assert torch.equal(plan.instances, inst_WI)
+        assert torch.equal(plan.routes, routes)
+        assert torch.equal(plan.assignment, loads_WE.view(world, world, -1))  # block (s, w, i): loads[s, w * L + i]
+        assert torch.equal(plan.quotas, plan.instance_quotas.reshape(world, n_exp))
+        if retain == 1.0:
+            assert torch.equal(plan.quotas, loads_WE)
+        else:
+            assert int(plan.quotas.sum()) <= int(retain * int(loads_WE.sum()))
