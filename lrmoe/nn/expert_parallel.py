@@ -674,8 +674,8 @@ class ExpertParallel(ParallelStyle):
             rank whose min_retain floors exceed it keeps a waterfilled share of them (``plan_quotas``).
         placement_policy: ``(loads_WE, max_replicas) -> replicas_WR`` (see lrmoe.functional.replicas); must be
             deterministic. Default :func:`~lrmoe.functional.place_hot_replicas`.
-        plan_on: where the per-step plan (``plan_expert_parallel`` on the [W, E] load matrix: a few hundred tiny
-            integer ops, more with replicas and a capacity) runs. "device" (default): on the layer's device, then
+        plan_on: where the per-step plan (``plan_expert_parallel`` on the [W, E] load matrix: ~20 tiny integer
+            ops for the dense backward without replicas, a few hundred with a capacity or replicas) runs. "device" (default): on the layer's device, then
             one host read of the split sizes. "host": one device-to-host copy of the load matrix (the step's one
             host synchronisation, earlier), the plan on CPU tensors, one host-to-device copy of the plan. On a GPU
             "host" trades each op's kernel launch for a CPU op; which is faster is measured in
