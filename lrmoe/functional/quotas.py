@@ -76,11 +76,16 @@ def plan_quotas(
     loads_SE = loads_SE.long().reshape(-1, n_groups)
     loads_E = loads_SE.sum(0)
     budget = (loads_E.sum().double() * retain).floor().long()
-    # ceil(min_retain * load), with a small slack so that 0.3 * 10 = 3.0000000000000004 stays 3.
-    floors_E = torch.minimum((loads_E.double() * min_retain - 1e-6).ceil().clamp(min=0).long(), loads_E)
+    # ceil(min_retain * load), with a small slack so that 0.3 * 10 = 3.0000000000000004 stays 3 (zeros, with no
+    # arithmetic, at min_retain 0).
+    if min_retain > 0:
+        floors_E = torch.minimum((loads_E.double() * min_retain - 1e-6).ceil().clamp(min=0).long(), loads_E)
+    else:
+        floors_E = torch.zeros_like(loads_E)
 
     if capacity is not None:
-        quotas_E = _plan_with_capacity(loads_E, floors_E, budget, capacity.long(), placement.long(), policy)
+        quotas_E = _plan_with_capacity(loads_E, floors_E, budget, capacity.long(), placement.long(), policy,
+                                       floors=min_retain > 0)
     elif policy == "waterfill":
         quotas_E = _waterfill(loads_E, floors_E, budget)
     else:
@@ -94,13 +99,15 @@ def plan_quotas(
     return apportion(quotas_E, loads_SE)
 
 
-def _plan_with_capacity(loads_G, floors_G, budget, capacity_W, rank_G, policy):
+def _plan_with_capacity(loads_G, floors_G, budget, capacity_W, rank_G, policy, floors=True):
     """Quotas per group under per-rank capacities (plan_quotas' docstring): floors shrunk to fit, per-rank bounds,
-    then the budget under those bounds."""
+    then the budget under those bounds. ``floors=False``: min_retain is 0, so the floors are all zero and stay
+    zero (no waterfill of them: it would return zeros)."""
     n_ranks = capacity_W.shape[0]
     cap_W = capacity_W.clamp(min=0)
-    # Capacity wins over min_retain: a rank whose floors exceed it keeps a waterfilled share of them.
-    floors_G = _waterfill(floors_G, torch.zeros_like(floors_G), cap_W, rank_G)
+    if floors:
+        # Capacity wins over min_retain: a rank whose floors exceed it keeps a waterfilled share of them.
+        floors_G = _waterfill(floors_G, torch.zeros_like(floors_G), cap_W, rank_G)
     rest_G = loads_G - floors_G
     over_W = _per_rank(loads_G, rank_G, n_ranks) > cap_W
     if policy == "waterfill":

@@ -450,3 +450,16 @@ def test_capacity_by_hand():
 def test_capacity_errors_name_the_argument(kwargs, exc, name):
     with pytest.raises(exc, match=name):
         plan_quotas(_LOADS, 0.5, **kwargs)
+
+
+@given(capacity_cases())
+def test_zero_min_retain_shortcut_equals_the_general_path(case):
+    """At min_retain 0 the floors are zeros without arithmetic and the capacity plan skips their waterfill; a tiny
+    positive min_retain (whose floors are also all zero) goes through the general path: the quotas must agree.
+    (Retain 1 without capacity returns the loads without planning: test_retain_one_keeps_everything.)"""
+    loads, retain, _, policy, capacity, placement = case
+    kw = dict(policy=policy, capacity=capacity, placement=placement)
+    got = plan_quotas(loads, retain, min_retain=0.0, **kw)
+    assert torch.equal(got, plan_quotas(loads, retain, min_retain=1e-12, **kw))
+    assert torch.equal(plan_quotas(loads, retain, **{**kw, "capacity": None, "placement": None}),
+                       plan_quotas(loads, retain, min_retain=1e-12, policy=policy))
