@@ -675,7 +675,7 @@ class ExpertParallel(ParallelStyle):
         placement_policy: ``(loads_WE, max_replicas) -> replicas_WR`` (see lrmoe.functional.replicas); must be
             deterministic. Default :func:`~lrmoe.functional.place_hot_replicas`.
         plan_on: where the per-step plan (``plan_expert_parallel`` on the [W, E] load matrix: ~20 tiny integer
-            ops for the dense backward without replicas, a few hundred with a capacity or replicas) runs.
+            ops for the dense backward without replicas, ~170-480 with a capacity or replicas at W = 2) runs.
             "device" (default): on the layer's device, then one host read of the split sizes. "host": one
             device-to-host copy of the load matrix (the step's one host synchronisation, earlier), the plan on CPU
             tensors, one host-to-device copy of the plan. On a GPU "host" trades each op's kernel launch for a CPU
