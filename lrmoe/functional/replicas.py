@@ -99,26 +99,28 @@ def place_hot_replicas(loads_WE: torch.Tensor, max_replicas: int) -> torch.Tenso
     replicas_WR = torch.full((n_ranks, max_replicas), -1, dtype=torch.int64, device=device)
     # A fill, not torch.tensor(inf, device=...): that is a copy from host memory, which on CUDA waits for the stream.
     inf = torch.full((), float("inf"), dtype=torch.float64, device=device)
-    # A static number of small steps (W * R), so the loop unrolls into a compiled graph.
+    ninf, none_open = -inf, torch.full((), -1.0, dtype=torch.float64, device=device)  # made once, not per step
+    # A static number of small steps (W * R), so the loop unrolls into a compiled graph. Each step's masks are made
+    # once and reused (every op is a kernel launch when the plan runs on a GPU).
     for _ in range(n_ranks * max_replicas):
         share_E = load_E / n_inst_E
         rank_load_W = (hosts_EW * share_E.unsqueeze(1)).sum(0)
         open_EW = ~hosts_EW & (free_W > 0).unsqueeze(0)
         # 0-d indices are taken with index_select, not indexing: indexing with a tensor is data-dependent for the
         # compiler, index_select is an ordinary op.
-        hot = torch.where(open_EW.any(1), share_E, -1.0).argmax().reshape(1)
+        hot = torch.where(open_EW.any(1), share_E, none_open).argmax().reshape(1)
         open_W = open_EW.index_select(0, hot).squeeze(0)
         target = torch.where(open_W, rank_load_W, inf).argmin().reshape(1)
-        busiest = torch.where(hosts_EW.index_select(0, hot).squeeze(0), rank_load_W, -inf).max()
+        busiest = torch.where(hosts_EW.index_select(0, hot).squeeze(0), rank_load_W, ninf).max()
         new_load = rank_load_W.index_select(0, target) + load_E.index_select(0, hot) / (n_inst_E.index_select(0, hot) + 1)
         helps = (open_W.index_select(0, target) & (new_load < busiest)).squeeze(0)
-        at_EW = (expert_E == hot).unsqueeze(1) & (rank_W == target).unsqueeze(0) & helps
-        hosts_EW = hosts_EW | at_EW
-        n_inst_E = n_inst_E + at_EW.any(1).double()
+        placed_E = (expert_E == hot) & helps  # the expert that gets an instance (none when it would not help)
+        placed_W = (rank_W == target) & helps  # and the rank
+        hosts_EW = hosts_EW | (placed_E.unsqueeze(1) & placed_W.unsqueeze(0))
+        n_inst_E = n_inst_E + placed_E.double()
         slot = max_replicas - free_W.index_select(0, target)
-        at_WR = (rank_W == target).unsqueeze(1) & (slot_R == slot).unsqueeze(0) & helps
-        replicas_WR = torch.where(at_WR, hot, replicas_WR)
-        free_W = free_W - ((rank_W == target) & helps).long()
+        replicas_WR = torch.where(placed_W.unsqueeze(1) & (slot_R == slot).unsqueeze(0), hot, replicas_WR)
+        free_W = free_W - placed_W.long()
     return replicas_WR
 
 
