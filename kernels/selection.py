@@ -6,14 +6,13 @@ Both modes select in the group order: pairs by group ascending, pair id within (
 which a caller such as the MoE layer already has from its forward dispatch and passes in; otherwise one int32 sort).
 Per mode (DESIGN.md section 4, item 3):
 
-"top" (one launch given the group order): ``_top_kernel``, one program per group, each first planning all groups
-(the searches of ``_plan_block``: per group, start and size by a 16-ary search over the group ids read through the
-group order, take = min(max(quota, 0), size), the cumulative ends; program 0 writes the counts/offsets clipped to
-R), then over its members in the group order: the take-th largest score key as a threshold by radix select (four
-256-bin histograms, 8 bits at a time from the top, no sort by score), then one pass that keeps every key above it
-and, of the keys equal to it, the lowest pair ids, and writes them in pair-id order. A group of up to 2,048
-members is loaded once; a larger one is read once per pass (5 passes). Further programs fill the rows after the
-last kept pair with padding (-1, 0).
+"top" (two launches given the group order): ``_plan_kernel`` (one program: per group, start and size by a 16-ary
+search over the group ids read through the group order, take = min(max(quota, 0), size), the cumulative ends, and
+the counts/offsets clipped to R), then ``_top_kernel``, one program per group over its members in the group order:
+the take-th largest score key as a threshold by radix select (four 256-bin histograms, 8 bits at a time from the
+top, no sort by score), then one pass that keeps every key above it and, of the keys equal to it, the lowest pair
+ids, and writes them in pair-id order. A group of up to 2,048 members is loaded once; a larger one is read once per
+pass (5 passes). Further programs fill the rows after the last kept pair with padding (-1, 0).
 
 "sample" (given the group order and a bound <= SORT_MAX on the group sizes, step 1 is instead ``_plan_kernel``
 on the group order, then ``_group_sort_kernel``: each group sorted by (score descending, pair id) in one
@@ -30,6 +29,12 @@ program's registers, the same order without a global sort):
 3. ``_compact_kernel`` (grid over P, group order): the group's cumulative inclusion probabilities from the running
    sum over all groups (torch.cumsum, as the reference takes it), then slot and keep test (systematic sampling),
    with the reference's fp64 arithmetic so the result is bit-identical.
+
+Helpers (@triton.jit functions called by the kernels) take loaded values, never a tensor's pointer whose loads
+decide where a kernel stores: under torch.compile the kernels are traced through torch.library.wrap_triton, and
+Inductor finds the tensors a kernel writes by walking back from each store's address through the kernel's TTIR,
+in which a helper call stands for all of its arguments; a pointer passed to a helper on that path would count as
+written, and the compiled graph would copy that input and write it back (tests/ops/kernel_writes.py).
 
 Score keys: NaN counts as +inf (as in the reference), -0.0 as +0.0 (equal floats must tie, to go to the lower pair
 id), then the usual monotone map of the fp32 bit pattern to a signed int (flip the magnitude bits of negatives),
@@ -51,8 +56,8 @@ __all__ = [
 ]
 
 BLOCK = 1024  # elements per program of the elementwise kernels: memory-bound, 4 warps, 8 elements a thread
-# Groups per step of the plan (it loops over larger G); small under the interpreter, where every "top" program
-# plans all groups at Python speed, so that the tests' few groups take several steps.
+# Groups per step of the plan (it loops over larger G); small under the interpreter, so that the tests' few groups
+# take several steps.
 BLOCK_G = 16 if os.environ.get("TRITON_INTERPRET", "0") == "1" else 256
 SORT_MAX = 8192  # largest group one program sorts in registers ("sample" given a bound on the group sizes)
 # Members per step of a "top" program (a group up to this size is counted in registers). Small under the
@@ -102,11 +107,10 @@ def _lower_bound(gids_ptr, order_ptr, n, target, n_steps, PROBES: tl.constexpr):
 
 
 @triton.jit
-def _plan_block(gids_ptr, order_ptr, quotas_ptr, g0, carry, P, G, n_steps, BLOCK_G: tl.constexpr,
-                PROBES: tl.constexpr):
-    """Groups g0 .. g0 + BLOCK_G - 1: (group ids, in range, start, size, take, base), given ``carry`` = the takes of
-    all earlier groups. Start and end of every group by searches over the group ids read through the order."""
-    g = g0 + tl.arange(0, BLOCK_G)
+def _plan_block(gids_ptr, order_ptr, quotas_ptr, g, carry, P, G, n_steps, PROBES: tl.constexpr):
+    """Groups g (a block of group ids, made by the caller: the stores' addresses must not come out of this call,
+    see the module docstring): (in range, start, size, take, base), given ``carry`` = the takes of all earlier
+    groups. Start and end of every group by searches over the group ids read through the order."""
     in_g = g < G
     g64 = g.to(tl.int64)
     start = _lower_bound(gids_ptr, order_ptr, P, g64, n_steps, PROBES)
@@ -114,7 +118,7 @@ def _plan_block(gids_ptr, order_ptr, quotas_ptr, g0, carry, P, G, n_steps, BLOCK
     quota = tl.load(quotas_ptr + g, mask=in_g, other=0).to(tl.int64)
     take = tl.where(in_g, tl.minimum(tl.maximum(quota, 0), size), 0)
     base = tl.cumsum(take, 0) - take + carry
-    return g, in_g, start, size, take, base
+    return in_g, start, size, take, base
 
 
 @triton.jit
@@ -125,8 +129,8 @@ def _plan_kernel(
     # One program: G is small (experts or instances) and every group's end needs the takes of all before it.
     carry = tl.zeros((), tl.int64)
     for g0 in range(0, G, BLOCK_G):
-        g, in_g, start, size, take, base = _plan_block(gids_ptr, order_ptr, quotas_ptr, g0, carry, P, G, n_steps,
-                                                       BLOCK_G, PROBES)
+        g = g0 + tl.arange(0, BLOCK_G)
+        in_g, start, size, take, base = _plan_block(gids_ptr, order_ptr, quotas_ptr, g, carry, P, G, n_steps, PROBES)
         offsets = tl.minimum(base + take, R)
         tl.store(starts_ptr + g, start, mask=in_g)
         tl.store(sizes_ptr + g, size, mask=in_g)
@@ -172,10 +176,10 @@ def _compact_kernel(
 
 
 @triton.jit
-def _score_key(scores_ptr, pair, ok):
-    """Unsigned order key in [0, 2^32) of the pairs' fp32 scores: NaN as +inf, -0.0 as +0.0 (equal scores tie),
-    larger score, larger key."""
-    s = tl.load(scores_ptr + pair, mask=ok, other=0.0).to(tl.float32)
+def _score_key(score):
+    """Unsigned order key in [0, 2^32) of fp32 scores: NaN as +inf, -0.0 as +0.0 (equal scores tie), larger score,
+    larger key."""
+    s = score.to(tl.float32)
     s = tl.where(s != s, float("inf"), s)
     s = tl.where(s == 0.0, 0.0, s)
     bits = s.to(tl.int32, bitcast=True)
@@ -217,45 +221,28 @@ def _write_kept(pair, key, ok, thresh, ties_kept, ties_before, kept_before, base
 
 @triton.jit
 def _top_kernel(
-    scores_ptr, gids_ptr, order_ptr, quotas_ptr, counts_ptr, offsets_ptr, pair_ids_ptr, weights_ptr, P, G, R,
-    n_steps, starts_ptr, sizes_ptr, takes_ptr, bases_ptr, PLANNED: tl.constexpr, BLOCK_G: tl.constexpr,
-    PROBES: tl.constexpr, BLOCK: tl.constexpr, FILL_BLOCK: tl.constexpr,
+    scores_ptr, order_ptr, starts_ptr, sizes_ptr, takes_ptr, bases_ptr, pair_ids_ptr, weights_ptr, G, R,
+    BLOCK: tl.constexpr, FILL_BLOCK: tl.constexpr,
 ):
-    # The whole of mode "top" in one launch. Every program first plans all groups (the searches are tiny and
-    # L2-resident, so doing them in every program costs what one plan kernel costs, and saves its launch); program 0
-    # writes the counts and offsets. With PLANNED (more groups than BLOCK_G: planning all of them in every program would
-    # cost G^2) the plan comes from _plan_kernel's arrays instead. Programs 0..G-1 then take one group each, over its
-    # members in pair-id order (the group order): the take-th largest score key T by radix select, 8 bits at a time from
-    # the top (4 histograms of the keys that share the digits found so far); what is left of the count at the last digit
-    # is how many keys == T to keep, the lowest pair ids. Then one pass keeps every key > T and those ties, writing them
-    # in pair-id order at the group's base. A group of at most BLOCK members is loaded once and counted in registers; a
-    # larger one is re-read per pass. Programs G.. fill the rows after the last group's kept pairs with padding (-1, 0).
+    # Mode "top" after _plan_kernel. Programs 0..G-1 take one group each, over its members in pair-id order (the
+    # group order): the take-th largest score key T by radix select, 8 bits at a time from the top (4 histograms of
+    # the keys that share the digits found so far); what is left of the count at the last digit is how many keys == T
+    # to keep, the lowest pair ids. Then one pass keeps every key > T and those ties, writing them in pair-id order at
+    # the group's base. A group of at most BLOCK members is loaded once and counted in registers; a larger one is
+    # re-read per pass. Programs G.. fill the rows after the last group's kept pairs with padding (-1, 0).
+    # (Planning inside this kernel would save a launch, but the rows' addresses would then come out of the search
+    # helpers, which torch.compile would read as writes to the group ids, order and quotas: module docstring.)
     pid = tl.program_id(0)
-    carry = tl.zeros((), tl.int64)
+    carry = tl.load(bases_ptr + G - 1) + tl.load(takes_ptr + G - 1)
     start = tl.zeros((), tl.int64)
     size = tl.zeros((), tl.int64)
     take = tl.zeros((), tl.int64)
     base = tl.zeros((), tl.int64)
-    if PLANNED:
-        carry += tl.load(bases_ptr + G - 1) + tl.load(takes_ptr + G - 1)
-        if pid < G:
-            start += tl.load(starts_ptr + pid)
-            size += tl.load(sizes_ptr + pid)
-            take += tl.load(takes_ptr + pid)
-            base += tl.load(bases_ptr + pid)
-    else:  # G <= BLOCK_G: one step of the plan
-        g, in_g, starts, sizes, takes, bases = _plan_block(gids_ptr, order_ptr, quotas_ptr, 0, carry, P, G, n_steps,
-                                                           BLOCK_G, PROBES)
-        offsets = tl.minimum(bases + takes, R)
-        write = in_g & (pid == 0)
-        tl.store(counts_ptr + g, (offsets - tl.minimum(bases, R)).to(tl.int32), mask=write)
-        tl.store(offsets_ptr + g, offsets.to(tl.int32), mask=write)
-        mine = g == pid
-        start += tl.sum(tl.where(mine, starts, 0), 0)
-        size += tl.sum(tl.where(mine, sizes, 0), 0)
-        take += tl.sum(tl.where(mine, takes, 0), 0)
-        base += tl.sum(tl.where(mine, bases, 0), 0)
-        carry += tl.sum(takes, 0)
+    if pid < G:
+        start += tl.load(starts_ptr + pid)
+        size += tl.load(sizes_ptr + pid)
+        take += tl.load(takes_ptr + pid)
+        base += tl.load(bases_ptr + pid)
     g = pid
     if g >= G:
         i = (g - G).to(tl.int64) * FILL_BLOCK + tl.arange(0, FILL_BLOCK)
@@ -271,7 +258,7 @@ def _top_kernel(
             if size <= BLOCK:
                 ok = offs < size
                 pair = tl.load(order_ptr + start + offs, mask=ok, other=0)
-                key = _score_key(scores_ptr, pair, ok)
+                key = _score_key(tl.load(scores_ptr + pair, mask=ok, other=0.0))
                 for i in range(4):  # digits from the top; an ascending loop (no negative step in compiled Triton)
                     shift = 24 - 8 * i
                     hist = _digit_histogram(key, ok & ((key >> (shift + 8)) == thresh), shift)
@@ -284,7 +271,7 @@ def _top_kernel(
                     for j0 in range(0, size, BLOCK):
                         ok = j0 + offs < size
                         pair = tl.load(order_ptr + start + j0 + offs, mask=ok, other=0)
-                        key = _score_key(scores_ptr, pair, ok)
+                        key = _score_key(tl.load(scores_ptr + pair, mask=ok, other=0.0))
                         hist += _digit_histogram(key, ok & ((key >> (shift + 8)) == thresh), shift)
                     need, thresh = _radix_step(hist, need, thresh)
                 ties_before = zero
@@ -292,7 +279,7 @@ def _top_kernel(
                 for j0 in range(0, size, BLOCK):
                     ok = j0 + offs < size
                     pair = tl.load(order_ptr + start + j0 + offs, mask=ok, other=0)
-                    key = _score_key(scores_ptr, pair, ok)
+                    key = _score_key(tl.load(scores_ptr + pair, mask=ok, other=0.0))
                     ties_before, kept_before = _write_kept(pair, key, ok, thresh, need, ties_before, kept_before,
                                                            base, pair_ids_ptr, weights_ptr, R, BLOCK)
 
@@ -319,7 +306,7 @@ def _group_sort_kernel(
         pair = tl.load(order_ptr + start + j, mask=ok, other=0)
         # Score descending, shifted into [-2^31, 2^31) so that << 32 keeps the order in signed int64; then the
         # position in the group order (pair id ascending). Lanes past the group sort last.
-        desc = 2147483647 - _score_key(scores_ptr, pair, ok)
+        desc = 2147483647 - _score_key(tl.load(scores_ptr + pair, mask=ok, other=0.0))
         key = tl.where(ok, (desc << 32) | j.to(tl.int64), 9223372036854775807)
         key = tl.sort(key, 0)
         pos = key & 4294967295
@@ -328,14 +315,10 @@ def _group_sort_kernel(
 
 
 @triton.jit
-def _group_block(w_ptr, order_ptr, start, size, j0, offs):
-    """One block of a group in score order: (position j, in group, pair id, weight is +inf, finite weight)."""
-    j = j0 + offs
-    ok = j < size
-    pair = tl.load(order_ptr + start + j, mask=ok, other=0)
-    w = tl.load(w_ptr + pair, mask=ok, other=0.0)
+def _split_inf(w):
+    """(weight is +inf, finite weight: +inf as 0)."""
     is_inf = w == float("inf")
-    return j, ok, pair, is_inf, tl.where(is_inf, 0.0, w)
+    return is_inf, tl.where(is_inf, 0.0, w)
 
 
 @triton.jit
@@ -353,7 +336,10 @@ def _sample_probabilities_kernel(
     # Finite weights (+inf -> 0) into the scan buffer; count the infinite ones (they come first).
     n_inf = tl.sum(tl.zeros((BLOCK,), tl.int64), 0)
     for j0 in range(0, size, BLOCK):
-        j, ok, pair, is_inf, wf = _group_block(w_ptr, order_ptr, start, size, j0, offs)
+        j = j0 + offs  # one block of the group in score order (positions j, pair ids)
+        ok = j < size
+        pair = tl.load(order_ptr + start + j, mask=ok, other=0)
+        is_inf, wf = _split_inf(tl.load(w_ptr + pair, mask=ok, other=0.0))
         n_inf += tl.sum((ok & is_inf).to(tl.int64), 0)
         tl.store(tail_a_ptr + start + j, wf, mask=ok)
 
@@ -383,7 +369,10 @@ def _sample_probabilities_kernel(
     room = q < size - n_inf
     m = tl.sum(tl.zeros((BLOCK,), tl.int64), 0)
     for j0 in range(0, size, BLOCK):
-        j, ok, pair, is_inf, wf = _group_block(w_ptr, order_ptr, start, size, j0, offs)
+        j = j0 + offs  # one block of the group in score order (positions j, pair ids)
+        ok = j < size
+        pair = tl.load(order_ptr + start + j, mask=ok, other=0)
+        is_inf, wf = _split_inf(tl.load(w_ptr + pair, mask=ok, other=0.0))
         tail = tl.load(src + start + j, mask=ok, other=0.0)
         rf = j - n_inf
         fits = room & ((q - rf).to(tl.float64) * wf <= tail)
@@ -394,7 +383,10 @@ def _sample_probabilities_kernel(
     scale = left / tl.maximum(tail_m, 2.2250738585072014e-308)  # float64 tiny
     uniform = left / tl.maximum(size - n_inf - m, 1).to(tl.float64)
     for j0 in range(0, size, BLOCK):
-        j, ok, pair, is_inf, wf = _group_block(w_ptr, order_ptr, start, size, j0, offs)
+        j = j0 + offs  # one block of the group in score order (positions j, pair ids)
+        ok = j < size
+        pair = tl.load(order_ptr + start + j, mask=ok, other=0)
+        is_inf, wf = _split_inf(tl.load(w_ptr + pair, mask=ok, other=0.0))
         rf = j - n_inf
         free = tl.where(tail_m > 0, tl.minimum(scale * wf, 1.0), uniform)
         p = tl.where(is_inf, (j < take).to(tl.float64), tl.where(rf < m, 1.0, free))
@@ -487,28 +479,21 @@ def select_top(
     scores_P: torch.Tensor, group_ids_P: torch.Tensor, order_P: torch.Tensor, quotas_G: torch.Tensor, max_rows: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Mode "top" from the group order (group ascending, pair id within): (pair_ids [R], weights [R], counts [G],
-    offsets [G]), every group's kept pairs in pair-id order and padding after them, in one launch (one program per
-    group and programs filling the padding, each planning all groups first) when G fits one plan step (BLOCK_G),
-    else the plan kernel and then that kernel reading its plan."""
+    offsets [G]), every group's kept pairs in pair-id order and padding after them: the plan kernel, then one
+    program per group and programs filling the padding."""
     device = order_P.device
-    G, P = quotas_G.shape[0], order_P.shape[0]
+    G = quotas_G.shape[0]
     pair_ids_R = torch.empty(max_rows, dtype=torch.int64, device=device)
     weights_R = torch.empty(max_rows, dtype=torch.float32, device=device)
-    counts_G = torch.empty(G, dtype=torch.int32, device=device)
-    offsets_G = torch.empty(G, dtype=torch.int32, device=device)
     if G == 0:
-        return pair_ids_R.fill_(-1), weights_R.zero_(), counts_G, offsets_G
-    planned = G > BLOCK_G  # more groups than one step: plan once, in its own launch
-    plan = plan_groups(group_ids_P, order_P, quotas_G, max_rows) if planned else None
-    if planned:
-        counts_G, offsets_G = plan["counts"], plan["offsets"]
-    stats = [plan[k] for k in ("starts", "sizes", "takes", "bases")] if planned else [counts_G] * 4  # unread
+        empty_G = torch.empty(0, dtype=torch.int32, device=device)
+        return pair_ids_R.fill_(-1), weights_R.zero_(), empty_G, empty_G.clone()
+    plan = plan_groups(group_ids_P, order_P, quotas_G, max_rows)
     launch(_top_kernel, (G + triton.cdiv(max_rows, BLOCK),))(
-        scores_P, group_ids_P, order_P, quotas_G, counts_G, offsets_G, pair_ids_R, weights_R, P, G, max_rows,
-        _search_steps(P), *stats, PLANNED=planned, BLOCK_G=min(BLOCK_G, triton.next_power_of_2(G)), PROBES=16,
-        BLOCK=TOP_BLOCK, FILL_BLOCK=BLOCK, num_warps=8,
+        scores_P, order_P, plan["starts"], plan["sizes"], plan["takes"], plan["bases"], pair_ids_R, weights_R, G,
+        max_rows, BLOCK=TOP_BLOCK, FILL_BLOCK=BLOCK, num_warps=8,
     )
-    return pair_ids_R, weights_R, counts_G, offsets_G
+    return pair_ids_R, weights_R, plan["counts"], plan["offsets"]
 
 
 def compact(

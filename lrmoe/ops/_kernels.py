@@ -51,6 +51,11 @@ def kernel_module(name: str) -> ModuleType | None:
     return importlib.import_module(f"{_PACKAGE}.{name}")
 
 
+# Ops inlined under compile: qualified name -> (CUDA kernel, when); tests/ops/test_inline_compiled.py checks what
+# their Triton kernels declare they write (see tests/ops/kernel_writes.py).
+INLINED: dict[str, tuple[Callable[..., Any], Callable[..., bool] | None]] = {}
+
+
 def inline_when_compiled(op, cuda_kernel: Callable[..., Any], when: Callable[..., bool] | None = None) -> None:
     """Let torch.compile see through CUDA calls of ``op``: its compiled graph then holds the Triton kernels (and
     PyTorch ops) of ``cuda_kernel`` instead of one opaque op call, and Inductor launches them with its own
@@ -79,6 +84,7 @@ def inline_when_compiled(op, cuda_kernel: Callable[..., Any], when: Callable[...
         return mode.__torch_dispatch__(func, types, args, kwargs)
 
     op.register_torch_dispatch(FunctionalTensorMode, decompose)
+    INLINED[op._qualname] = (cuda_kernel, when)
 
 
 def _export_keeps_ops() -> bool:

@@ -3,6 +3,12 @@ inline_when_compiled) and give what the eager op gives; CPU calls stay one opaqu
 
 from __future__ import annotations
 
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 from torch._inductor.utils import run_and_get_code
@@ -89,3 +95,35 @@ def test_cuda_backward_formulas_are_inlined_too():
     assert "_gather_dot_rows_kernel" in "\n".join(code)  # the weights' gradient, from the backward formula
     for a, b in zip(loss, want):
         torch.testing.assert_close(a, b, rtol=1e-2, atol=1e-2)
+
+
+# What each inlined kernel stores to, read off the kernels' code: the launchers' output and scratch buffers.
+KERNEL_WRITES = {
+    "_gather_sum_rows_kernel": ["out_ptr"],
+    "_gather_dot_rows_kernel": ["out_ptr"],
+    "_score_pairs_kernel": ["out_ptr"],
+    "_plan_kernel": ["starts_ptr", "sizes_ptr", "takes_ptr", "bases_ptr", "counts_ptr", "offsets_ptr"],
+    "_top_kernel": ["pair_ids_ptr", "weights_ptr"],
+    "_group_keys_kernel": ["keys_ptr", "pair_ids_ptr", "weights_ptr"],
+    "_group_sort_kernel": ["by_score_ptr", "pair_ids_ptr", "weights_ptr"],
+    "_sample_probabilities_kernel": ["tail_a_ptr", "tail_b_ptr", "p_ptr"],
+    "_compact_kernel": ["pair_ids_ptr", "weights_ptr"],
+    "_zero_tail_kernel": ["y_ptr"],
+}
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton")
+def test_compile_sees_each_kernel_write_exactly_its_outputs():
+    # torch.compile's view of what each inlined kernel writes (tests/ops/kernel_writes.py says how and why): a
+    # kernel's input counted as written is copied and written back by the compiled graph, which went wrong on the
+    # H200 for an input that was a view (the expert-parallel quotas with the plan on the host).
+    script = os.path.join(os.path.dirname(__file__), "kernel_writes.py")
+    run = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-4000:]
+    found = json.loads(run.stdout)
+    assert set(found["inlined"]) == {case[1]._qualname for case in _cases("cpu", torch.float32)}  # all covered
+    launched = set()
+    for launch in found["cases"]:
+        assert launch["writes"] == KERNEL_WRITES[launch["kernel"]], launch
+        launched.add(launch["kernel"])
+    assert launched == set(KERNEL_WRITES)
