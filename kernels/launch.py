@@ -32,6 +32,11 @@ def traced() -> Iterator[None]:
         _state.traced = before
 
 
+def tracing() -> bool:
+    """Whether launches are being recorded for torch.compile (inside ``traced()``) rather than run."""
+    return getattr(_state, "traced", False)
+
+
 def known_empty(*sizes: Any) -> bool:
     """Whether one of ``sizes`` is certainly 0, for a launcher's early return. Traced under torch.compile, a row
     count received from other ranks (expert parallelism) is an unbacked SymInt, whose value no test may depend on
@@ -44,6 +49,6 @@ def known_empty(*sizes: Any) -> bool:
 
 def launch(kernel: Any, grid: Any) -> Callable[..., Any]:
     """``kernel[grid]``, or its traceable form inside ``traced()``."""
-    if getattr(_state, "traced", False):
+    if tracing():
         return torch.library.wrap_triton(kernel)[grid]
     return kernel[grid]

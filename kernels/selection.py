@@ -6,13 +6,15 @@ Both modes select in the group order: pairs by group ascending, pair id within (
 which a caller such as the MoE layer already has from its forward dispatch and passes in; otherwise one int32 sort).
 Per mode (DESIGN.md section 4, item 3):
 
-"top" (two launches given the group order): ``_plan_kernel`` (one program: per group, start and size by a 16-ary
-search over the group ids read through the group order, take = min(max(quota, 0), size), the cumulative ends, and
-the counts/offsets clipped to R), then ``_top_kernel``, one program per group over its members in the group order:
-the take-th largest score key as a threshold by radix select (four 256-bin histograms, 8 bits at a time from the
-top, no sort by score), then one pass that keeps every key above it and, of the keys equal to it, the lowest pair
-ids, and writes them in pair-id order. A group of up to 2,048 members is loaded once; a larger one is read once per
-pass (5 passes). Further programs fill the rows after the last kept pair with padding (-1, 0).
+"top" (one launch given the group order, when run eagerly): ``_top_kernel``, one program per group, each first
+planning all groups (``_plan_block``: per group, start and size by a 16-ary search over the group ids read through
+the group order, take = min(max(quota, 0), size), the cumulative ends; program 0 writes the counts/offsets clipped
+to R), then over its members in the group order: the take-th largest score key as a threshold by radix select
+(four 256-bin histograms, 8 bits at a time from the top, no sort by score), then one pass that keeps every key
+above it and, of the keys equal to it, the lowest pair ids, and writes them in pair-id order. A group of up to
+2,048 members is loaded once; a larger one is read once per pass (5 passes). Further programs fill the rows after
+the last kept pair with padding (-1, 0). With more groups than one plan step (BLOCK_G), and under torch.compile,
+``_plan_kernel`` plans first, in its own launch, and ``_top_kernel`` reads its arrays (see Helpers below).
 
 "sample" (given the group order and a bound <= SORT_MAX on the group sizes, step 1 is instead ``_plan_kernel``
 on the group order, then ``_group_sort_kernel``: each group sorted by (score descending, pair id) in one
@@ -34,7 +36,9 @@ Helpers (@triton.jit functions called by the kernels) take loaded values, never 
 decide where a kernel stores: under torch.compile the kernels are traced through torch.library.wrap_triton, and
 Inductor finds the tensors a kernel writes by walking back from each store's address through the kernel's TTIR,
 in which a helper call stands for all of its arguments; a pointer passed to a helper on that path would count as
-written, and the compiled graph would copy that input and write it back (tests/ops/kernel_writes.py).
+written, and the compiled graph would copy that input and write it back (tests/ops/kernel_writes.py). The one
+exception is "top"'s in-kernel plan, whose searches must read the group ids and order: traced for torch.compile,
+``select_top`` always takes the PLANNED path, whose TTIR holds no such call (a constexpr branch).
 
 Score keys: NaN counts as +inf (as in the reference), -0.0 as +0.0 (equal floats must tie, to go to the lower pair
 id), then the usual monotone map of the fp32 bit pattern to a signed int (flip the magnitude bits of negatives),
@@ -49,7 +53,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import known_empty, launch
+from .launch import known_empty, launch, tracing
 
 __all__ = [
     "SORT_MAX", "compact", "group_score_order", "plan_groups", "sample_probabilities", "score_order", "select_top",
@@ -221,28 +225,47 @@ def _write_kept(pair, key, ok, thresh, ties_kept, ties_before, kept_before, base
 
 @triton.jit
 def _top_kernel(
-    scores_ptr, order_ptr, starts_ptr, sizes_ptr, takes_ptr, bases_ptr, pair_ids_ptr, weights_ptr, G, R,
-    BLOCK: tl.constexpr, FILL_BLOCK: tl.constexpr,
+    scores_ptr, gids_ptr, order_ptr, quotas_ptr, counts_ptr, offsets_ptr, pair_ids_ptr, weights_ptr, P, G, R,
+    n_steps, starts_ptr, sizes_ptr, takes_ptr, bases_ptr, PLANNED: tl.constexpr, BLOCK_G: tl.constexpr,
+    PROBES: tl.constexpr, BLOCK: tl.constexpr, FILL_BLOCK: tl.constexpr,
 ):
-    # Mode "top" after _plan_kernel. Programs 0..G-1 take one group each, over its members in pair-id order (the
-    # group order): the take-th largest score key T by radix select, 8 bits at a time from the top (4 histograms of
-    # the keys that share the digits found so far); what is left of the count at the last digit is how many keys == T
-    # to keep, the lowest pair ids. Then one pass keeps every key > T and those ties, writing them in pair-id order at
-    # the group's base. A group of at most BLOCK members is loaded once and counted in registers; a larger one is
-    # re-read per pass. Programs G.. fill the rows after the last group's kept pairs with padding (-1, 0).
-    # (Planning inside this kernel would save a launch, but the rows' addresses would then come out of the search
-    # helpers, which torch.compile would read as writes to the group ids, order and quotas: module docstring.)
+    # The whole of mode "top" in one launch. Every program first plans all groups (the searches are tiny and
+    # L2-resident, so doing them in every program costs what one plan kernel costs, and saves its launch); program 0
+    # writes the counts and offsets. With PLANNED (more groups than BLOCK_G: planning all of them in every program
+    # would cost G^2; or traced for torch.compile, module docstring) the plan comes from _plan_kernel's arrays
+    # instead. Programs 0..G-1 then take one group each, over its members in pair-id order (the group order): the
+    # take-th largest score key T by radix select, 8 bits at a time from the top (4 histograms of the keys that share
+    # the digits found so far); what is left of the count at the last digit is how many keys == T to keep, the lowest
+    # pair ids. Then one pass keeps every key > T and those ties, writing them in pair-id order at the group's base.
+    # A group of at most BLOCK members is loaded once and counted in registers; a larger one is re-read per pass.
+    # Programs G.. fill the rows after the last group's kept pairs with padding (-1, 0).
     pid = tl.program_id(0)
-    carry = tl.load(bases_ptr + G - 1) + tl.load(takes_ptr + G - 1)
+    carry = tl.zeros((), tl.int64)
     start = tl.zeros((), tl.int64)
     size = tl.zeros((), tl.int64)
     take = tl.zeros((), tl.int64)
     base = tl.zeros((), tl.int64)
-    if pid < G:
-        start += tl.load(starts_ptr + pid)
-        size += tl.load(sizes_ptr + pid)
-        take += tl.load(takes_ptr + pid)
-        base += tl.load(bases_ptr + pid)
+    if PLANNED:
+        carry += tl.load(bases_ptr + G - 1) + tl.load(takes_ptr + G - 1)
+        if pid < G:
+            start += tl.load(starts_ptr + pid)
+            size += tl.load(sizes_ptr + pid)
+            take += tl.load(takes_ptr + pid)
+            base += tl.load(bases_ptr + pid)
+    else:  # G <= BLOCK_G: one step of the plan
+        g = tl.arange(0, BLOCK_G)
+        in_g, starts, sizes, takes, bases = _plan_block(gids_ptr, order_ptr, quotas_ptr, g, carry, P, G, n_steps,
+                                                        PROBES)
+        offsets = tl.minimum(bases + takes, R)
+        write = in_g & (pid == 0)
+        tl.store(counts_ptr + g, (offsets - tl.minimum(bases, R)).to(tl.int32), mask=write)
+        tl.store(offsets_ptr + g, offsets.to(tl.int32), mask=write)
+        mine = g == pid
+        start += tl.sum(tl.where(mine, starts, 0), 0)
+        size += tl.sum(tl.where(mine, sizes, 0), 0)
+        take += tl.sum(tl.where(mine, takes, 0), 0)
+        base += tl.sum(tl.where(mine, bases, 0), 0)
+        carry += tl.sum(takes, 0)
     g = pid
     if g >= G:
         i = (g - G).to(tl.int64) * FILL_BLOCK + tl.arange(0, FILL_BLOCK)
@@ -479,21 +502,29 @@ def select_top(
     scores_P: torch.Tensor, group_ids_P: torch.Tensor, order_P: torch.Tensor, quotas_G: torch.Tensor, max_rows: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Mode "top" from the group order (group ascending, pair id within): (pair_ids [R], weights [R], counts [G],
-    offsets [G]), every group's kept pairs in pair-id order and padding after them: the plan kernel, then one
-    program per group and programs filling the padding."""
+    offsets [G]), every group's kept pairs in pair-id order and padding after them, in one launch (one program per
+    group and programs filling the padding, each planning all groups first) when G fits one plan step (BLOCK_G),
+    else (and when traced for torch.compile) the plan kernel and then that kernel reading its plan."""
     device = order_P.device
-    G = quotas_G.shape[0]
+    G, P = quotas_G.shape[0], order_P.shape[0]
     pair_ids_R = torch.empty(max_rows, dtype=torch.int64, device=device)
     weights_R = torch.empty(max_rows, dtype=torch.float32, device=device)
+    counts_G = torch.empty(G, dtype=torch.int32, device=device)
+    offsets_G = torch.empty(G, dtype=torch.int32, device=device)
     if G == 0:
-        empty_G = torch.empty(0, dtype=torch.int32, device=device)
-        return pair_ids_R.fill_(-1), weights_R.zero_(), empty_G, empty_G.clone()
-    plan = plan_groups(group_ids_P, order_P, quotas_G, max_rows)
+        return pair_ids_R.fill_(-1), weights_R.zero_(), counts_G, offsets_G
+    # Planned in its own launch: more groups than one step, or traced for torch.compile (module docstring, Helpers).
+    planned = G > BLOCK_G or tracing()
+    plan = plan_groups(group_ids_P, order_P, quotas_G, max_rows) if planned else None
+    if planned:
+        counts_G, offsets_G = plan["counts"], plan["offsets"]
+    stats = [plan[k] for k in ("starts", "sizes", "takes", "bases")] if planned else [counts_G] * 4  # unread
     launch(_top_kernel, (G + triton.cdiv(max_rows, BLOCK),))(
-        scores_P, order_P, plan["starts"], plan["sizes"], plan["takes"], plan["bases"], pair_ids_R, weights_R, G,
-        max_rows, BLOCK=TOP_BLOCK, FILL_BLOCK=BLOCK, num_warps=8,
+        scores_P, group_ids_P, order_P, quotas_G, counts_G, offsets_G, pair_ids_R, weights_R, P, G, max_rows,
+        _search_steps(P), *stats, PLANNED=planned, BLOCK_G=min(BLOCK_G, triton.next_power_of_2(G)), PROBES=16,
+        BLOCK=TOP_BLOCK, FILL_BLOCK=BLOCK, num_warps=8,
     )
-    return pair_ids_R, weights_R, plan["counts"], plan["offsets"]
+    return pair_ids_R, weights_R, counts_G, offsets_G
 
 
 def compact(

@@ -17,9 +17,9 @@ kernels in lrmoe_kernels.selection around torch.sort); without Triton it falls b
 each group's kept pairs in pair-id order.
 
 What runs where on CUDA, per mode (the group order: given, or one int32 sort of the group ids):
-- "top": the per-group plan (one program), then one Triton program per group that finds its take-th largest score
-  by radix select over the bits of its key and writes the pairs above it, and the lowest-id ties, in pair-id
-  order. No sort by score: two launches when the group order is given.
+- "top": the per-group plan, then one Triton program per group that finds its take-th largest score by radix
+  select over the bits of its key and writes the pairs above it, and the lowest-id ties, in pair-id order. No
+  sort by score: one launch when the group order is given (two under torch.compile: lrmoe_kernels.selection).
 - "sample": a sort by (group, score) keys and the per-group plan, the inclusion probabilities in Triton, one
   program per group over its members in score order, the reference's ``probabilities`` op for op in fp64, so
   bit-identical (the systematic sampling depends on the exact fp64 rounding); their running sum in the group
@@ -253,7 +253,7 @@ def select_within_quota_triton(
     quotas_G = quotas_G.contiguous()
     order_P = argsort_ids(gids_P) if group_order_P is None else group_order_P.contiguous()
     if mode == "top":
-        # Per group its take-th largest score as a threshold, in the group order: no sort by score, two launches.
+        # Per group its take-th largest score as a threshold, in the group order: no sort by score, one launch.
         return kernels.select_top(scores_P, gids_P, order_P, quotas_G, max_rows)
     # Inclusion probabilities: one Triton program per group over its members in score order, the reference's
     # arithmetic op for op (bit-identical); then their running sum in the group order in PyTorch, as in the

@@ -57,7 +57,16 @@ def main() -> None:
     triton.runtime.driver.set_active(_Sm90())
     sys.path.insert(0, os.path.dirname(__file__))
     from test_inline_compiled import _cases
-    from torch._higher_order_ops.triton_kernel_wrap import identify_accessed_tensors
+    try:
+        from torch._higher_order_ops.triton_kernel_wrap import identify_accessed_tensors
+
+        def written(kernel, kwargs):
+            return [dep.name for dep in identify_accessed_tensors(kernel, kwargs, {}).read_writes.writes]
+    except ImportError:  # torch <= 2.11 (the H200 machine's): the same analysis, writes only
+        from torch._higher_order_ops.triton_kernel_wrap import identify_mutated_tensors
+
+        def written(kernel, kwargs):
+            return list(identify_mutated_tensors(kernel, kwargs, {}))
 
     from lrmoe.ops._kernels import INLINED, kernel_module
 
@@ -76,7 +85,7 @@ def main() -> None:
         inputs = {t.untyped_storage().data_ptr() for t in torch.utils._pytree.tree_leaves(args)
                   if isinstance(t, torch.Tensor)}
         for kernel, kwargs in launches:
-            writes = [dep.name for dep in identify_accessed_tensors(kernel, dict(kwargs), {}).read_writes.writes]
+            writes = written(kernel, dict(kwargs))
             result["cases"].append({
                 "case": name, "op": fn._qualname, "kernel": _jit(kernel).__name__,
                 "writes": writes,
