@@ -73,11 +73,11 @@ class Config:
     retain: float
     max_replicas: int
     capacity_factor: float | None
-    plan_on: str = "device"
+    plan_on: str = "host"
 
 
 def configurations(retains: list[float], max_replicas: int, capacity_factor: float | None,
-                   plan_on: tuple[str, ...] = ("device",)) -> list[Config]:
+                   plan_on: tuple[str, ...] = ("host",)) -> list[Config]:
     """Dense and LRMoE rows for R in (0, max_replicas), for each plan_on (named " host" when it is not the only
     one and not "device")."""
     cap = f" c={capacity_factor:g}" if capacity_factor is not None else ""
@@ -448,7 +448,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=("bf16", "fp32"), default=None, help="default: bf16 on CUDA, fp32 on CPU")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="write the numbers here (rank 0)")
-    p.add_argument("--plan-on", nargs="+", default=["device"], choices=["device", "host"],
+    p.add_argument("--plan-on", nargs="+", default=["host"], choices=["device", "host"],
                    help="where each step's plan runs (ExpertParallel(plan_on=...)); several: every configuration "
                         "for each, rows of the host plan tagged ' host'")
     p.add_argument("--top-ops", type=int, default=0,

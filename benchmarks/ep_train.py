@@ -66,7 +66,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-replicas", type=int, default=0, help="replica slots per rank (every run, dense too)")
     p.add_argument("--capacity-factor", type=float, default=1.25, help="LRMoE runs' backward capacity (0: none)")
     p.add_argument("--compile", action="store_true", help="train torch.compile(model) (no MoE-layer time then)")
-    p.add_argument("--plan-on", choices=("device", "host"), default="device",
+    p.add_argument("--plan-on", choices=("device", "host"), default="host",
                    help="where each layer step's plan runs (ExpertParallel(plan_on=...)), every run")
     p.add_argument("--target-loss", type=float, default=None)
     p.add_argument("--target-margin", type=float, default=0.01)

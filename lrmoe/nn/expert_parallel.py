@@ -22,8 +22,8 @@ Forward, on every rank:
    communication; plus this rank's sampling uniforms [G];
 4. read the plan on the host once: the split sizes of the all-to-alls of this step (dispatch, combine, backward
    dispatch and return, replica weights) follow from it (the only host synchronisation of the layer step). With
-   ``ExpertParallel(plan_on="host")`` steps 3-4 swap: the load matrix is read on the host (the one host
-   synchronisation), the plan runs on CPU tensors and goes to the device in one copy;
+   ``ExpertParallel(plan_on="host")`` (the default) steps 3-4 swap: the load matrix is read on the host (the one
+   host synchronisation), the plan runs on CPU tensors and goes to the device in one copy;
 5. replica weights (R > 0): owners send the weights of the experts others replicate through one
    differentiable all-to-all (``funcol.all_to_all_single``, autograd-aware), so in backward the replicas'
    weight gradients travel back to the owners and are summed into their shards by autograd;
@@ -658,7 +658,7 @@ class _Replication:
     capacity_factor: float | None
     placement_policy: PlacementPolicy
     placement_key: str  # the policy's key in _PLACEMENT_POLICIES, for the plan op
-    plan_on: str = "device"  # "device" or "host": where plan_expert_parallel runs (see ExpertParallel)
+    plan_on: str = "host"  # "host" or "device": where plan_expert_parallel runs (see ExpertParallel)
 
 
 class ExpertParallel(ParallelStyle):
@@ -676,11 +676,13 @@ class ExpertParallel(ParallelStyle):
             deterministic. Default :func:`~lrmoe.functional.place_hot_replicas`.
         plan_on: where the per-step plan (``plan_expert_parallel`` on the [W, E] load matrix: ~20 tiny integer
             ops for the dense backward without replicas, ~170-480 with a capacity or replicas at W = 2) runs.
-            "device" (default): on the layer's device, then one host read of the split sizes. "host": one
-            device-to-host copy of the load matrix (the step's one host synchronisation, earlier), the plan on CPU
-            tensors, one host-to-device copy of the plan. On a GPU "host" trades each op's kernel launch for a CPU
-            op; which is faster is measured in docs/multi_gpu.md. The same plan either way on every rank (all ranks
-            plan on the same kind of device); on a CPU mesh the two are the same.
+            "host" (default): one device-to-host copy of the load matrix (the step's one host synchronisation),
+            the plan on CPU tensors, one host-to-device copy of the plan. "device": on the layer's device, then
+            one host read of the split sizes. On a GPU "host" trades each op's kernel launch for a CPU op: on two
+            H200s (docs/performance.md, seventh GPU session) every LRMoE configuration's step was 1.0-6.0 ms
+            faster with it (the plan's host time 1.6-3.9 vs 3.2-9.2 ms), the dense backward without replicas 2.1
+            ms slower (its plan is ~20 ops). The same plan either way on every rank (all ranks plan on the same
+            kind of device); on a CPU mesh the two are the same.
 
     Expert parameters become DTensors ``Shard(0)`` (rank w holds experts [w*E/W, (w+1)*E/W)); the router stays a
     plain replicated tensor. Parameters are replaced, so build the optimiser afterwards. With
@@ -700,7 +702,7 @@ class ExpertParallel(ParallelStyle):
         max_replicas: int = 0,
         capacity_factor: float | None = None,
         placement_policy: PlacementPolicy = place_hot_replicas,
-        plan_on: str = "device",
+        plan_on: str = "host",
     ):
         super().__init__()
         if plan_on not in ("device", "host"):

@@ -61,7 +61,7 @@ def ep_layer_compiled(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("ep_layer_compiled")
     torchrun(tmp, "ep_layer.py", "--device", "cpu", "--shape", "tiny", "--tokens", "64", "--steps", "2",
              "--warmup", "1", "--compile", "--retain", "0.5", "--max-replicas", "0", "--profile-steps", "0",
-             "--plan-on", "host",
+             "--plan-on", "device",
              "--json", str(tmp / "layer.json"))
     return json.loads((tmp / "layer.json").read_text())
 
@@ -137,9 +137,9 @@ def test_ep_layer_split_finds_every_all_to_all(ep_layer):
 
 
 def test_ep_layer_compiled_moves_what_eager_moves(ep_layer, ep_layer_compiled):
-    """--compile times torch.compile(layer, fullgraph=True), here with the plan on the host: the same tokens and
+    """--compile times torch.compile(layer, fullgraph=True), here with the plan on the device: the same tokens and
     router, so the same pairs kept and the same bytes in every all-to-all as the eager rows with the plan on the
-    device; --profile-steps 0 leaves the split out (NaN)."""
+    host (the default); --profile-steps 0 leaves the split out (NaN)."""
     assert ep_layer_compiled["meta"]["compiled"] and not ep_layer[1]["meta"]["compiled"]
     eager = _by_name(ep_layer[1])
     names = [row["name"] for row in ep_layer_compiled["rows"]]
@@ -181,7 +181,7 @@ def test_ep_layer_configurations_per_plan_location(monkeypatch):
     configurations = _load("ep_layer", monkeypatch).configurations
     one = configurations([0.5], 2, 1.25)
     assert [c.name for c in one] == ["dense R=0", "lrmoe r=0.5 R=0 c=1.25", "dense R=2", "lrmoe r=0.5 R=2 c=1.25"]
-    assert {c.plan_on for c in one} == {"device"}
+    assert {c.plan_on for c in one} == {"host"}  # ExpertParallel's default
     both = configurations([0.5], 0, None, ("device", "host"))
     assert [(c.name, c.plan_on) for c in both] == [("dense R=0", "device"), ("lrmoe r=0.5 R=0", "device"),
                                                   ("dense R=0 host", "host"), ("lrmoe r=0.5 R=0 host", "host")]
