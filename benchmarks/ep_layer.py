@@ -19,8 +19,9 @@ Per configuration:
     where the numbers are not meaningful), the slowest rank's median; every step starts after a barrier;
   * split: --profile-steps more steps under torch.profiler. Collective ops are classified by name and order: the
     layer's all-to-alls (``*::all_to_all_single``) plus the ``wait_tensor`` that completes each one; in forward the
-    last two are dispatch and combine, any earlier one fetches replica weights; in backward the first two are the
-    backward dispatch (retained alpha*g rows) and the input-gradient return ("combine"), any later one sends replica
+    last three are dispatch and combine (y rows, then their ||phi||^2 beside them), any earlier one fetches replica
+    weights; in backward the first are the backward dispatch (retained alpha*g rows, and below retain 1 or with a
+    capacity their row indices beside them) and the input-gradient return ("combine"), any later one sends replica
     weight gradients back to their owners. Expert compute is the grouped-GEMM ops (``lrmoe::gather_grouped_mm``,
     ``lrmoe::grouped_outer``). Times are device (kernel) time on GPU, CPU time on CPU, medians over the profiled
     steps, then the mean over ranks (so the parts of a row add up); "other" = each profiled step's own
@@ -128,8 +129,9 @@ def print_top_ops(rows: list[dict]) -> None:
                 print(f"#   {ms:8.3f} ms  {calls:7.1f} calls  {name[:90]}")
 
 
-def split_from_profile(events: list, device_time: bool) -> list[dict[str, float]]:
-    """Per profiled step, milliseconds per SPLIT_KEYS from torch.profiler events (see the module docstring).
+def split_from_profile(events: list, device_time: bool, bwd_indices: bool) -> list[dict[str, float]]:
+    """Per profiled step, milliseconds per SPLIT_KEYS from torch.profiler events (see the module docstring);
+    ``bwd_indices``: whether the backward dispatch sends row indices beside its rows (not the dense backward).
 
     Steps are the ``ep_bench.forward`` / ``ep_bench.backward`` ranges the caller recorded; an op belongs to the
     range in which it starts (backward ops may run on autograd's thread, inside the range in time).
@@ -176,12 +178,18 @@ def split_from_profile(events: list, device_time: bool) -> list[dict[str, float]
                     row["load_allgather"] += t
                 else:
                     a2a.append(t)
-            if len(a2a) < 2:
-                raise RuntimeError(f"expected >= 2 all-to-alls in {phase}, found {len(a2a)}: the layer changed?")
-            if phase == "fwd":  # [replica weights], dispatch, combine
-                *rep, row["dispatch_fwd"], row["combine_fwd"] = a2a
-            else:  # dispatch (retained rows), input-gradient return, [replica weight gradients]
-                row["dispatch_bwd"], row["combine_bwd"], *rep = a2a
+            need = 3 if phase == "fwd" or bwd_indices else 2
+            if len(a2a) < need:
+                raise RuntimeError(f"expected >= {need} all-to-alls in {phase}, found {len(a2a)}: the layer changed?")
+            if phase == "fwd":  # [replica weights], dispatch, combine (rows, ||phi||^2)
+                *rep, row["dispatch_fwd"], combine_rows, combine_scalars = a2a
+                row["combine_fwd"] = combine_rows + combine_scalars
+            else:  # dispatch (retained rows[, their indices]), input-gradient return, [replica weight gradients]
+                if bwd_indices:
+                    dispatch_rows, dispatch_indices, row["combine_bwd"], *rep = a2a
+                    row["dispatch_bwd"] = dispatch_rows + dispatch_indices
+                else:
+                    row["dispatch_bwd"], row["combine_bwd"], *rep = a2a
             row[f"replica_{phase}"] = sum(rep)
         steps.append(row)
     return steps
@@ -338,7 +346,8 @@ def measure(layer: LRMoE, cfg: Config, args, ranks: Ranks) -> dict:
                 profiled_ms.append(1e3 * (time.perf_counter() - t0))
             del out
     if args.profile_steps:
-        split_steps = split_from_profile(list(prof.events()), device_time=ranks.cuda)
+        dense = cfg.retain >= 1.0 and cfg.capacity_factor is None  # the layer's dense backward: no row indices
+        split_steps = split_from_profile(list(prof.events()), device_time=ranks.cuda, bwd_indices=not dense)
         for parts, total in zip(split_steps, profiled_ms, strict=True):
             parts["other"] = total - sum(parts.values())
         split = [statistics.median(parts[k] for parts in split_steps) for k in (*SPLIT_KEYS, "other")]

@@ -456,9 +456,11 @@ def _forward_phases(config: MemoryConfig, rows: Rows, b: int, policy: str) -> di
     t.mark("down_gemm", y_rows=y_rows)
     t.alloc(y_rows=y_rows)
     t.mark("phi_sq", phi_fp32=N * F * u, phi_fp32_squared=N * F * _FP32)
-    if config.world_size > 1:  # the unpacked y that comes back is the saved y
-        t.alloc(phi_sq_rows=N * _FP32, combine_send=N * (D * b + _FP32), combine_recv=P * (D * b + _FP32),
-                phi_sq_unpacked=P * _FP32, pair_index=P * _INT64)
+    if config.world_size > 1:  # the y rows that come back are the saved y; their ||phi||^2 come in a second collective
+        t.alloc(phi_sq_rows=N * _FP32)
+        # The rows and ||phi||^2 sent (in the order they came) are temporaries of the all-to-all's line.
+        t.mark("combine_all_to_all", combine_send=N * (D * b + _FP32), phi_sq_recv=P * _FP32)
+        t.alloc(phi_sq_recv=P * _FP32, pair_index=P * _INT64)
     t.mark("combine", out=T * D * b)  # lrmoe::gather_sum_rows: each token's K rows of y read where they are
     return t.phases
 
@@ -504,9 +506,9 @@ def _backward_phases(config: MemoryConfig, rows: Rows, retain: float, b: int, po
         if dense:  # the payload is dy itself
             t.alloc(backward_recv=M * D * b, recv_row_index=M * _INT64)
         else:
-            t.alloc(send_index=2 * R * _INT64 + R * _INT32, backward_send=R * (D * b + _INT32),
-                    backward_recv=M * (D * b + _INT32), dy_unpacked=M * D * b,
-                    recv_row_index=3 * M * _INT64 + M * _INT32)
+            # dy rows and their int32 indices travel as they are (two collectives, no packed copy of either side).
+            t.alloc(send_index=2 * R * _INT64 + R * _INT32, backward_recv=M * (D * b + _INT32),
+                    recv_row_index=3 * M * _INT64)
         t.alloc(expert_major_index=2 * M * _INT64)  # perm_M, rows_M
         t.mark("dy_expert_major", dy_expert_major=M * D * b)
         t.alloc(dy_expert_major=M * D * b)

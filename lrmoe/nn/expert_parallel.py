@@ -28,7 +28,7 @@ Forward, on every rank:
    differentiable all-to-all (``funcol.all_to_all_single``, autograd-aware), so in backward the replicas'
    weight gradients travel back to the owners and are summed into their shards by autograd;
 6. dispatch all-to-all of x rows (one per pair, sorted by destination instance);
-7. grouped GEMMs on the local instances; 8. combine all-to-all of y rows with ||phi||^2 riding along;
+7. grouped GEMMs on the local instances; 8. combine all-to-all of y rows, with ||phi||^2 in a second one;
 9. out_t = sum_k alpha_u y_u on the source rank.
 
 Backward: the source scores its pairs (everything is local: alpha, g_t, ||phi||^2) and selects quotas[rank, w, i]
@@ -406,17 +406,15 @@ def _all_to_all(rows_N: torch.Tensor, recv: list[int], send: list[int], ep: _EPG
     return funcol.wait_tensor(out)
 
 
-def _pack(rows_ND: torch.Tensor, extra_N: torch.Tensor) -> torch.Tensor:
-    """One payload of rows plus a 4-byte scalar per row (fp32 ||phi||^2 or an int32 index), as raw bytes so
-    that any row dtype works (bf16, fp32, fp64) and the scalar keeps its exact bits."""
-    return torch.cat([rows_ND.contiguous().view(torch.uint8), extra_N.reshape(-1, 1).view(torch.uint8)], dim=1)
-
-
-def _unpack(payload_NB: torch.Tensor, dtype: torch.dtype, extra_dtype: torch.dtype):
-    n_row_bytes = payload_NB.shape[1] - _EXTRA_BYTES
-    rows_ND = payload_NB[:, :n_row_bytes].contiguous().view(dtype)
-    extra_N = payload_NB[:, n_row_bytes:].contiguous().view(extra_dtype).reshape(-1)
-    return rows_ND, extra_N
+def _all_to_all_with_scalars(rows_ND: torch.Tensor, extra_N: torch.Tensor, recv: list[int], send: list[int],
+                             ep: _EPGroup) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows and a 4-byte scalar per row (fp32 ||phi||^2 or an int32 index) with the same split sizes: two
+    all-to-alls, both issued before either is waited on. One byte payload (each row with its scalar appended) saves
+    a collective but needs a byte-wise copy of every row to pack it and another to unpack it: on two H200s the
+    packing's cat alone took 1.3 ms of a 16 ms step (docs/performance.md, seventh GPU session)."""
+    rows = funcol.all_to_all_single(rows_ND.contiguous(), recv, send, ep.group)
+    extra = funcol.all_to_all_single(extra_N.contiguous(), recv, send, ep.group)
+    return funcol.wait_tensor(rows), funcol.wait_tensor(extra)
 
 
 def _fetch_replicas(flat_LX: torch.Tensor, plan: ExpertParallelPlan, splits: _Splits, ep: _EPGroup) -> torch.Tensor:
@@ -486,10 +484,10 @@ class _ExpertParallelSwiGLU(torch.autograd.Function):
         inv_perm_N = torch.empty_like(perm_N).scatter_(0, perm_N, ident_N)
         phi_sq_N = phi_NF.float().square().sum(-1)
 
-        # Combine: y rows and ||phi||^2 go back in the order they came (source-major), one payload.
-        payload = _pack(y_ND.index_select(0, inv_perm_N), phi_sq_N.index_select(0, inv_perm_N))
-        back = _all_to_all(payload, splits.fwd_send, splits.fwd_recv, ep)
-        y_PD, phi_sq_P = _unpack(back, x_TD.dtype, torch.float32)
+        # Combine: y rows and ||phi||^2 go back in the order they came (source-major).
+        y_PD, phi_sq_P = _all_to_all_with_scalars(
+            y_ND.index_select(0, inv_perm_N), phi_sq_N.index_select(0, inv_perm_N), splits.fwd_send, splits.fwd_recv, ep
+        )
         ident_P = torch.arange(group_P.shape[0], device=x_TD.device)
         inv_order_P = torch.empty_like(order_P).scatter_(0, order_P, ident_P)
         phi_sq_TK = phi_sq_P.index_select(0, inv_order_P).view(n_tok, top_k)
@@ -539,8 +537,9 @@ class _ExpertParallelSwiGLU(torch.autograd.Function):
         dy_RD, _, safe_R = retained_dy(g_TD, gates_TK, pair_R, weight_R, dtype)
 
         fwd_recv_W = assign_SWI[:, ep.rank].sum(-1)  # on device: no host-to-device copy
+        row_bytes = dy_RD.shape[1] * dy_RD.element_size()
         if cfg.dense:
-            payload, row_bytes = dy_RD, dy_RD.shape[1] * dy_RD.element_size()
+            dy_MD = _all_to_all(dy_RD, splits.bwd_recv, splits.bwd_send, ep)
         else:
             # The instance must find each row's saved forward activations: send the pair's position in the forward
             # message to its rank (its position in the sorted dispatch buffer minus that rank's block start).
@@ -549,17 +548,14 @@ class _ExpertParallelSwiGLU(torch.autograd.Function):
             dest_R = torch.div(group_P.index_select(0, safe_R), n_inst, rounding_mode="floor")
             index_R = inv_order_P.index_select(0, safe_R) - start_W.index_select(0, dest_R)
             index_R = torch.where(pair_R >= 0, index_R, 0).int()
-            payload = _pack(dy_RD, index_R)
-            row_bytes = payload.shape[1]
-        recv = _all_to_all(payload, splits.bwd_recv, splits.bwd_send, ep)
+            dy_MD, index_M = _all_to_all_with_scalars(dy_RD, index_R, splits.bwd_recv, splits.bwd_send, ep)
+            row_bytes += _EXTRA_BYTES
 
         # --- instance side: compact backward over the M retained rows this rank's instances received.
-        n_kept = recv.shape[0]
+        n_kept = dy_MD.shape[0]
         if cfg.dense:
-            dy_MD = recv
             fwd_row_M = torch.arange(n_kept, device=device)  # the same layout as the forward dispatch
         else:
-            dy_MD, index_M = _unpack(recv, dtype, torch.int32)
             bwd_recv_W = quotas_SWI[:, ep.rank].sum(-1)
             src_M = torch.repeat_interleave(torch.arange(ep.size, device=device), bwd_recv_W, output_size=n_kept)
             fwd_row_M = (torch.cumsum(fwd_recv_W, 0) - fwd_recv_W).index_select(0, src_M) + index_M.long()

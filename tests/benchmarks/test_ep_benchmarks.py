@@ -242,13 +242,19 @@ def test_ep_layer_split_ignores_gpu_copies_of_the_step_ranges(monkeypatch):
                                device_type=device, cpu_time_total=1.0, device_time_total=device_us)
 
     a2a, gemm = "_c10d_functional::all_to_all_single", "lrmoe::gather_grouped_mm"
+    # Forward: dispatch, combine rows, their ||phi||^2; backward: retained rows, their indices, the return.
     host = [event(bench.FORWARD_RANGE, 0, 100), event(gemm, 10, 15, 5000), event(a2a, 20, 25, 2000),
-            event(a2a, 30, 35, 3000), event(bench.BACKWARD_RANGE, 100, 200), event(a2a, 110, 115, 1000),
-            event(a2a, 120, 125, 4000), event(gemm, 130, 135, 6000)]
+            event(a2a, 30, 35, 3000), event(a2a, 36, 37, 100), event(bench.BACKWARD_RANGE, 100, 200),
+            event(a2a, 110, 115, 1000), event(a2a, 116, 117, 200), event(a2a, 120, 125, 4000),
+            event(gemm, 130, 135, 6000)]
     gpu_ranges = [event(bench.FORWARD_RANGE, 50, 150, 90000, DeviceType.CUDA),
                   event(bench.BACKWARD_RANGE, 150, 250, 90000, DeviceType.CUDA)]
-    (step,) = bench.split_from_profile(host + gpu_ranges, device_time=True)
+    (step,) = bench.split_from_profile(host + gpu_ranges, device_time=True, bwd_indices=True)
     assert step["expert_fwd"] == 5 and step["expert_bwd"] == 6
-    assert (step["dispatch_fwd"], step["combine_fwd"]) == (2, 3)
-    assert (step["dispatch_bwd"], step["combine_bwd"]) == (1, 4)
+    assert (step["dispatch_fwd"], step["combine_fwd"]) == (2, 3.1)
+    assert (step["dispatch_bwd"], step["combine_bwd"]) == (1.2, 4)
     assert step["replica_fwd"] == step["replica_bwd"] == 0
+    # The dense backward sends no indices: its second all-to-all is the return.
+    (step,) = bench.split_from_profile([e for e in host if e.time_range.start != 116] + gpu_ranges,
+                                       device_time=True, bwd_indices=False)
+    assert (step["dispatch_bwd"], step["combine_bwd"]) == (1, 4)

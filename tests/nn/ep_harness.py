@@ -6,6 +6,7 @@ inherit the parent's sys.path, so they find both this module and the test module
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import tempfile
@@ -50,5 +51,18 @@ class RecordAllToAll(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is torch.ops._c10d_functional.all_to_all_single.default:
             payload, recv, send = args[0], args[1], args[2]
-            self.calls.append((list(send), list(recv), payload.shape[1] * payload.element_size()))
+            row_bytes = math.prod(payload.shape[1:]) * payload.element_size()
+            self.calls.append((list(send), list(recv), row_bytes))
         return func(*args, **(kwargs or {}))
+
+    def messages(self):
+        """The calls as messages: a call of 4 bytes per row right after a call with the same split sizes carries
+        that call's per-row scalars (||phi||^2 or a row index, sent beside the rows), so the two are one message of
+        rows + 4 bytes."""
+        merged = []
+        for send, recv, row_bytes in self.calls:
+            if merged and row_bytes == 4 and merged[-1][:2] == (send, recv) and not merged[-1][3]:
+                merged[-1] = (send, recv, merged[-1][2] + 4, True)
+            else:
+                merged.append((send, recv, row_bytes, False))
+        return [(send, recv, row_bytes) for send, recv, row_bytes, _ in merged]

@@ -124,14 +124,16 @@ def _backward_sends_retained_rows(rank, world, retain):
     mine = slice(rank * n_local, (rank + 1) * n_local)
     row = D * 4  # fp32 rows
 
-    # Forward: every pair goes out, and comes back with its fp32 ||phi||^2.
-    (d_send, d_recv, d_bytes), (c_send, c_recv, c_bytes) = fwd.calls
+    # Forward: every pair goes out, and comes back with its fp32 ||phi||^2 (in a second all-to-all beside the rows).
+    assert fwd.calls[2] == (fwd.calls[1][0], fwd.calls[1][1], 4) and len(fwd.calls) == 3
+    (d_send, d_recv, d_bytes), (c_send, c_recv, c_bytes) = fwd.messages()
     assert d_send == loads[rank].view(world, n_local).sum(1).tolist() and d_bytes == row
     assert d_recv == loads[:, mine].sum(1).tolist()
     assert (c_send, c_recv, c_bytes) == (d_recv, d_send, row + 4)
     # Backward: exactly quotas[rank, e] rows per expert leave (plus a 4-byte row index below retain 1), and the
     # input-gradient rows of exactly those pairs come back.
-    (b_send, b_recv, b_bytes), (r_send, r_recv, r_bytes) = bwd.calls
+    assert len(bwd.calls) == (2 if retain == 1.0 else 3)  # below retain 1 the row indices travel beside the rows
+    (b_send, b_recv, b_bytes), (r_send, r_recv, r_bytes) = bwd.messages()
     assert b_send == quotas[rank].view(world, n_local).sum(1).tolist()
     assert b_recv == quotas[:, mine].sum(1).tolist()
     assert b_bytes == (row if retain == 1.0 else row + 4)

@@ -175,9 +175,9 @@ def _capacity_and_payloads(rank, world, max_replicas, capacity_factor, retain, p
     weight_row = (2 * FF * D + D * FF) * 4
     # Forward: replica weights (with replicas), then dispatch and combine; backward: retained rows, input-gradient
     # rows, then the replica weight gradients back to their owners.
-    fwd_rows = [c for c in fwd.calls if c[2] != weight_row]
+    fwd_rows = [c for c in fwd.messages() if c[2] != weight_row]
     (d_send, d_recv, d_bytes), _ = fwd_rows
-    bwd_rows = [c for c in bwd.calls if c[2] != weight_row]
+    bwd_rows = [c for c in bwd.messages() if c[2] != weight_row]
     (b_send, b_recv, b_bytes), _ = bwd_rows
     assert d_bytes == row and b_bytes == row + 4
     if max_replicas:
