@@ -112,9 +112,9 @@ def _lower_bound(gids_ptr, order_ptr, n, target, n_steps, PROBES: tl.constexpr):
 
 @triton.jit
 def _plan_block(gids_ptr, order_ptr, quotas_ptr, g, carry, P, G, n_steps, PROBES: tl.constexpr):
-    """Groups g (a block of group ids, made by the caller: the stores' addresses must not come out of this call,
-    see the module docstring): (in range, start, size, take, base), given ``carry`` = the takes of all earlier
-    groups. Start and end of every group by searches over the group ids read through the order."""
+    """Groups g (a block of group ids, made by the caller, so that _plan_kernel's store addresses do not come out
+    of this call: module docstring, Helpers): (in range, start, size, take, base), given ``carry`` = the takes of
+    all earlier groups. Start and end of every group by searches over the group ids read through the order."""
     in_g = g < G
     g64 = g.to(tl.int64)
     start = _lower_bound(gids_ptr, order_ptr, P, g64, n_steps, PROBES)
