@@ -676,7 +676,7 @@ class ExpertParallel(ParallelStyle):
             the plan on CPU tensors, one host-to-device copy of the plan. "device": on the layer's device, then
             one host read of the split sizes. On a GPU "host" trades each op's kernel launch for a CPU op: on two
             H200s (docs/performance.md, seventh GPU session) every LRMoE configuration's step was 1.0-6.0 ms
-            faster with it (the plan's host time 1.6-3.9 vs 3.2-9.2 ms), the dense backward without replicas 2.1
+            faster with it (the plan's host time 1.6-4.1 vs 3.2-9.2 ms), the dense backward without replicas 2.1
             ms slower (its plan is ~20 ops). The same plan either way on every rank (all ranks plan on the same
             kind of device); on a CPU mesh the two are the same.
 
