@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["known_empty", "launch", "traced"]
+__all__ = ["known_empty", "launch", "traced", "tracing"]
 
 _state = threading.local()
 
