@@ -178,7 +178,21 @@ def _grouped_outer_cuda(a_RO, b_NI, rows_R, offsets_E):
         return kernels.grouped_outer_triton(a_RO, b_NI, _identity_rows(b_NI, rows_R), offsets_E)
     # Rows past the last offset belong to no group, and _grouped_mm's grouped-K form reads none of them (NaN there
     # cannot leak: tests/ops/test_grouped_gemm.py), so no masking pass.
-    return torch._grouped_mm(a_RO.t(), _rows_in_order(b_NI, rows_R), offs=offsets_E.int())
+    return torch._grouped_mm(_transpose_in_place(a_RO), _rows_in_order(b_NI, rows_R), offs=offsets_E.int())
+
+
+def _transpose_in_place(a_RO: torch.Tensor) -> torch.Tensor:
+    """a.t(), as an as_strided view when a is row-major: the same tensor in eager, but under torch.compile (where
+    this CUDA kernel is inlined) as_strided makes Inductor write a once. The layer's dh is a pointwise result read
+    by two GEMMs, one of them (this op) through a transpose; Inductor does not realise a cheap pointwise node with
+    two readers, and it materialises a transposed view of an unrealised node as a buffer of its own, so it computed
+    and wrote dh twice (201 MB more per step at the Qwen3 shape, seen in the generated code on the H200).
+    as_strided's lowering realises its input first, so the view becomes a reinterpretation of the one buffer
+    (tests/ops/test_grouped_gemm.py). Only strides are tested, never the row count (an unbacked size under expert
+    parallelism)."""
+    if a_RO.dim() == 2 and a_RO.stride(1) == 1 and a_RO.stride(0) == a_RO.shape[1]:
+        return a_RO.as_strided((a_RO.shape[1], a_RO.shape[0]), (1, a_RO.shape[1]))
+    return a_RO.t()
 
 
 @grouped_outer.register_fake

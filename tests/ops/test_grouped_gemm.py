@@ -199,3 +199,75 @@ def test_gather_kernel_choice(monkeypatch):
     monkeypatch.setattr(module, "_GATHER_KERNEL", "triton")
     assert not module._use_grouped_mm(x_NI, w_EOI, rows_R) and module._use_grouped_mm(x_NI, w_EOI, None)
     assert not module._use_grouped_mm(x_NI.float(), w_EOI.float(), None)  # fp32: never _grouped_mm
+
+
+def test_transpose_in_place_is_the_transpose_and_shares_storage():
+    from lrmoe.ops.grouped_gemm import _transpose_in_place
+
+    a_RO = torch.randn(10, 4)
+    t_OR = _transpose_in_place(a_RO)
+    assert t_OR.shape == (4, 10) and t_OR.stride() == a_RO.t().stride() and torch.equal(t_OR, a_RO.t())
+    assert t_OR.data_ptr() == a_RO.data_ptr()
+    view_RO = torch.randn(12, 4)[2:]  # row-major with a storage offset: the view keeps it
+    assert torch.equal(_transpose_in_place(view_RO), view_RO.t())
+    strided_RO = torch.randn(10, 8)[:, ::2]  # not row-major: plain .t()
+    assert torch.equal(_transpose_in_place(strided_RO), strided_RO.t())
+
+
+def _bf16_buffers_of(code: str, shape: tuple[int, int]) -> int:
+    """How many bf16 buffers of this shape (any strides, either orientation) a generated module allocates."""
+    import re
+
+    found = re.findall(r"empty_strided_\w+\(\((\d+), (\d+)\), \([^)]*\), torch\.bfloat16", code)
+    return sum(tuple(sorted(map(int, f))) == tuple(sorted(shape)) for f in found)
+
+
+@pytest.mark.parametrize("transpose", ["t", "in_place"])
+def test_compiled_gemms_sharing_a_pointwise_operand_write_it_once(transpose):
+    """The layer's backward feeds dh (a pointwise result) to two grouped GEMMs: dx = dh W (row-major) and the
+    weight gradient dh^T x (through a transpose). Under torch.compile, `.t()` made Inductor compute and write dh
+    twice (once per reader, seen in the H200's generated code); _transpose_in_place (what grouped_outer's inlined
+    CUDA kernel uses) makes it write dh once. The control case shows that the count can fail."""
+    from torch._inductor.utils import run_and_get_code
+
+    from lrmoe.ops.grouped_gemm import _transpose_in_place
+
+    R, F2, D = 64, 32, 16
+    g = torch.Generator().manual_seed(0)
+    h_RF2, x_RD = (torch.randn(*s, generator=g).bfloat16() for s in ((R, F2), (R, D)))
+    w_EDF2 = torch.randn(4, D, F2, generator=g).bfloat16()
+    offs_E = torch.tensor([16, 32, 48, 64], dtype=torch.int32)
+    flip = _transpose_in_place if transpose == "in_place" else torch.t
+
+    def backward(h_RF2, x_RD, w_EDF2, offs_E):
+        # cheap arithmetic: on the CPU Inductor realises a node with two readers when it holds exp or sigmoid
+        # (on CUDA it does not, so the real dh was written twice); mul/add keep the CPU graph like the CUDA one
+        dh_RF2 = (h_RF2.float() * 2 + 1).to(h_RF2.dtype)
+        grad_w = torch._grouped_mm(flip(dh_RF2), x_RD, offs=offs_E)
+        dx_RD = torch._grouped_mm(dh_RF2, w_EDF2.transpose(1, 2), offs=offs_E)
+        return grad_w, dx_RD
+
+    torch._dynamo.reset()
+    got, (code,) = run_and_get_code(torch.compile(backward, fullgraph=True), h_RF2, x_RD, w_EDF2, offs_E)
+    want = backward(h_RF2, x_RD, w_EDF2, offs_E)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert _bf16_buffers_of(code, (R, F2)) == (1 if transpose == "in_place" else 2)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (the ops are inlined on CUDA only)")
+def test_compiled_layer_backward_writes_dh_once_on_cuda():
+    """The compiled layer's backward on CUDA holds one [P, 2F] bf16 buffer, dh (the gate/up gradient of the rows),
+    read by both the input-gradient GEMM and the weight-gradient GEMM (before _transpose_in_place: two)."""
+    from torch._inductor.utils import run_and_get_code
+
+    from lrmoe.nn import LRMoE
+
+    torch.manual_seed(0)
+    T, D, F, E, K = 32, 64, 48, 4, 2
+    layer = LRMoE(dim=D, hidden_dim=F, num_experts=E, top_k=K, retain=1.0).cuda().bfloat16()
+    compiled = torch.compile(layer, fullgraph=True)
+    x_TD = torch.randn(T, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    torch._dynamo.reset()
+    _, codes = run_and_get_code(lambda: compiled(x_TD).sum().backward())
+    assert len(codes) == 2  # forward, backward
+    assert _bf16_buffers_of(codes[1], (T * K, 2 * F)) == 1
