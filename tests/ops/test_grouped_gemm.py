@@ -257,7 +257,8 @@ def test_compiled_gemms_sharing_a_pointwise_operand_write_it_once(transpose):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (the ops are inlined on CUDA only)")
 def test_compiled_layer_backward_writes_dh_once_on_cuda():
     """The compiled layer's backward on CUDA holds one [P, 2F] bf16 buffer, dh (the gate/up gradient of the rows),
-    read by both the input-gradient GEMM and the weight-gradient GEMM (before _transpose_in_place: two)."""
+    read by both the input-gradient GEMM and the weight-gradient GEMM (with `.t()` the H200 generated code held two
+    at the Qwen3 shape)."""
     from torch._inductor.utils import run_and_get_code
 
     from lrmoe.nn import LRMoE
