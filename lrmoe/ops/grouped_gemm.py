@@ -88,8 +88,9 @@ def _grouped_mm_ok(*tensors: torch.Tensor) -> bool:
 # (index_select into buffer order, then torch._grouped_mm; inlined under compile) or "triton" (the gather fused into
 # the Triton GEMM's A loads; stays one op under compile, whose autotuned launch Inductor would otherwise re-tune).
 # On the H200 (docs/performance.md, sixth session) the Triton forward beat index_select + _grouped_mm at both
-# gate/up shapes, balanced and skewed (0.386 vs 0.449 ms Qwen3, 1.510 vs 1.786 GLM, balanced); not yet timed inside
-# the layer, so the default stays; benchmarks/layer_fwd_bwd.py --gather-gemm sets this for that A/B.
+# gate/up shapes, balanced and skewed (0.386 vs 0.449 ms Qwen3, 1.510 vs 1.786 GLM, balanced); inside the compiled
+# layer (eighth session) it was within +-3 % either way (4.65 / 4.30 / 3.58 against 4.79 / 4.27 / 3.63 ms at retain
+# 1 / 0.75 / 0.5), so the default stays; benchmarks/layer_fwd_bwd.py --gather-gemm sets this for that A/B.
 _GATHER_KERNEL = "grouped_mm"
 
 
