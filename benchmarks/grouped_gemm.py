@@ -1,6 +1,7 @@
 """Gather-fused Triton grouped GEMMs against torch._grouped_mm at MoE shapes (GPU, bf16).
 
-    python benchmarks/grouped_gemm.py [--shapes qwen3-up qwen3-down glm-up glm-down] [--rows 65536]
+    python benchmarks/grouped_gemm.py [--shapes qwen3-up qwen3-down glm-up glm-down] [--rows 65536] [--configs]
+    (also --shapes qwen3-gateup glm-gateup: the 2f-wide gate/up GEMM the layers run)
 
 Forward (y_RO = weight[e] @ x[rows]): (a) the Triton kernel with the gather fused into its operand load,
 (b) index_select gather then torch._grouped_mm, (c) torch._grouped_mm alone on pre-gathered rows.
@@ -15,6 +16,9 @@ the largest group.
 
 Prints one table: median time (triton.testing.do_bench), TFLOP/s (2·R·O·I / time), the ratio to (c) (target:
 the fused kernel at >= 0.90 of torch._grouped_mm), and the largest relative error against (b).
+--configs adds a row per launch config (fwd and wgrad): each candidate of the autotuner's lists in
+lrmoe_kernels.grouped_gemm, and the lists it had before the ninth session ("old"), timed on the same problem, with
+its relative error against (b) like every row.
 Importable on a CPU machine; main() needs CUDA.
 """
 
@@ -23,7 +27,14 @@ from __future__ import annotations
 import argparse
 
 import torch
-from lrmoe_kernels.grouped_gemm import gather_grouped_mm_triton, gather_grouped_swiglu_triton, grouped_outer_triton
+import triton
+from lrmoe_kernels.grouped_gemm import (
+    _gpu_configs,
+    _outer_gpu_configs,
+    gather_grouped_mm_triton,
+    gather_grouped_swiglu_triton,
+    grouped_outer_triton,
+)
 
 # name: (I, O). Qwen3-30B-A3B d=2048, f=768; GLM-4.5-Air d=4096, f=1408 (DESIGN.md §7); up = d -> f, down = f -> d.
 SHAPES = {
@@ -31,9 +42,31 @@ SHAPES = {
     "qwen3-down": (768, 2048),
     "glm-up": (4096, 1408),
     "glm-down": (1408, 4096),
+    # the gate and up projections in one GEMM, as the layers run them (d -> 2f); not in the default set
+    "qwen3-gateup": (2048, 1536),
+    "glm-gateup": (4096, 2816),
 }
+DEFAULT_SHAPES = ["qwen3-up", "qwen3-down", "glm-up", "glm-down"]
 EXPERTS = 128
 TOP_K = 8
+# The autotuner's one list for both kernels until the ninth session (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages).
+OLD_CONFIGS = [(128, 128, 64, 8, 4), (128, 256, 64, 8, 3), (64, 128, 64, 4, 4), (128, 128, 128, 8, 3),
+               (64, 64, 32, 4, 3)]
+
+
+def config_rows(current: list) -> list[tuple[str, triton.Config]]:
+    """(label, config) for --configs: the current candidates, then the old ones not among them."""
+    def key(c):
+        return (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], c.num_warps, c.num_stages)
+
+    def label(k, tag):
+        return f"{tag} {k[0]}x{k[1]}x{k[2]} w{k[3]} s{k[4]}"
+
+    rows = [(label(key(c), "cfg"), c) for c in current]
+    have = {key(c) for c in current}
+    old = [k for k in OLD_CONFIGS if k not in have]
+    return rows + [(label(k, "old"), triton.Config(dict(BLOCK_M=k[0], BLOCK_N=k[1], BLOCK_K=k[2]), num_warps=k[3],
+                                                   num_stages=k[4])) for k in old]
 
 
 def group_sizes(R: int, E: int, skewed: bool, gen: torch.Generator) -> torch.Tensor:
@@ -88,9 +121,10 @@ def main() -> None:
     from triton.testing import do_bench
 
     parser = argparse.ArgumentParser()
-    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=sorted(SHAPES))
+    parser.add_argument("--shapes", nargs="+", default=DEFAULT_SHAPES, choices=sorted(SHAPES))
     parser.add_argument("--rows", type=int, default=65536)
     parser.add_argument("--rep", type=int, default=100, help="do_bench rep (ms)")
+    parser.add_argument("--configs", action="store_true", help="also time each launch config (see the docstring)")
     args = parser.parse_args()
 
     def bench(fn) -> float:
@@ -119,6 +153,11 @@ def main() -> None:
                 ),
                 "(c) _grouped_mm pre-gathered": lambda: torch._grouped_mm(a_RO.t(), x_RI, offs=offsets_E),
             }
+            if args.configs:
+                for label, cfg in config_rows(_gpu_configs()):
+                    fwd[label] = lambda cfg=cfg: gather_grouped_mm_triton(x_NI, weight_EOI, rows_R, offsets_E, cfg)
+                for label, cfg in config_rows(_outer_gpu_configs()):
+                    wgrad[label] = lambda cfg=cfg: grouped_outer_triton(a_RO, x_NI, rows_R, offsets_E, cfg)
             ops = [("fwd", fwd), ("wgrad", wgrad)]
             if name.endswith("-up"):
                 ops.append(("swiglu", swiglu_fns(x_NI, x_RI, rows_R, offsets_E, O)))

@@ -69,16 +69,38 @@ def _interpreter_config() -> dict:
     return dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32)
 
 
+# Small or fp32 problems (see _prune_small); last in every GPU config list.
+_SMALL_CONFIG = triton.Config(dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32), num_warps=4, num_stages=3)
+
+
 def _gpu_configs() -> list[triton.Config]:
-    """Candidate blocks for Hopper (BLOCK_M x BLOCK_N output tile, BLOCK_K deep): 128-wide tiles feed wgmma with
-    8 warps; 3-4 stages keep the shared memory under the H200's 227 KiB per block ((BM + BN) * BK * 2 bytes a
-    stage in bf16). The small config serves small or fp32 problems."""
+    """Candidate blocks for gather_grouped_mm on Hopper (BLOCK_M x BLOCK_N output tile, BLOCK_K deep): 128 x 256 or
+    256 x 128 tiles with 8 warps feed wgmma; 3-4 stages keep the shared memory under the H200's 227 KiB per block
+    ((BM + BN) * BK * 2 bytes a stage in bf16; 5 stages of 64 overflow). Measured (ninth session, one H200, 65,536
+    rows, E = 128, bf16; docs/performance.md): the two wide tiles led at the Qwen3 and GLM shapes, balanced or skewed
+    (0.73-0.87 of torch._grouped_mm on pre-gathered rows); at the Qwen3 shapes 128 x 128 x 64 (the old first
+    choice) trailed them by 11-29 %, 64-row and 128-deep tiles further still."""
     return [
-        triton.Config(dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64), num_warps=8, num_stages=4),
         triton.Config(dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64), num_warps=8, num_stages=3),
-        triton.Config(dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64), num_warps=4, num_stages=4),
-        triton.Config(dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128), num_warps=8, num_stages=3),
-        triton.Config(dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32), num_warps=4, num_stages=3),
+        triton.Config(dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64), num_warps=8, num_stages=4),
+        triton.Config(dict(BLOCK_M=256, BLOCK_N=128, BLOCK_K=64), num_warps=8, num_stages=4),
+        triton.Config(dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64), num_warps=8, num_stages=4),
+        _SMALL_CONFIG,
+    ]
+
+
+def _outer_gpu_configs() -> list[triton.Config]:
+    """Candidate blocks for grouped_outer, whose reduction runs over one group's rows (~R / E of them, 512 at the
+    target shapes): with so short a K loop, each tile's pipeline fill and its L2 reads of the two operands weigh more
+    than in gather_grouped_mm, and shallow K blocks with deep pipelines win. Measured (ninth session, one H200, same
+    problems): 256 x 128 x 32 with 6 stages reached 0.71-0.90 of torch._grouped_mm (pre-gathered) at the Qwen3 and GLM
+    shapes, where the best of the forward's old blocks gave 0.64-0.73 (Qwen3); 5 stages came within 4 % of 6, 4
+    stages lost 28-36 %; 128 x 128 x 32 with 4 warps matched it in three of the four Qwen3 cases."""
+    return [
+        triton.Config(dict(BLOCK_M=256, BLOCK_N=128, BLOCK_K=32), num_warps=8, num_stages=6),
+        triton.Config(dict(BLOCK_M=256, BLOCK_N=128, BLOCK_K=32), num_warps=8, num_stages=5),
+        triton.Config(dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=32), num_warps=4, num_stages=6),
+        _SMALL_CONFIG,
     ]
 
 
@@ -94,14 +116,23 @@ def _prune_small(configs, named_args, **kwargs):
     return configs
 
 
-def _with_config(kernel):
-    """The interpreter runs the bare kernel with _interpreter_config(); a GPU autotunes over _gpu_configs(), keyed
-    on (O, I) plus the argument dtypes (Triton's autotuner appends those), never on R, which changes per step."""
+def _with_config(kernel, configs):
+    """The interpreter runs the bare kernel with _interpreter_config(); a GPU autotunes over ``configs``, keyed on
+    (O, I) plus the argument dtypes (Triton's autotuner appends those), never on R, which changes per step."""
     if _INTERPRET:
         return kernel
     return triton.autotune(
-        configs=_gpu_configs(), key=["O", "I"], prune_configs_by=dict(early_config_prune=_prune_small)
+        configs=configs, key=["O", "I"], prune_configs_by=dict(early_config_prune=_prune_small)
     )(kernel)
+
+
+def _kernel_and_blocks(tuned, bare, config: triton.Config | None) -> tuple:
+    """(kernel, launch kwargs) for a launcher: ``config`` given, the bare kernel with its blocks (and, on a GPU, its
+    warps and stages), for benchmarks that time one config; else the interpreter's fixed blocks or the autotuner."""
+    if config is not None:
+        extra = {} if _INTERPRET else dict(num_warps=config.num_warps, num_stages=config.num_stages)
+        return bare, {**config.kwargs, **extra}
+    return tuned, _interpreter_config() if _INTERPRET else {}
 
 
 def _dot_flags(dtype: torch.dtype) -> dict:
@@ -207,24 +238,26 @@ def _gather_grouped_mm_kernel(
         tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=y_mask)
 
 
-_gather_grouped_mm = _with_config(_gather_grouped_mm_kernel)
+_gather_grouped_mm = _with_config(_gather_grouped_mm_kernel, _gpu_configs())
 
 
 def gather_grouped_mm_triton(
-    x_NI: torch.Tensor, weight_EOI: torch.Tensor, rows_R: torch.Tensor, offsets_E: torch.Tensor
+    x_NI: torch.Tensor, weight_EOI: torch.Tensor, rows_R: torch.Tensor, offsets_E: torch.Tensor,
+    config: triton.Config | None = None,
 ) -> torch.Tensor:
     """y_RO[i] = weight_EOI[e(i)] @ x_NI[rows_R[i]] for i < offsets_E[-1], 0 after; dtype of x. No host sync.
 
-    The output is allocated with torch.empty: the kernel writes every row, zeros included.
+    The output is allocated with torch.empty: the kernel writes every row, zeros included. ``config`` launches
+    those blocks instead of autotuning (for benchmarks/grouped_gemm.py --configs).
     """
     _check_device(x_NI, weight_EOI, rows_R, offsets_E)
     R, (E, O, I) = rows_R.shape[0], weight_EOI.shape
     y_RO = torch.empty((R, O), dtype=x_NI.dtype, device=x_NI.device)
     if known_empty(R, O):
         return y_RO
-    fixed = _interpreter_config() if _INTERPRET else {}
+    kernel, fixed = _kernel_and_blocks(_gather_grouped_mm, _gather_grouped_mm_kernel, config)
     grid = lambda meta: ((triton.cdiv(R, meta["BLOCK_M"]) + E) * triton.cdiv(O, meta["BLOCK_N"]),)  # noqa: E731
-    launch(_gather_grouped_mm, grid)(
+    launch(kernel, grid)(
         x_NI, weight_EOI, rows_R, offsets_E, y_RO,
         R, O, I, E, x_NI.element_size(),
         *x_NI.stride(), *weight_EOI.stride(), *y_RO.stride(),
@@ -458,24 +491,26 @@ def _grouped_outer_kernel(
     tl.store(w_ptrs, acc.to(w_ptr.dtype.element_ty), mask=(offs_m[:, None] < O) & (offs_n[None, :] < I))
 
 
-_grouped_outer = _with_config(_grouped_outer_kernel)
+_grouped_outer = _with_config(_grouped_outer_kernel, _outer_gpu_configs())
 
 
 def grouped_outer_triton(
-    a_RO: torch.Tensor, b_NI: torch.Tensor, rows_R: torch.Tensor, offsets_E: torch.Tensor
+    a_RO: torch.Tensor, b_NI: torch.Tensor, rows_R: torch.Tensor, offsets_E: torch.Tensor,
+    config: triton.Config | None = None,
 ) -> torch.Tensor:
     """w_EOI[e] = sum over i in group e of outer(a_RO[i], b_NI[rows_R[i]]); dtype of a. No host sync.
 
     The output is allocated with torch.empty: every program stores its whole tile, zeros for empty groups.
+    ``config``: as in gather_grouped_mm_triton.
     """
     _check_device(a_RO, b_NI, rows_R, offsets_E)
     R, O, I, E = rows_R.shape[0], a_RO.shape[1], b_NI.shape[1], offsets_E.shape[0]
     w_EOI = torch.empty((E, O, I), dtype=a_RO.dtype, device=a_RO.device)
     if known_empty(E, O, I):
         return w_EOI
-    fixed = _interpreter_config() if _INTERPRET else {}
+    kernel, fixed = _kernel_and_blocks(_grouped_outer, _grouped_outer_kernel, config)
     grid = lambda meta: (E * triton.cdiv(O, meta["BLOCK_M"]) * triton.cdiv(I, meta["BLOCK_N"]),)  # noqa: E731
-    launch(_grouped_outer, grid)(
+    launch(kernel, grid)(
         a_RO, b_NI, rows_R, offsets_E, w_EOI,
         R, O, I, E, a_RO.element_size(),
         *a_RO.stride(), *b_NI.stride(), *w_EOI.stride(),

@@ -16,6 +16,8 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from lrmoe_kernels.grouped_gemm import (
+    _gpu_configs,
+    _outer_gpu_configs,
     gather_grouped_mm_triton,
     gather_grouped_swiglu_triton,
     grouped_outer_triton,
@@ -112,6 +114,32 @@ def test_contiguous_weight_and_other_dtypes(dtype):
     x_NI, weight_EOI, a_RO, rows_R, offsets_E = make_case(7, 40, 24, [3, 0, 18], 2, 0, dtype, transposed=False)
     check_gather(x_NI, weight_EOI, rows_R, offsets_E)
     check_outer(a_RO, x_NI, rows_R, offsets_E)
+
+
+def _config_id(config) -> str:
+    k = config.kwargs
+    return f"{k['BLOCK_M']}x{k['BLOCK_N']}x{k['BLOCK_K']}-w{config.num_warps}-s{config.num_stages}"
+
+
+@pytest.mark.parametrize("config", _gpu_configs(), ids=_config_id)
+def test_every_gather_config_equals_reference(config):
+    """Each block shape the autotuner may pick (on a GPU with its warps and stages; the interpreter takes the blocks)
+    gives the reference result, on groups that cross its tiles: an autotuner times its candidates and would happily
+    keep a fast wrong one."""
+    x_NI, weight_EOI, _, rows_R, offsets_E = make_case(40, 136, 264, [70, 0, 150, 9], 5, 0, torch.bfloat16)
+    want = torch.ops.lrmoe.gather_grouped_mm(x_NI, weight_EOI, rows_R, offsets_E)
+    got = gather_grouped_mm_triton(*on_device(x_NI, weight_EOI, rows_R, offsets_E), config=config)
+    assert_close(got, want, torch.bfloat16, x_NI.shape[1])
+    assert (got[229:] == 0).all()
+
+
+@pytest.mark.parametrize("config", _outer_gpu_configs(), ids=_config_id)
+def test_every_outer_config_equals_reference(config):
+    x_NI, _, a_RO, rows_R, offsets_E = make_case(40, 264, 136, [70, 0, 150, 9], 5, 0, torch.bfloat16)
+    want = torch.ops.lrmoe.grouped_outer(a_RO, x_NI, rows_R, offsets_E)
+    got = grouped_outer_triton(*on_device(a_RO, x_NI, rows_R, offsets_E), config=config)
+    assert_close(got, want, torch.bfloat16, rows_R.shape[0])
+    assert (got[1] == 0).all(), "the empty group gives zeros"
 
 
 def test_values_outside_the_groups_never_leak():
