@@ -97,25 +97,22 @@ def _score_pairs_kernel(
 def _block_sizes(T: int, K: int, D: int) -> tuple[int, int, int, int]:
     """(BLOCK_T, BLOCK_D, BLOCK_K, num_warps) for a [T, D] gradient and K pairs per token.
 
-    BLOCK_D: up to 512 columns a step, so the register tile (one or two fp32 accumulators) has the same size
-    whatever D is; Triton gives each thread 8 contiguous bf16 (or 4 fp32) of a row, i.e. 16-byte vector loads (seen
-    in the PTX for sm_90 when D and the row stride are multiples of 16, which Triton specialises on; other D give
-    narrower loads).
-    BLOCK_T: rows per program so that a step moves 2048 elements, with 4 warps 16 per thread: four 16-byte loads in
-    flight per thread in bf16, ~50 registers (no spills), so many programs fit on an SM and together keep enough
-    bytes in flight to cover HBM latency. Small D gives more rows per program (up to 32) so that short rows do not
-    make tiny programs. T = 8192 launches 2048 programs, ~15 per SM on an H200's 132 SMs.
-    Measured on one H200 (benchmarks/scoring_bandwidth.py --sweep, bf16, K = 8, T = 131072, D = 2048, metric lrm,
-    2026-11-29): (4, 512, 4 warps) moved 84% of the device copy bandwidth, (8, 512, 4) 82%; every 1024- or
-    2048-column tile 37-65%; 8 warps 38-79% (more registers per program, so likely fewer resident programs per SM;
-    not profiled). At T = 8192 the whole read is 32 MiB, ~8 us at copy speed, and launch and ramp-up dominate: the
-    same kernel then shows 30-50%, and timings of 20-40 us varied by up to 2x between runs.
+    BLOCK_D: up to 128 columns a step, BLOCK_T: rows per program so that a step moves 512 elements (4 rows of 128
+    from D = 128 on, more rows for narrower D, at most 32), 4 warps: 4 elements per thread a step, a few registers,
+    so many programs fit on an SM. T = 8192 launches 2048 programs, ~15 per SM on an H200's 132 SMs.
+    Measured on one H200 (benchmarks/scoring_bandwidth.py --sweep --methods graph, bf16, K = 8, metric lrm, 38
+    block shapes, ninth session): (4, 128, 4 warps) read g at 75 % / 82 % of the device copy bandwidth at T = 8192
+    (D = 2048 / 4096) and 99 % / 101 % at T = 131072; the best shape per case reached 76 / 83 / 101 / 103 %, and
+    the previous default (4, 512, 4 warps) 59 / 71 / 88 / 96 %. (16, 512, 4 warps) did as well as (4, 128) but holds
+    16x the registers (two accumulators for grad_abs), so it was not taken. Timed with the inputs rotated through
+    copies larger than the L2 inside one CUDA graph; do_bench's L2 flush made the same kernel at T = 8192 read 19
+    to 39 us in different runs where the graph method gave 13.4-13.7 us.
     BLOCK_K: K rounded up to a power of two (Triton tiles are powers of two); the pair part is T*K elements,
     noise next to g.
     """
-    block_d = min(triton.next_power_of_2(max(D, 1)), 512)
+    block_d = min(triton.next_power_of_2(max(D, 1)), 128)
     rows = T if isinstance(T, int) else 32  # a symbolic T (under torch.compile): the cap, no guard on it
-    block_t = max(1, min(32, 2048 // block_d, triton.next_power_of_2(max(rows, 1))))
+    block_t = max(1, min(32, 512 // block_d, triton.next_power_of_2(max(rows, 1))))
     block_k = triton.next_power_of_2(max(K, 1))
     return block_t, block_d, block_k, 4
 
