@@ -14,7 +14,10 @@ Group sizes: balanced (R/E each) and skewed (a multinomial draw with log-normal 
 seed: at 65,536 rows the hottest expert gets 8,150 rows, 16x the mean, the coldest 23). The "groups" column shows
 the largest group.
 
-Prints one table: median time (triton.testing.do_bench), TFLOP/s (2·R·O·I / time), the ratio to (c) (target:
+Prints one table: median time (triton.testing.do_bench's median, then the median over --rounds rounds that
+time every row of a problem in turn, so that a drift in clocks or power during the run hits all rows alike; one
+run of the ninth session, timing each row once, had torch._grouped_mm on pre-gathered rows 37 % slower than an
+earlier run and slower than gather + _grouped_mm), TFLOP/s (2·R·O·I / time), the ratio to (c) (target:
 the fused kernel at >= 0.90 of torch._grouped_mm), and the largest relative error against (b).
 --configs adds a row per launch config (fwd and wgrad): each candidate of the autotuner's lists in
 lrmoe_kernels.grouped_gemm, and the lists it had before the ninth session ("old"), timed on the same problem, with
@@ -25,6 +28,7 @@ Importable on a CPU machine; main() needs CUDA.
 from __future__ import annotations
 
 import argparse
+import statistics
 
 import torch
 import triton
@@ -124,6 +128,7 @@ def main() -> None:
     parser.add_argument("--shapes", nargs="+", default=DEFAULT_SHAPES, choices=sorted(SHAPES))
     parser.add_argument("--rows", type=int, default=65536)
     parser.add_argument("--rep", type=int, default=100, help="do_bench rep (ms)")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds; the median of their medians")
     parser.add_argument("--configs", action="store_true", help="also time each launch config (see the docstring)")
     args = parser.parse_args()
 
@@ -165,7 +170,11 @@ def main() -> None:
             for op, fns in ops:
                 flop = 2 * args.rows * O * I * (2 if op == "swiglu" else 1)
                 want = fns["(b) index_select+_grouped_mm"]()
-                ms = {k: bench(fn) for k, fn in fns.items()}
+                times = {k: [] for k in fns}
+                for _ in range(args.rounds):  # interleaved: clock or power drift hits every row alike
+                    for k, fn in fns.items():
+                        times[k].append(bench(fn))
+                ms = {k: statistics.median(t) for k, t in times.items()}
                 for k, fn in fns.items():
                     tflops = flop / ms[k] / 1e9
                     ratio = ms["(c) _grouped_mm pre-gathered"] / ms[k]

@@ -74,16 +74,18 @@ _SMALL_CONFIG = triton.Config(dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32), num_warp
 
 
 def _gpu_configs() -> list[triton.Config]:
-    """Candidate blocks for gather_grouped_mm on Hopper (BLOCK_M x BLOCK_N output tile, BLOCK_K deep): 128 x 256 or
-    256 x 128 tiles with 8 warps feed wgmma; 3-4 stages keep the shared memory under the H200's 227 KiB per block
+    """Candidate blocks for gather_grouped_mm on Hopper (BLOCK_M x BLOCK_N output tile, BLOCK_K deep): 128 rows x 256
+    columns with 8 warps feeds wgmma; 3-4 stages keep the shared memory under the H200's 227 KiB per block
     ((BM + BN) * BK * 2 bytes a stage in bf16; 5 stages of 64 overflow). Measured (ninth session, one H200, 65,536
-    rows, E = 128, bf16; docs/performance.md): the two wide tiles led at the Qwen3 and GLM shapes, balanced or skewed
-    (0.73-0.87 of torch._grouped_mm on pre-gathered rows); at the Qwen3 shapes 128 x 128 x 64 (the old first
-    choice) trailed them by 11-29 %, 64-row and 128-deep tiles further still."""
+    rows, E = 128, bf16, the Qwen3 and GLM shapes balanced and skewed; benchmarks/grouped_gemm.py --configs and two
+    sweeps, docs/performance.md): 128 x 256 x 64 was the best config or within 6 % of it in every case; 128 x 128 x
+    64 (the old first choice) trailed by 8-34 %, 64-row and 128-deep tiles further still. 256 x 128 x 64 matched
+    128 x 256 on balanced groups but fell to 0.55-0.70 of it on skewed ones (a 256-row tile spends most of its rows
+    on padding past small groups), and the autotuner keys on (O, I) only, so a balanced first call would keep it
+    for skewed steps (seen at the GLM down shape: 0.60 of torch._grouped_mm): it is not a candidate."""
     return [
         triton.Config(dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64), num_warps=8, num_stages=3),
         triton.Config(dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64), num_warps=8, num_stages=4),
-        triton.Config(dict(BLOCK_M=256, BLOCK_N=128, BLOCK_K=64), num_warps=8, num_stages=4),
         triton.Config(dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64), num_warps=8, num_stages=4),
         _SMALL_CONFIG,
     ]
@@ -92,10 +94,11 @@ def _gpu_configs() -> list[triton.Config]:
 def _outer_gpu_configs() -> list[triton.Config]:
     """Candidate blocks for grouped_outer, whose reduction runs over one group's rows (~R / E of them, 512 at the
     target shapes): with so short a K loop, each tile's pipeline fill and its L2 reads of the two operands weigh more
-    than in gather_grouped_mm, and shallow K blocks with deep pipelines win. Measured (ninth session, one H200, same
-    problems): 256 x 128 x 32 with 6 stages reached 0.71-0.90 of torch._grouped_mm (pre-gathered) at the Qwen3 and GLM
-    shapes, where the best of the forward's old blocks gave 0.64-0.73 (Qwen3); 5 stages came within 4 % of 6, 4
-    stages lost 28-36 %; 128 x 128 x 32 with 4 warps matched it in three of the four Qwen3 cases."""
+    than in gather_grouped_mm, and shallow K blocks with deep pipelines win. Measured (ninth session, same problems;
+    BLOCK_M here runs over the output's O, not over rows, so skew does not waste it): the best of these was 11-20 %
+    faster than the best of the old list at every shape in the --configs run (0.76-0.99 of torch._grouped_mm on
+    pre-gathered rows); 256 x 128 x 32 with 5 or 6 stages led, 4 stages lost ~30 %; 128 x 128 x 32 with 4 warps was
+    as good in some Qwen3 cases."""
     return [
         triton.Config(dict(BLOCK_M=256, BLOCK_N=128, BLOCK_K=32), num_warps=8, num_stages=6),
         triton.Config(dict(BLOCK_M=256, BLOCK_N=128, BLOCK_K=32), num_warps=8, num_stages=5),
