@@ -35,13 +35,13 @@ saved activations (forward to backward), "save" = what the code keeps today:
              with replicas, the instance weights torch.cat(owned, replicas) hold a copy of the owned shard,
              L*3FD*b (the replicas' part is replica_weights).
     "recompute" (LRMoE(activations="recompute"), one device or expert-parallel): the same without h, which is
-        a forward transient instead; backward recomputes h for the retained rows only from x, into the buffer
-        "save" fills by gathering, so the backward buffers are unchanged.
+        a forward transient instead; backward recomputes h for the retained rows only from x, a buffer of M*2F*b
+        until the SwiGLU backward ("save" reads the saved h in place there).
     "offload" (LRMoE(activations="offload"), one device or expert-parallel): the same without h on the device:
         forward copies h to pinned host memory (``offloaded``, not device bytes; the pinned allocator rounds a
         block up to a power of two, so the host may hold up to twice that) and h is a forward transient, as
-        under "recompute"; backward reads the retained rows back from the host into the buffer "save" fills by
-        gathering, with the same row index, so the backward buffers are those of "save".
+        under "recompute"; backward reads the retained rows back from the host, with the row index "save"
+        uses, into a buffer of M*2F*b held until the SwiGLU backward.
 
 transients: ``forward_phases`` and ``backward_phases`` follow the code line by line (``_Timeline``): a local stays
 alive until its function returns (nothing in these functions frees a buffer early), a line's temporaries live
@@ -49,12 +49,12 @@ only on that line, and a phase is a point where a line allocates, with everythin
 the largest phase. Forward: the grouped GEMMs, the SwiGLU, the fp32 ||phi||^2 working set N*F*(u + 4) and the
 combine. Backward (one device; W > 1 adds the payloads and the received and returned rows):
     dy           alpha * g / p per retained row: the gathered g rows and their fp32 product, R*D*(b + 4)
-    h_rows       h of the retained rows, M*2F*b (gathered from the saved h or its host copy, or recomputed from x)
-    swiglu       phi M*F*b (and the silu temporary)
+    h_rows       "recompute" and "offload": h of the retained rows, M*2F*b (recomputed from x or read back from the
+                 host copy); "save" keeps only their row index and reads the saved h in place
     dphi_gemm    dphi M*F*b
+    swiglu_backward  lrmoe::swiglu_backward's outputs, phi M*F*b and dh M*2F*b (one kernel on CUDA: no working
+                 set), with dy and dphi still live
     grad_down_gemm     the down projection's weight-gradient output, I*DF*b (I = L + r instances)
-    swiglu_backward  fp32 working set M*F*(3u + 20), + its cast M*2F*b when u > 0; everything above still live:
-                 the peak at the Qwen3 shape with retain 1
     grad_gate_up_gemm  the gate/up projection's weight-gradient output, I*2FD*b, after dh M*2F*b
     dx_gemm      dx M*D*b
     input_grad   each pair's buffer row ((P + 1)*8, the K-row sum reads the rows in place) and the input
@@ -465,19 +465,6 @@ def _forward_phases(config: MemoryConfig, rows: Rows, b: int, policy: str) -> di
     return t.phases
 
 
-def _swiglu_backward_workspace(M: int, F: int, b: int, u: int) -> dict[str, int]:
-    """``_swiglu_backward`` at its largest (its last line): fp32 h and dphi copies (when not fp32), sigmoid,
-    dgate and dup, their concatenation, and its cast back (when not fp32). Its longest expression, dgate, peaks at
-    three [M, F] fp32 temporaries, one fewer than the last line holds."""
-    return {
-        "h_fp32": M * 2 * F * u,
-        "dphi_fp32": M * F * u,
-        "sig_dgate_dup": 3 * M * F * _FP32,
-        "dh_fp32": M * 2 * F * _FP32,
-        "dh_cast": M * 2 * F * b if u else 0,
-    }
-
-
 def _backward_phases(config: MemoryConfig, rows: Rows, retain: float, b: int, policy: str,
                      replicas: int) -> dict[str, dict[str, int]]:
     """The backward of ``selective_swiglu_experts`` (W = 1) or of ``ExpertParallel``'s expert function (W > 1),
@@ -487,7 +474,6 @@ def _backward_phases(config: MemoryConfig, rows: Rows, retain: float, b: int, po
     T, D, F, E, P = config.tokens, config.dim, config.hidden_dim, config.num_experts, rows.pairs
     R, M = rows.sent_retained, rows.recv_retained
     n_inst = config.local_experts + replicas  # weight-gradient outputs cover every instance
-    u = _upcast(config.param_dtype)
     dense = retain >= 1.0
     t = _Timeline()
     t.alloc(grad_out=T * D * b)
@@ -515,27 +501,31 @@ def _backward_phases(config: MemoryConfig, rows: Rows, retain: float, b: int, po
         src_rows = rows.recv
     if policy == "recompute":  # from x (one device: by token; W > 1: the received rows), gathered
         t.mark("h_rows", x_rows=M * D * b if _gathers(config, src_rows, D, 2 * F) else 0, h_rows=M * 2 * F * b)
-    else:  # "save" gathers the saved h; "offload" reads the same rows back from the host into the same buffer
-        t.mark("h_rows", h_row_index=M * _INT64, h_rows=M * 2 * F * b)
-    t.alloc(h_rows=M * 2 * F * b)
-    t.mark("swiglu", silu=M * F * b, phi_rows=M * F * b)
-    t.alloc(phi_rows=M * F * b, row_ident=M * _INT64)
-    # The next three GEMMs read their rows in place (rows_R=None): no gather copy.
+        t.alloc(h_rows=M * 2 * F * b)
+    else:  # the rows' index into the saved h (or its host copy), an argument of expert_rows_backward
+        t.alloc(h_row_index=M * _INT64)
+        if policy == "offload":  # the retained rows read back from the host copy
+            t.mark("h_rows", h_rows=M * 2 * F * b)
+            t.alloc(h_rows=M * 2 * F * b)
+        # "save": lrmoe::swiglu_backward reads the saved h in place through the index
+    # The GEMMs below read their rows in place (rows_R=None): no gather copy.
     t.mark("dphi_gemm", dphi_rows=M * F * b)
     t.alloc(dphi_rows=M * F * b)
+    # lrmoe::swiglu_backward: its outputs. Its CPU reference's temporaries are inside one op (not modelled, see the
+    # module docstring); the CUDA kernel has none.
+    t.mark("swiglu_backward", dh_rows=M * 2 * F * b, phi_rows=M * F * b)
+    t.alloc(dh_rows=M * 2 * F * b, phi_rows=M * F * b)
+    t.free(*(["h_rows"] if policy != "save" else []), "dphi_rows")
     t.mark("grad_down_gemm", grad_down=n_inst * D * F * b)
     t.alloc(grad_down=n_inst * D * F * b)
     # expert_rows_backward (both layers) releases each row buffer after its last use.
     t.free("dy" if config.world_size == 1 else "dy_expert_major", "phi_rows")
-    t.mark("swiglu_backward", **_swiglu_backward_workspace(M, F, b, u))
-    t.alloc(dh_rows=M * 2 * F * b)
-    t.free("h_rows", "dphi_rows")
     t.mark("grad_gate_up_gemm", x_gathered=M * D * b if _gathers(config, M, 2 * F, src_rows, D) else 0,
            grad_gate_up=n_inst * 2 * F * D * b)
     t.alloc(grad_gate_up=n_inst * 2 * F * D * b)
     t.mark("dx_gemm", dx_rows=M * D * b)
     t.alloc(dx_rows=M * D * b)
-    t.free("dh_rows")  # a local of expert_rows_backward, gone when it returns dx
+    t.free("dh_rows", *(["h_row_index"] if policy != "recompute" else []))  # gone when expert_rows_backward returns
     if config.world_size > 1:
         t.alloc(dx_source_major=M * D * b, dx_returned=R * D * b)
     # sum_rows_per_token: every pair learns its row (an index per pair), then each token's rows are summed in place.

@@ -18,7 +18,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from lrmoe.functional._checks import check_choice, check_retain, check_tensor
 from lrmoe.functional.quotas import POLICIES, plan_quotas
@@ -34,6 +33,8 @@ from lrmoe.ops import (
     grouped_outer,
     offload_to_host,
     offload_wait,
+    swiglu,
+    swiglu_backward,
 )
 
 __all__ = ["ACTIVATION_POLICIES", "ExpertPlan", "plan_experts", "retained_rows_bound", "selective_swiglu_experts"]
@@ -243,21 +244,6 @@ class _Config:
     activations: str = "save"
 
 
-def _swiglu(h_PF2: torch.Tensor) -> torch.Tensor:
-    gate, up = h_PF2.chunk(2, dim=-1)
-    return F.silu(gate) * up
-
-
-def _swiglu_backward(h_RF2: torch.Tensor, dphi_RF: torch.Tensor) -> torch.Tensor:
-    """d/dh of silu(gate) * up, in fp32 (sigmoid's derivative loses too much in bf16)."""
-    gate, up = h_RF2.float().chunk(2, dim=-1)
-    sig = torch.sigmoid(gate)
-    dphi = dphi_RF.float()
-    dgate = dphi * up * sig * (1 + gate * (1 - sig))
-    dup = dphi * gate * sig
-    return torch.cat([dgate, dup], dim=-1).to(h_RF2.dtype)
-
-
 def router_gradient(g_TD: torch.Tensor, y_ND: torch.Tensor, rows_TK: torch.Tensor) -> torch.Tensor:
     """Exact router gradient dL/d alpha_tk = <g_t, y_tk>, [T, K] fp32, where pair (t, k)'s expert output is
     ``y_ND[rows_TK[t, k]]`` (y in the order the experts wrote it): one pass over y, no pair-order copy
@@ -347,25 +333,28 @@ def expert_rows_backward(
 
     ``dy`` = [dy_RD], the output gradient of the retained rows, is consumed (the caller drops its reference), so
     every row buffer is released right after its last use here: the lifetimes lrmoe.memory models. Row i's input
-    is ``x_ND[src_rows_R[i]]``. Its gate/up pre-activation h is ``h_saved[h_index_R[i]]`` (activations "save"; with
-    ``h_on_host``, "offload": read from the pinned host copy, only these rows crossing the link), or recomputed
-    from that input when ``h_saved`` is None ("recompute": one grouped GEMM over the kept rows). ``needs`` = (dx,
+    is ``x_ND[src_rows_R[i]]``. Its gate/up pre-activation h is ``h_saved[h_index_R[i]]`` (activations "save",
+    read in place by lrmoe::swiglu_backward; with ``h_on_host``, "offload": read from the pinned host copy, only
+    these rows crossing the link), or recomputed from that input when ``h_saved`` is None ("recompute": one
+    grouped GEMM over the kept rows). dphi comes first, so that phi and dh come out of one pass over h. ``needs`` = (dx,
     gate/up grad, down grad). Returns (dx_RD, grad_gate_up_EFD, grad_down_EDF), None where not needed.
     """
     dy_RD = dy.pop()
+    # The rows' h: the saved h read in place through the row index ("save"), or a buffer of just these rows.
+    h_rows_R = None
     if h_saved is None:  # rows past the last offset come back as zeros
-        h_RF2 = gather_grouped_mm(x_ND, gate_up_EFD, src_rows_R, offsets_E)
+        h_src = gather_grouped_mm(x_ND, gate_up_EFD, src_rows_R, offsets_E)
     elif h_on_host:
-        h_RF2 = gather_host_rows(h_saved, h_index_R)
+        h_src = gather_host_rows(h_saved, h_index_R)
     else:
-        h_RF2 = h_saved.index_select(0, h_index_R)
+        h_src, h_rows_R = h_saved, h_index_R
     need_x, need_gu, need_down = needs
-    phi_RF = _swiglu(h_RF2)
     dphi_RF = gather_grouped_mm(dy_RD, down_EDF.transpose(1, 2), None, offsets_E)
+    # phi (the down projection's weight-gradient operand) and dh from one read of h (lrmoe::swiglu_backward).
+    dh_RF2, phi_RF = swiglu_backward(h_src, h_rows_R, dphi_RF)
+    del h_src, dphi_RF
     grad_down = grouped_outer(dy_RD, phi_RF, None, offsets_E) if need_down else None
     del dy_RD, phi_RF
-    dh_RF2 = _swiglu_backward(h_RF2, dphi_RF)
-    del h_RF2, dphi_RF
     grad_gu = grouped_outer(dh_RF2, x_ND, src_rows_R, offsets_E) if need_gu else None
     dx_RD = gather_grouped_mm(dh_RF2, gate_up_EFD.transpose(1, 2), None, offsets_E) if need_x else None
     return dx_RD, grad_gu, grad_down
@@ -397,7 +386,7 @@ class _SelectiveSwiGLU(torch.autograd.Function):
 
         h_PF2 = gather_grouped_mm(x_TD, gate_up_EFD, tok_P, offsets_E)
         h_saved = saved_h(h_PF2, cfg.activations)
-        phi_PF = _swiglu(h_PF2)
+        phi_PF = swiglu(h_PF2)
         y_PD = gather_grouped_mm(phi_PF, down_EDF, None, offsets_E)  # rows in place: no gather
         # Pair (t, k) = pair id t*K + k sits at row inv_P[t*K + k] of the expert-ordered buffers.
         inv_P = torch.empty_like(order_P).scatter_(0, order_P, ident_P)

@@ -68,7 +68,6 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from lrmoe.functional.experts import (
-    _swiglu,
     combine,
     expert_rows_backward,
     release_h,
@@ -87,7 +86,7 @@ from lrmoe.functional.replicas import (
 )
 from lrmoe.functional.routing import expert_loads, route_topk
 from lrmoe.nn.lrmoe import LRMoE
-from lrmoe.ops import argsort_ids, gather_grouped_mm
+from lrmoe.ops import argsort_ids, gather_grouped_mm, swiglu
 
 __all__ = ["ExpertParallel", "ExpertParallelPlan", "ExpertParallelStats", "backward_capacity", "plan_expert_parallel"]
 
@@ -479,7 +478,7 @@ class _ExpertParallelSwiGLU(torch.autograd.Function):
         ident_N = torch.arange(n_rows, device=x_TD.device)
         h_NF2 = gather_grouped_mm(x_recv_ND, gate_up_IFD, perm_N, offsets_I)
         h_saved = saved_h(h_NF2, cfg.activations)
-        phi_NF = _swiglu(h_NF2)
+        phi_NF = swiglu(h_NF2)
         y_ND = gather_grouped_mm(phi_NF, down_IDF, None, offsets_I)  # rows in place
         inv_perm_N = torch.empty_like(perm_N).scatter_(0, perm_N, ident_N)
         phi_sq_N = phi_NF.float().square().sum(-1)

@@ -10,6 +10,7 @@ from lrmoe.ops.grouped_gemm import gather_grouped_mm, gather_grouped_swiglu, gro
 from lrmoe.ops.offload import gather_host_rows, offload_to_host, offload_wait
 from lrmoe.ops.scoring import score_pairs
 from lrmoe.ops.selection import argsort_ids, select_within_quota
+from lrmoe.ops.swiglu import swiglu, swiglu_backward
 from lrmoe.ops.token_rows import gather_dot_rows, gather_sum_rows
 
 __all__ = [
@@ -24,4 +25,6 @@ __all__ = [
     "offload_wait",
     "score_pairs",
     "select_within_quota",
+    "swiglu",
+    "swiglu_backward",
 ]

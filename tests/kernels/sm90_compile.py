@@ -95,6 +95,14 @@ def run_launchers() -> None:
             score.score_pairs_triton(torch.rand(16, 4).to(dtype), torch.randn(16, 256).to(dtype),
                                      torch.rand(16, 4), metric)
 
+    swi = kernel_module("swiglu")
+    swi._blocks = _as_on_gpu(swi, swi._blocks)
+    for dtype in (torch.bfloat16, torch.float32):
+        h = torch.randn(40, 2 * 768).to(dtype)  # the Qwen3 F: full column blocks
+        for rows in (torch.randint(0, 40, (24,), generator=gen), torch.randint(0, 40, (24,), generator=gen).int(),
+                     None):
+            swi.swiglu_backward_triton(h, rows, torch.randn(40 if rows is None else 24, 768).to(dtype))
+
     off = kernel_module("offload")
     off._blocks = _as_on_gpu(off, off._blocks)  # the GPU's tiles, not the interpreter's
     off._INTERPRET = True  # only to pass the launcher's device checks: the kernel is recorded, not run

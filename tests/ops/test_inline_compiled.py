@@ -49,6 +49,8 @@ def _cases(device: str, dtype: torch.dtype):
         ("gather_grouped_mm", ops.gather_grouped_mm, (randn(N, C), randn(E, 32, C), rows_N, offsets_E),
          "_zero_tail_kernel"),
         ("grouped_outer", ops.grouped_outer, (randn(N, 32), randn(N, C), rows_N, offsets_E), "_grouped_mm"),
+        ("swiglu_backward", ops.swiglu_backward, (randn(N, C), rows_N[:40], randn(40, C // 2)),
+         "_swiglu_backward_kernel"),
     ]
 
 
@@ -58,7 +60,7 @@ def _compiled(fn, args):
     return out, "\n".join(code)
 
 
-@pytest.mark.parametrize("case", range(7))
+@pytest.mark.parametrize("case", range(8))
 def test_cpu_graphs_keep_each_op_whole(case):
     name, fn, args, _ = _cases("cpu", torch.float32)[case]
     out, code = _compiled(fn, args)
@@ -68,7 +70,7 @@ def test_cpu_graphs_keep_each_op_whole(case):
 
 
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
-@pytest.mark.parametrize("case", range(7))
+@pytest.mark.parametrize("case", range(8))
 def test_cuda_graphs_launch_the_kernels_and_match_eager(case):
     name, fn, args, kernel = _cases("cuda", torch.bfloat16)[case]
     out, code = _compiled(fn, args)
@@ -109,6 +111,7 @@ KERNEL_WRITES = {
     "_sample_probabilities_kernel": ["tail_a_ptr", "tail_b_ptr", "p_ptr"],
     "_compact_kernel": ["pair_ids_ptr", "weights_ptr"],
     "_zero_tail_kernel": ["y_ptr"],
+    "_swiglu_backward_kernel": ["dh_ptr", "phi_ptr"],
 }
 
 

@@ -1,0 +1,104 @@
+"""The SwiGLU backward of the retained rows, with the SwiGLU itself, in one pass (the kernel behind
+``lrmoe::swiglu_backward``).
+
+Shapes: N rows of h, R rows out, F the expert hidden dim (h is [N, 2F], gate half first).
+
+``swiglu_backward_triton(h_N2F, rows_R, dphi_RF) -> (dh_R2F, phi_RF)``
+    With h_i = h[rows[i]] (h itself when rows is None), gate = h_i[:F], up = h_i[F:], s = sigmoid(gate), in fp32:
+    dh_i = [dphi_i * up * s * (1 + gate * (1 - s)),  dphi_i * gate * s], rounded to h's dtype once;
+    phi_i = silu(gate) * up, each factor rounded to h's dtype as eager PyTorch rounds them (silu, then the product).
+    Rows outside [0, N) are not read: their outputs are zero (as for zero h).
+
+Why one kernel: the layer's backward needs phi (the down projection's weight-gradient operand) and dh (the gate/up
+projection's output gradient) of the same retained rows, both from h. Compiled, Inductor produced them in two
+kernels that each gathered h through two index loads per element (the retained row's pair, then that pair's row of
+the saved h) over a flattened [R, 2F] range, 0.216 + 0.077 ms at the Qwen3 shape, retain 1, on the H200 (read
+off Inductor's generated code and the profile, ninth session). Here each program loads its rows' index once and
+reads the gate and up halves of those rows once, as 16-byte vectors: h read once in place (the saved h with the
+row index, no gathered copy), dphi once, dh and phi written once.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from .launch import known_empty, launch
+
+__all__ = ["swiglu_backward_triton"]
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@triton.jit
+def _swiglu_backward_kernel(
+    h_ptr, rows_ptr, dphi_ptr, dh_ptr, phi_ptr,
+    R, N, F,
+    stride_hn, stride_hf, stride_dr, stride_df, stride_gr, stride_gf, stride_pr, stride_pf,
+    HAS_ROWS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_F: tl.constexpr,
+):  # fmt: skip
+    r_R = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    f_F = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
+    r_ok_R = r_R < R
+    mask_RF = r_ok_R[:, None] & (f_F < F)[None, :]
+    if HAS_ROWS:
+        src_R = tl.load(rows_ptr + r_R, mask=r_ok_R, other=0).to(tl.int64)
+        read_R = r_ok_R & (src_R >= 0) & (src_R < N)  # an index outside h is not read: zeros out
+    else:
+        src_R = r_R.to(tl.int64)
+        read_R = r_ok_R
+    read_RF = read_R[:, None] & (f_F < F)[None, :]
+    gate_ptr = h_ptr + src_R[:, None] * stride_hn + f_F[None, :] * stride_hf
+    h_dtype = h_ptr.dtype.element_ty
+    gate_h = tl.load(gate_ptr, mask=read_RF, other=0.0)
+    up_h = tl.load(gate_ptr + F * stride_hf, mask=read_RF, other=0.0)
+    r64_R = r_R.to(tl.int64)[:, None]
+    dphi = tl.load(dphi_ptr + r64_R * stride_dr + f_F[None, :] * stride_df, mask=mask_RF, other=0.0).to(tl.float32)
+
+    gate = gate_h.to(tl.float32)
+    up = up_h.to(tl.float32)
+    sig = tl.sigmoid(gate)
+    # Same operation order as lrmoe.ops.swiglu's reference (left to right), so the fp32 products round alike.
+    dgate = dphi * up * sig * (1.0 + gate * (1.0 - sig))
+    dup = dphi * gate * sig
+    dh_ptrs = dh_ptr + r64_R * stride_gr + f_F[None, :] * stride_gf
+    tl.store(dh_ptrs, dgate.to(h_dtype), mask=mask_RF)
+    tl.store(dh_ptrs + F * stride_gf, dup.to(h_dtype), mask=mask_RF)
+    silu = (gate / (1.0 + tl.exp(-gate))).to(h_dtype)  # F.silu in h's dtype: fp32 math, one rounding
+    phi = (silu.to(tl.float32) * up).to(h_dtype)
+    tl.store(phi_ptr + r64_R * stride_pr + f_F[None, :] * stride_pf, phi, mask=mask_RF)
+
+
+def _blocks(F: int, elem_bytes: int) -> dict:
+    """GPU: 8 rows x up to 256 columns, 4 warps: 16 elements of each of the five [R, F] tiles per thread, as 16-byte
+    vectors in bf16 when F and the strides allow. Interpreter: small, so test shapes cross tiles and masked
+    edges."""
+    if _INTERPRET:
+        return {"BLOCK_R": 4, "BLOCK_F": 8, "num_warps": 1}
+    return {"BLOCK_R": 8, "BLOCK_F": min(triton.next_power_of_2(max(F, 1)), 256), "num_warps": 4}
+
+
+def swiglu_backward_triton(
+    h_N2F: torch.Tensor, rows_R: torch.Tensor | None, dphi_RF: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dh_R2F, phi_RF) in h's dtype; see the module docstring. CUDA tensors (CPU ones under TRITON_INTERPRET=1);
+    neither devices nor shapes are checked here (lrmoe.ops.swiglu does that). No host sync."""
+    N, F2 = h_N2F.shape
+    F = F2 // 2
+    R = dphi_RF.shape[0]
+    dh_R2F = torch.empty((R, F2), dtype=h_N2F.dtype, device=h_N2F.device)
+    phi_RF = torch.empty((R, F), dtype=h_N2F.dtype, device=h_N2F.device)
+    if known_empty(R, F):
+        return dh_R2F, phi_RF
+    cfg = _blocks(F, h_N2F.element_size())
+    grid = (triton.cdiv(R, cfg["BLOCK_R"]), triton.cdiv(F, cfg["BLOCK_F"]))
+    launch(_swiglu_backward_kernel, grid)(
+        h_N2F, h_N2F if rows_R is None else rows_R, dphi_RF, dh_R2F, phi_RF,
+        R, N, F,
+        *h_N2F.stride(), *dphi_RF.stride(), *dh_R2F.stride(), *phi_RF.stride(),
+        HAS_ROWS=rows_R is not None, **cfg,
+    )  # fmt: skip
+    return dh_R2F, phi_RF

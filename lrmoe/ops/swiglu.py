@@ -1,0 +1,98 @@
+"""The SwiGLU of the experts and its backward over retained rows, as a custom op.
+
+Shapes: N rows of h, R rows out, F the expert hidden dim; h is [N, 2F], gate half first (transformers' Qwen3-MoE
+``gate_up_proj`` layout).
+
+``swiglu(h_N2F) -> phi_NF``
+    silu(gate) * up in h's dtype (plain PyTorch: the forward, where Inductor fuses it into its neighbours).
+``lrmoe::swiglu_backward(h_N2F, rows_R, dphi_RF) -> (dh_R2F, phi_RF)``
+    For the rows h_i = h[rows[i]] (h itself when rows is None): the gradient of phi = silu(gate) * up with
+    respect to h given dphi, computed in fp32 and rounded to h's dtype once (sigmoid's derivative loses too much in
+    bf16), and phi itself, as ``swiglu`` gives it. The expert backward needs both of the same rows (phi for the
+    down projection's weight gradient, dh for the gate/up projection's), so one op reads h once: on CUDA one Triton
+    kernel (lrmoe_kernels.swiglu) reading the saved h in place through the row index. Rows must lie in [0, N) (not
+    checked: that would need a host sync); the CUDA kernel gives zeros for one outside, the reference fails.
+
+The CPU kernel is the reference (index_select, then PyTorch); fp64 runs the reference on every device. Not
+differentiable (it is a backward already).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.fx.experimental.symbolic_shapes import guard_or_false
+
+from lrmoe.ops._kernels import inline_when_compiled, kernel_module
+
+__all__ = ["swiglu", "swiglu_backward"]
+
+
+def swiglu(h_N2F: torch.Tensor) -> torch.Tensor:
+    gate, up = h_N2F.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def swiglu_backward_reference(h_N2F, rows_R, dphi_RF):
+    """phi first, then dh's fp32 working set (the order lrmoe.memory models)."""
+    h_R2F = h_N2F if rows_R is None else h_N2F.index_select(0, rows_R)
+    phi_RF = swiglu(h_R2F)
+    gate, up = h_R2F.float().chunk(2, dim=-1)
+    sig = torch.sigmoid(gate)
+    dphi = dphi_RF.float()
+    dgate = dphi * up * sig * (1 + gate * (1 - sig))
+    dup = dphi * gate * sig
+    return torch.cat([dgate, dup], dim=-1).to(h_N2F.dtype), phi_RF
+
+
+def _check(h_N2F: torch.Tensor, rows_R: torch.Tensor | None, dphi_RF: torch.Tensor) -> None:
+    if h_N2F.dim() != 2 or h_N2F.shape[1] % 2 or not h_N2F.is_floating_point():
+        raise ValueError(f"lrmoe::swiglu_backward: h_N2F must be a 2-D float tensor with an even number of columns "
+                         f"[N, 2F], got shape {tuple(h_N2F.shape)} and dtype {h_N2F.dtype}")
+    if rows_R is not None and (rows_R.dim() != 1 or rows_R.dtype not in (torch.int32, torch.int64)):
+        raise ValueError(f"lrmoe::swiglu_backward: rows_R must be a 1-D int32 or int64 tensor or None, got shape "
+                         f"{tuple(rows_R.shape)} and dtype {rows_R.dtype}")
+    n_out = h_N2F.shape[0] if rows_R is None else rows_R.shape[0]
+    want = (n_out, h_N2F.shape[1] // 2)
+    # Row counts may be unbacked sizes under torch.compile (expert parallelism): refuse only a certain mismatch.
+    if (dphi_RF.dim() != 2 or guard_or_false(dphi_RF.shape[0] != n_out) or dphi_RF.shape[1] != want[1]
+            or not dphi_RF.is_floating_point()):
+        raise ValueError(f"lrmoe::swiglu_backward: dphi_RF must be a float tensor of shape {want} (the rows of h "
+                         f"taken, F), got shape {tuple(dphi_RF.shape)} and dtype {dphi_RF.dtype}")
+
+
+@torch.library.custom_op("lrmoe::swiglu_backward", mutates_args=())
+def swiglu_backward(h_N2F: torch.Tensor, rows_R: torch.Tensor | None, dphi_RF: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    _check(h_N2F, rows_R, dphi_RF)
+    return swiglu_backward_reference(h_N2F, rows_R, dphi_RF)
+
+
+@swiglu_backward.register_kernel("cuda")
+def _swiglu_backward_cuda(h_N2F, rows_R, dphi_RF):
+    _check(h_N2F, rows_R, dphi_RF)
+    kernels = kernel_module("swiglu")
+    if kernels is None or h_N2F.dtype == torch.float64:  # the kernel computes in fp32
+        return swiglu_backward_reference(h_N2F, rows_R, dphi_RF)
+    return kernels.swiglu_backward_triton(h_N2F, rows_R, dphi_RF)
+
+
+@swiglu_backward.register_fake
+def _(h_N2F, rows_R, dphi_RF):
+    _check(h_N2F, rows_R, dphi_RF)
+    n_out = dphi_RF.shape[0]
+    return h_N2F.new_empty(n_out, h_N2F.shape[1]), h_N2F.new_empty(n_out, h_N2F.shape[1] // 2)
+
+
+def _setup(ctx, inputs, output):
+    ctx.mark_non_differentiable(*output)
+
+
+def _no_backward(ctx, *grads):
+    return None, None, None  # never called: the outputs are non-differentiable
+
+
+# A backward already: its outputs never require grad, so differentiating through them fails loudly instead of
+# giving zero gradients.
+swiglu_backward.register_autograd(_no_backward, setup_context=_setup)
+inline_when_compiled(swiglu_backward, _swiglu_backward_cuda)

@@ -1,0 +1,74 @@
+"""lrmoe_kernels.swiglu: the Triton launcher equals the reference op lrmoe::swiglu_backward (its CPU kernel) on tiny
+odd shapes: rows through an index (repeated, out of order) or in place, F crossing several column blocks with a
+masked edge, a strided h, fp32 and bf16; an index outside h gives zero rows, never a read.
+
+Without a GPU the kernel runs in Triton's interpreter (tests/conftest.py switches it on) on CPU tensors."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from lrmoe_kernels.swiglu import swiglu_backward_triton
+
+from lrmoe.ops.swiglu import swiglu_backward_reference
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+DEVICE = "cpu" if INTERPRET else "cuda"
+pytestmark = pytest.mark.skipif(
+    not INTERPRET and not torch.cuda.is_available(), reason="needs a CUDA device or TRITON_INTERPRET=1"
+)
+
+
+def _case(n, r, f, dtype, seed, indexed=True, strided=False):
+    g = torch.Generator().manual_seed(seed)
+    h = 3 * torch.randn(n, 4 * f if strided else 2 * f, generator=g)
+    h = (h[:, ::2] if strided else h).to(dtype)
+    rows = torch.randint(0, n, (r,), generator=g) if indexed else None
+    dphi = torch.randn(r if indexed else n, f, generator=g).to(dtype)
+    return h.to(DEVICE), None if rows is None else rows.to(DEVICE), dphi.to(DEVICE)
+
+
+def _check(h, rows, dphi):
+    dh, phi = swiglu_backward_triton(h, rows, dphi)
+    want_dh, want_phi = swiglu_backward_reference(h.cpu(), None if rows is None else rows.cpu(), dphi.cpu())
+    assert dh.dtype == phi.dtype == h.dtype and dh.shape == want_dh.shape and phi.shape == want_phi.shape
+    # bf16: phi is rounded twice (silu, then the product) and the interpreter truncates where PyTorch rounds, so
+    # up to two bf16 ulps (2^-7 relative each at worst); sigmoid/exp differ in the last fp32 bits. fp32: a few ulps.
+    tol = dict(rtol=1.6e-2, atol=1e-3) if h.dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(dh.cpu(), want_dh, **tol)
+    torch.testing.assert_close(phi.cpu(), want_phi, **tol)
+
+
+@pytest.mark.parametrize("f", [1, 8, 19])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("indexed", [True, False])
+def test_equal_to_reference(f, dtype, indexed):
+    _check(*_case(9, 13, f, dtype, seed=f, indexed=indexed))
+
+
+def test_strided_h():
+    _check(*_case(7, 10, 12, torch.float32, seed=3, strided=True))
+
+
+def test_rows_outside_h_give_zeros():
+    h, rows, dphi = _case(5, 6, 9, torch.float32, seed=4)
+    h[:] = float("nan")  # a read of any row would leak NaN into dh or phi
+    rows = torch.tensor([-1, 5, 7, -3, 100, 5], device=h.device)
+    dh, phi = swiglu_backward_triton(h, rows, dphi)
+    assert torch.equal(dh.cpu(), torch.zeros(6, 18)) and torch.equal(phi.cpu(), torch.zeros(6, 9))
+
+
+def test_no_rows():
+    h, rows, dphi = _case(4, 0, 6, torch.float32, seed=5)
+    dh, phi = swiglu_backward_triton(h, rows, dphi)
+    assert dh.shape == (0, 12) and phi.shape == (0, 6)
+
+
+@given(n=st.integers(1, 12), r=st.integers(1, 12), f=st.integers(1, 24), seed=st.integers(0, 2**16),
+       indexed=st.booleans())
+def test_property_equal_to_reference(n, r, f, seed, indexed):
+    _check(*_case(n, r, f, torch.float32, seed, indexed=indexed))

@@ -1,0 +1,70 @@
+"""lrmoe::swiglu_backward: torch.library.opcheck, values against autograd of the SwiGLU itself, the outputs'
+non-differentiability, and argument errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lrmoe.ops import swiglu, swiglu_backward
+
+# (N rows of h, F, rows or None): repeated and unordered rows, one row, rows in place, no rows.
+CASES = [(6, 5, [4, 0, 4, 2]), (1, 1, [0, 0]), (7, 8, None), (3, 4, [])]
+
+
+def _case(N, F, rows, dtype=torch.float64, index_dtype=torch.int64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    h = (2 * torch.randn(N, 2 * F, generator=g)).to(dtype)
+    rows_R = None if rows is None else torch.tensor(rows, dtype=index_dtype)
+    R = N if rows is None else len(rows)
+    return h, rows_R, torch.randn(R, F, generator=g).to(dtype)
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("index_dtype", [torch.int64, torch.int32])
+@pytest.mark.parametrize("requires_grad", [False, True])
+def test_opcheck(case, index_dtype, requires_grad):
+    h, rows, dphi = _case(*case, index_dtype=index_dtype)
+    torch.library.opcheck(swiglu_backward, (h.requires_grad_(requires_grad), rows, dphi))
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_values_are_the_swiglu_and_its_autograd_gradient(case, dtype):
+    h, rows, dphi = _case(*case, dtype=dtype)
+    dh, phi = swiglu_backward(h, rows, dphi)
+    # The definition: phi = silu(gate) * up of the taken rows, dh = d<phi, dphi>/dh by autograd, in fp64.
+    h_rows = (h if rows is None else h[rows.long()]).double().requires_grad_(True)
+    gate, up = h_rows.chunk(2, dim=-1)
+    want_phi = torch.nn.functional.silu(gate) * up
+    (want_dh,) = torch.autograd.grad(want_phi, h_rows, dphi.double())
+    tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-6)
+    assert dh.dtype == phi.dtype == dtype and dh.shape == h_rows.shape and phi.shape == dphi.shape
+    torch.testing.assert_close(dh.double(), want_dh, **tol)
+    torch.testing.assert_close(phi.double(), want_phi.detach(), **tol)
+    # phi is what the forward's swiglu gives for the same rows, bit for bit
+    assert torch.equal(phi, swiglu(h if rows is None else h[rows.long()]))
+
+
+def test_outputs_do_not_require_grad():
+    h, rows, dphi = _case(6, 5, [1, 2])
+    dh, phi = swiglu_backward(h.requires_grad_(True), rows, dphi.requires_grad_(True))
+    assert not dh.requires_grad and not phi.requires_grad
+
+
+@pytest.mark.parametrize("args,match", [
+    (((4, 5), None, (4, 2)), "h_N2F must be a 2-D float tensor with an even number of columns"),
+    (((4, 6), None, (4, 2)), r"dphi_RF must be a float tensor of shape \(4, 3\)"),
+    (((4, 6), [[0, 1]], (2, 3)), "rows_R must be a 1-D int32 or int64 tensor"),
+    (((4, 6), [0, 1], (3, 3)), r"dphi_RF must be a float tensor of shape \(2, 3\)"),
+])
+def test_argument_errors_name_the_argument(args, match):
+    h_shape, rows, dphi_shape = args
+    rows_R = None if rows is None else torch.tensor(rows)
+    with pytest.raises(ValueError, match=match):
+        swiglu_backward(torch.randn(*h_shape), rows_R, torch.randn(*dphi_shape))
+
+
+def test_integer_h_is_refused():
+    with pytest.raises(ValueError, match="h_N2F must be a 2-D float tensor"):
+        swiglu_backward(torch.ones(3, 4, dtype=torch.int64), None, torch.randn(3, 2))
