@@ -21,9 +21,10 @@ Two timing methods, both medians, both reading g from HBM (not L2):
   the CPU runs ahead. The row "copy, same bytes" times a clone moving the kernel's bytes the same way, for scale.
 
 At the default T = 8192 the gradient is only 32 MiB (D = 2048), about 8 us at copy speed, so launch latency and
-ramp-up weigh heavily and short timings vary between runs; --tokens 131072 shows the steady-state streaming rate.
-Measured on one H200 (2026-11-29, torch 2.11, triton 3.6, copy 4.23 TB/s): lrm at T = 8192 read 32% (D = 2048)
-and 46% (D = 4096) of the copy rate, at T = 131072 84% and 94%; the reference 2-8%.
+ramp-up weigh heavily; --tokens 131072 shows the steady-state streaming rate. Measured on one H200 (2026-11-29,
+torch 2.11, triton 3.6, copy 4.25 TB/s, graph method, docs/performance.md "Ninth GPU session"): lrm at T = 8192
+read 76 % (D = 2048) and 83 % (D = 4096) of the copy rate, at T = 131072 99 % and 101 %; a copy of the scoring's
+bytes 89-90 % at T = 8192; the reference 5-8 %.
 """
 
 from __future__ import annotations

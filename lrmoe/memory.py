@@ -55,7 +55,7 @@ combine. Backward (one device; W > 1 adds the payloads and the received and retu
     swiglu_backward  lrmoe::swiglu_backward's outputs, phi M*F*b and dh M*2F*b (one kernel on CUDA: no working
                  set), with dy and dphi still live
     grad_down_gemm     the down projection's weight-gradient output, I*DF*b (I = L + r instances)
-    grad_gate_up_gemm  the gate/up projection's weight-gradient output, I*2FD*b, after dh M*2F*b
+    grad_gate_up_gemm  the gate/up projection's weight-gradient output, I*2FD*b: the peak at the Qwen3 shape
     dx_gemm      dx M*D*b
     input_grad   each pair's buffer row ((P + 1)*8, the K-row sum reads the rows in place) and the input
                  gradient T*D*b, with every buffer above still live: the peak wherever the gradients dominate
