@@ -3,12 +3,16 @@
 
 Shapes: N source rows, C columns, R gathered rows.
 
-``gather_host_rows_triton(src_NC, rows_R) -> out_RC``
-    out[i] = src[rows[i]], on rows' device. ``src`` may be a pinned CPU tensor: memory that cudaHostAlloc pinned
+``gather_host_rows_triton(src_NC, rows_R, coef_R=None) -> out_RC``
+    out[i] = src[rows[i]] (times coef[i], in fp32, rounded once to src's dtype, when coef is given), on rows'
+    device. ``src`` may be a pinned CPU tensor: memory that cudaHostAlloc pinned
     (PyTorch's pin_memory) is mapped into the device's address space at the same address on systems with unified
     virtual addressing (every 64-bit Linux system), and Triton's launcher translates such a pointer to its device
     address (cuPointerGetAttribute), so the kernel's loads cross PCIe for the gathered rows only, never for the
     whole buffer. A CUDA ``src`` works the same way.
+
+The same kernel gathers from device memory (lrmoe::gather_scale_rows: the expert backward's output-gradient rows,
+each scaled by its gate and selection weight, in one pass instead of a gather, an fp32 product and a cast).
 
 Rows outside [0, N) are not read (the kernel cannot report them without a host synchronisation): their output
 rows are zero. Offsets are int64: the source is the [P, 2F] activations, and P * 2F reaches 2^31 elements at
@@ -32,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import launch
+from .launch import known_empty, launch
 
 __all__ = ["gather_host_rows_triton"]
 
@@ -41,10 +45,10 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 @triton.jit
 def _gather_rows_kernel(
-    src_ptr, rows_ptr, out_ptr,
+    src_ptr, rows_ptr, coef_ptr, out_ptr,
     R, N, C,
     stride_sn, stride_sc, stride_or, stride_oc,
-    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+    HAS_COEF: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
 ):  # fmt: skip
     pid_r = tl.program_id(0)
     pid_c = tl.program_id(1)
@@ -60,6 +64,9 @@ def _gather_rows_kernel(
         mask=read_R[:, None] & c_ok_C[None, :],
         other=0,
     )
+    if HAS_COEF:
+        coef_R = tl.load(coef_ptr + r_R, mask=r_ok_R, other=0.0).to(tl.float32)
+        tile_RC = (tile_RC.to(tl.float32) * coef_R[:, None]).to(out_ptr.dtype.element_ty)
     out_RC = out_ptr + r_R.to(tl.int64)[:, None] * stride_or + c_C[None, :] * stride_oc
     tl.store(out_RC, tile_RC, mask=r_ok_R[:, None] & c_ok_C[None, :])
 
@@ -73,9 +80,11 @@ def _blocks(n_cols: int, elem_bytes: int) -> dict:
     return {"BLOCK_R": 8, "BLOCK_C": block_c, "num_warps": 4}
 
 
-def gather_host_rows_triton(src_NC: torch.Tensor, rows_R: torch.Tensor) -> torch.Tensor:
-    """out_RC[i] = src_NC[rows_R[i]] on rows_R's device (zero where rows_R[i] is outside [0, N)). ``src_NC`` is a
-    pinned CPU tensor or a tensor on rows_R's device; the caller orders the stream after whatever writes it."""
+def gather_host_rows_triton(src_NC: torch.Tensor, rows_R: torch.Tensor, coef_R: torch.Tensor | None = None
+                            ) -> torch.Tensor:
+    """out_RC[i] = src_NC[rows_R[i]] (* coef_R[i] in fp32, rounded to src's dtype) on rows_R's device (zero where
+    rows_R[i] is outside [0, N)). ``src_NC`` is a pinned CPU tensor or a tensor on rows_R's device; the caller
+    orders the stream after whatever writes it. ``coef_R``: [R] float on rows_R's device, or None."""
     if src_NC.dim() != 2 or rows_R.dim() != 1:
         raise ValueError(f"src_NC must be 2-D and rows_R 1-D, got shapes {tuple(src_NC.shape)} and "
                          f"{tuple(rows_R.shape)}")
@@ -83,7 +92,7 @@ def gather_host_rows_triton(src_NC: torch.Tensor, rows_R: torch.Tensor) -> torch
         raise ValueError("gather_host_rows_triton needs rows_R on CUDA (or TRITON_INTERPRET=1 for CPU tensors)")
     n_rows, n_cols = src_NC.shape
     out_RC = torch.empty(rows_R.shape[0], n_cols, dtype=src_NC.dtype, device=rows_R.device)
-    if out_RC.numel() == 0:  # nothing to read (an empty source may not even be pinned)
+    if known_empty(rows_R.shape[0], n_cols):  # nothing to read (an empty source may not even be pinned)
         return out_RC
     if not _INTERPRET and src_NC.device != rows_R.device and not src_NC.is_pinned():
         raise ValueError(f"src_NC must be pinned host memory or on {rows_R.device}, got {src_NC.device} memory "
@@ -91,9 +100,9 @@ def gather_host_rows_triton(src_NC: torch.Tensor, rows_R: torch.Tensor) -> torch
     cfg = _blocks(n_cols, src_NC.element_size())
     grid = (triton.cdiv(rows_R.shape[0], cfg["BLOCK_R"]), triton.cdiv(n_cols, cfg["BLOCK_C"]))
     launch(_gather_rows_kernel, grid)(
-        src_NC, rows_R, out_RC,
+        src_NC, rows_R, rows_R if coef_R is None else coef_R, out_RC,
         rows_R.shape[0], n_rows, n_cols,
         src_NC.stride(0), src_NC.stride(1), out_RC.stride(0), out_RC.stride(1),
-        **cfg,
+        HAS_COEF=coef_R is not None, **cfg,
     )  # fmt: skip
     return out_RC

@@ -48,7 +48,7 @@ alive until its function returns (nothing in these functions frees a buffer earl
 only on that line, and a phase is a point where a line allocates, with everything live there. The transient is
 the largest phase. Forward: the grouped GEMMs, the SwiGLU, the fp32 ||phi||^2 working set N*F*(u + 4) and the
 combine. Backward (one device; W > 1 adds the payloads and the received and returned rows):
-    dy           alpha * g / p per retained row: the gathered g rows and their fp32 product, R*D*(b + 4)
+    dy           alpha * g / p per retained row, R*D*b (lrmoe::gather_scale_rows: no gathered or fp32 copy)
     h_rows       "recompute" and "offload": h of the retained rows, M*2F*b (recomputed from x or read back from the
                  host copy); "save" keeps only their row index and reads the saved h in place
     dphi_gemm    dphi M*F*b
@@ -484,7 +484,7 @@ def _backward_phases(config: MemoryConfig, rows: Rows, retain: float, b: int, po
     else:
         t.alloc(scores=P * _FP32, pair_ids=R * _INT64, row_weights=R * _FP32, finite_scores=P * _FP32)
     t.alloc(row_index=2 * R * _INT64, row_coef=R * _FP32)  # safe pair ids, token ids; alpha / p
-    t.mark("dy", dy_gathered=R * D * b, dy_fp32=R * D * _FP32)  # retained_dy: index_select, the fp32 product
+    t.mark("dy", dy=R * D * b)  # retained_dy: lrmoe::gather_scale_rows, one pass, no temporary (eager)
     t.alloc(dy=R * D * b)
     if config.world_size == 1:
         src_rows = T

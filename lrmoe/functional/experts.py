@@ -29,6 +29,7 @@ from lrmoe.ops import (
     gather_dot_rows,
     gather_grouped_mm,
     gather_host_rows,
+    gather_scale_rows,
     gather_sum_rows,
     grouped_outer,
     offload_to_host,
@@ -288,11 +289,16 @@ def retained_dy(
     g_TD: torch.Tensor, gates_TK: torch.Tensor, pair_R: torch.Tensor, weight_R: torch.Tensor, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dy_RD = alpha * g / p per kept row, token of each row, pair id with padding -1 read as 0). Padding rows get
-    weight 0, hence zero rows; the product is computed in fp32 (type promotion), without an fp32 copy of g."""
+    weight 0, hence zero rows; the product is computed in fp32 and rounded once. Eager: lrmoe::gather_scale_rows,
+    one pass and no fp32 copy of the rows. Compiled (or g in another dtype than dy): the PyTorch form, which
+    Inductor fuses with the gather of the same tokens' x rows for the gate/up weight gradient into one kernel
+    (seen in the generated code on the H200); the op would split that kernel, and that trade is not timed yet."""
     safe_R = pair_R.clamp(min=0)
     tok_R = torch.div(safe_R, gates_TK.shape[1], rounding_mode="floor")
     coef_R = gates_TK.detach().reshape(-1).float().index_select(0, safe_R) * weight_R
-    return (g_TD.index_select(0, tok_R) * coef_R.unsqueeze(1)).to(dtype), tok_R, safe_R
+    if torch.compiler.is_compiling() or g_TD.dtype != dtype:
+        return (g_TD.index_select(0, tok_R) * coef_R.unsqueeze(1)).to(dtype), tok_R, safe_R
+    return gather_scale_rows(g_TD, tok_R, coef_R), tok_R, safe_R
 
 
 def saved_h(h_NF2: torch.Tensor, activations: str) -> torch.Tensor | None:

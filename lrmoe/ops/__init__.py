@@ -6,8 +6,13 @@ Inductor launches itself (lrmoe.ops._kernels.inline_when_compiled); on CPU each 
 reference).
 """
 
-from lrmoe.ops.grouped_gemm import gather_grouped_mm, gather_grouped_swiglu, grouped_outer
+from lrmoe.ops.grouped_gemm import (
+    gather_grouped_mm,
+    gather_grouped_swiglu,
+    grouped_outer,
+)
 from lrmoe.ops.offload import gather_host_rows, offload_to_host, offload_wait
+from lrmoe.ops.rows import gather_scale_rows
 from lrmoe.ops.scoring import score_pairs
 from lrmoe.ops.selection import argsort_ids, select_within_quota
 from lrmoe.ops.swiglu import swiglu, swiglu_backward
@@ -19,6 +24,7 @@ __all__ = [
     "gather_grouped_mm",
     "gather_grouped_swiglu",
     "gather_host_rows",
+    "gather_scale_rows",
     "gather_sum_rows",
     "grouped_outer",
     "offload_to_host",

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["inline_when_compiled", "kernel_module"]
+__all__ = ["forward_only", "inline_when_compiled", "kernel_module"]
 
 _PACKAGE = "lrmoe_kernels"
 
@@ -94,3 +94,17 @@ def _export_keeps_ops() -> bool:
     except ImportError:
         return False
     return custom_triton_ops_decomposition_disabled()
+
+
+def forward_only(op, n_inputs: int) -> None:
+    """Register for ``op`` an autograd formula that marks every output non-differentiable: ops that compute a
+    backward already, or whose caller differentiates them itself. A backward through their outputs then fails
+    loudly instead of giving zero gradients."""
+
+    def setup(ctx, inputs, output):
+        ctx.mark_non_differentiable(*(output if isinstance(output, tuple) else (output,)))
+
+    def backward(ctx, *grads):
+        return (None,) * n_inputs  # never called: the outputs are non-differentiable
+
+    op.register_autograd(backward, setup_context=setup)

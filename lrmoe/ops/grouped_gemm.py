@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from lrmoe.ops._kernels import inline_when_compiled, kernel_module
+from lrmoe.ops._kernels import forward_only, inline_when_compiled, kernel_module
 from lrmoe.ops.swiglu import swiglu
 
 __all__ = ["gather_grouped_mm", "gather_grouped_swiglu", "grouped_outer"]
@@ -271,14 +271,5 @@ def _(x_NI, gate_up_EFI, rows_R, offsets_E, store_h):
             x_NI.new_empty(R, dtype=torch.float32))
 
 
-def _swiglu_setup(ctx, inputs, output):
-    ctx.mark_non_differentiable(*output)
-
-
-def _swiglu_backward(ctx, *grads):
-    return None, None, None, None, None  # never called: the outputs are non-differentiable
-
-
-# Forward only (the selective layers differentiate it themselves, see lrmoe.functional.experts); its outputs do
-# not require grad, so a backward through them fails loudly instead of giving zero gradients.
-gather_grouped_swiglu.register_autograd(_swiglu_backward, setup_context=_swiglu_setup)
+# Forward only (the selective layers differentiate it themselves, see lrmoe.functional.experts).
+forward_only(gather_grouped_swiglu, 5)

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch.fx.experimental.symbolic_shapes import guard_or_false
 
-from lrmoe.ops._kernels import inline_when_compiled, kernel_module
+from lrmoe.ops._kernels import forward_only, inline_when_compiled, kernel_module
 
 __all__ = ["swiglu", "swiglu_backward"]
 
@@ -84,15 +84,5 @@ def _(h_N2F, rows_R, dphi_RF):
     return h_N2F.new_empty(n_out, h_N2F.shape[1]), h_N2F.new_empty(n_out, h_N2F.shape[1] // 2)
 
 
-def _setup(ctx, inputs, output):
-    ctx.mark_non_differentiable(*output)
-
-
-def _no_backward(ctx, *grads):
-    return None, None, None  # never called: the outputs are non-differentiable
-
-
-# A backward already: its outputs never require grad, so differentiating through them fails loudly instead of
-# giving zero gradients.
-swiglu_backward.register_autograd(_no_backward, setup_context=_setup)
+forward_only(swiglu_backward, 3)  # a backward already
 inline_when_compiled(swiglu_backward, _swiglu_backward_cuda)

@@ -108,6 +108,8 @@ def run_launchers() -> None:
     off._INTERPRET = True  # only to pass the launcher's device checks: the kernel is recorded, not run
     for dtype in (torch.bfloat16, torch.float32):
         off.gather_host_rows_triton(torch.randn(30, 512).to(dtype), torch.randint(0, 30, (12,), generator=gen))
+        off.gather_host_rows_triton(torch.randn(30, 512).to(dtype), torch.randint(0, 30, (12,), generator=gen),
+                                    torch.rand(12))  # lrmoe::gather_scale_rows
 
     gg = kernel_module("grouped_gemm")
     gg.zero_rows_past_last_offset_(torch.randn(48, 512).to(torch.bfloat16), torch.tensor([10, 20, 30, 40]).int())

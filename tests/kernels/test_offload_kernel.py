@@ -1,6 +1,7 @@
 """lrmoe_kernels.offload: the row gather equals index_select exactly (a copy, so bit for bit), on odd shapes that
 cross the block edges of rows and columns, repeated rows, int32 and int64 indices, bf16, fp32 and fp64, strided
-sources; rows outside the source come back as zeros instead of being read.
+sources; rows outside the source come back as zeros instead of being read. With coefficients (lrmoe::gather_scale_rows,
+a source in device memory): each row times its coefficient, rounded once.
 
 Without a GPU the kernel runs in Triton's interpreter (tests/conftest.py switches it on) on CPU tensors. On a GPU the
 source is pinned host memory and the rows and output are on the device: the path lrmoe::gather_host_rows takes.
@@ -119,3 +120,28 @@ def test_pinned_source_is_read_in_place_without_host_sync():
     assert torch.equal(got.cpu(), src.index_select(0, rows.cpu()))
     with pytest.raises(ValueError, match="pinned"):
         gather_host_rows_triton(torch.randn(4, 3), rows[:2] % 4)  # pageable memory is not mapped to the device
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_scaled_gather_from_device_memory(case, dtype):
+    # lrmoe::gather_scale_rows: the source on the rows' device, each row times its coefficient in fp32, rounded
+    # once to the source's dtype (the interpreter truncates where PyTorch rounds: one bf16 ulp).
+    N, C, rows = case
+    g = torch.Generator().manual_seed(N + C)
+    src = torch.randn(N, C, generator=g).to(dtype)
+    rows_R = torch.tensor(rows)
+    coef_R = torch.randn(len(rows), generator=g)
+    coef_R[0] = 0.0  # a padding row's weight
+    got = gather_host_rows_triton(src.to(DEVICE), rows_R.to(DEVICE), coef_R.to(DEVICE)).cpu()
+    want = (src.index_select(0, rows_R).float() * coef_R.unsqueeze(1)).to(dtype)
+    assert got.dtype == dtype and torch.equal(got[0], torch.zeros(C, dtype=dtype))
+    tol = dict(rtol=8e-3, atol=1e-6) if dtype == torch.bfloat16 else dict(rtol=0, atol=0)
+    torch.testing.assert_close(got, want, **tol)
+
+
+def test_scaled_gather_of_rows_outside_gives_zeros():
+    src = torch.full((3, 4), float("nan"))
+    got = gather_host_rows_triton(src.to(DEVICE), torch.tensor([-1, 3, 7], device=DEVICE),
+                                  torch.ones(3, device=DEVICE))
+    assert torch.equal(got.cpu(), torch.zeros(3, 4))
