@@ -9,6 +9,9 @@ gives +inf, exactly like the reference in lrmoe.ops.scoring, so a diverging pair
 The work is memory-bound: g [T, D] is T*D elements against T*K of everything else, so each program reads a block
 of whole token rows of g exactly once (both norms from the same loads), then its pairs' gates and phi_sq, and
 writes its pairs' fp32 scores. Everything is accumulated in fp32 whatever the input dtype.
+
+``row_sqnorm_triton(x_ND) -> out_N`` (behind ``lrmoe::row_sqnorm``) is the same pass over rows without the pairs:
+the layers' ||phi||^2 per pair in forward, with no fp32 copy of phi.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import triton.language as tl
 
 from .launch import known_empty, launch
 
-__all__ = ["METRIC_IDS", "score_pairs_triton"]
+__all__ = ["METRIC_IDS", "row_sqnorm_triton", "score_pairs_triton"]
 
 # The deterministic metrics, as the kernel's constexpr METRIC ("random" never reaches a kernel).
 METRIC_IDS = {"lrm": 0, "grad_l2": 1, "grad_abs": 2}
@@ -28,6 +31,28 @@ METRIC_IDS = {"lrm": 0, "grad_l2": 1, "grad_abs": 2}
 @triton.jit
 def _is_finite(x):
     return tl.abs(x) < float("inf")  # false for +-inf and for NaN (every comparison with NaN is false)
+
+
+@triton.jit
+def _row_norms(row_T, ok_T, D, stride_d, WANT_ABS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+    """(sum of squares, sum of absolute values or 0) over the D columns of BLOCK_T rows starting at the pointers
+    row_T, in fp32, in one pass: elementwise fp32 accumulators, reduced once after the loop (fewer cross-lane
+    reductions than reducing every chunk). Masked lanes load 0 and add nothing; NaN/inf in any entry of a row makes
+    its sums non-finite."""
+    d_D = tl.arange(0, BLOCK_D)
+    sq_TD = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
+    if WANT_ABS:
+        abs_TD = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
+    for d0 in range(0, D, BLOCK_D):
+        dd_D = d0 + d_D
+        mask_TD = ok_T[:, None] & (dd_D < D)[None, :]
+        ptr_TD = row_T[:, None] + dd_D[None, :] * stride_d  # stride_d == 1 specialises to vector loads
+        x_TD = tl.load(ptr_TD, mask=mask_TD, other=0.0).to(tl.float32)
+        sq_TD += x_TD * x_TD
+        if WANT_ABS:
+            abs_TD += tl.abs(x_TD)
+    abs_T = tl.sum(abs_TD, axis=1) if WANT_ABS else tl.zeros((BLOCK_T,), dtype=tl.float32)
+    return tl.sum(sq_TD, axis=1), abs_T
 
 
 @triton.jit
@@ -54,23 +79,9 @@ def _score_pairs_kernel(
     t_T = pid * BLOCK_T + tl.arange(0, BLOCK_T)
     t_ok_T = t_T < T
     t64_T = t_T.to(tl.int64)  # row offsets in int64: T * D can pass 2^31 elements
-    d_D = tl.arange(0, BLOCK_D)
     g_row_T = g_ptr + t64_T * stride_g_t
 
-    # One pass over g: elementwise fp32 accumulators, reduced once after the loop (fewer cross-lane reductions
-    # than reducing every chunk). Masked lanes load 0 and add nothing.
-    sq_TD = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
-    if METRIC == 2:
-        abs_TD = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
-    for d0 in range(0, D, BLOCK_D):
-        dd_D = d0 + d_D
-        mask_TD = t_ok_T[:, None] & (dd_D < D)[None, :]
-        ptr_TD = g_row_T[:, None] + dd_D[None, :] * stride_g_d  # stride_g_d == 1 specialises to vector loads
-        g_TD = tl.load(ptr_TD, mask=mask_TD, other=0.0).to(tl.float32)
-        sq_TD += g_TD * g_TD
-        if METRIC == 2:
-            abs_TD += tl.abs(g_TD)
-    g_sq_T = tl.sum(sq_TD, axis=1)  # ||g_t||^2; NaN/inf in any entry of the row makes it non-finite
+    g_sq_T, g_abs_T = _row_norms(g_row_T, t_ok_T, D, stride_g_d, METRIC == 2, BLOCK_T, BLOCK_D)
 
     k_K = tl.arange(0, BLOCK_K)
     mask_TK = t_ok_T[:, None] & (k_K < K)[None, :]
@@ -87,11 +98,19 @@ def _score_pairs_kernel(
     elif METRIC == 1:
         s_TK = a_TK * a_TK * g_sq_T[:, None]
     else:
-        s_TK = tl.abs(a_TK) * tl.sum(abs_TD, axis=1)[:, None]
+        s_TK = tl.abs(a_TK) * g_abs_T[:, None]
 
     ok_TK = _is_finite(s_TK) & _is_finite(a_TK) & _is_finite(phi_TK) & _is_finite(g_sq_T)[:, None]
     s_TK = tl.where(ok_TK, s_TK, float("inf"))
     tl.store(out_ptr + t64_T[:, None] * K + k_K[None, :], s_TK, mask=mask_TK)
+
+
+@triton.jit
+def _row_sqnorm_kernel(x_ptr, out_ptr, N, D, stride_n, stride_d, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+    n_T = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    ok_T = n_T < N
+    sq_T, _ = _row_norms(x_ptr + n_T.to(tl.int64) * stride_n, ok_T, D, stride_d, False, BLOCK_T, BLOCK_D)
+    tl.store(out_ptr + n_T, sq_T, mask=ok_T)
 
 
 def _block_sizes(T: int, K: int, D: int) -> tuple[int, int, int, int]:
@@ -163,3 +182,17 @@ def score_pairs_triton(
         num_warps=nw,
     )
     return scores_TK
+
+
+def row_sqnorm_triton(x_ND: torch.Tensor) -> torch.Tensor:
+    """The fp32 sum of squares of every row of x_ND (any float dtype, any strides): the pass over g that scores the
+    pairs, without the pairs (the kernel behind ``lrmoe::row_sqnorm``). No host sync."""
+    N, D = x_ND.shape
+    out_N = torch.empty((N,), dtype=torch.float32, device=x_ND.device)
+    if known_empty(N):
+        return out_N
+    bt, bd, _, nw = _block_sizes(N, 1, D)
+    launch(_row_sqnorm_kernel, (triton.cdiv(N, bt),))(
+        x_ND, out_N, N, D, x_ND.stride(0), x_ND.stride(1), BLOCK_T=bt, BLOCK_D=bd, num_warps=nw
+    )
+    return out_N

@@ -4,8 +4,7 @@ Notation (DESIGN.md §2): T tokens per rank, D model dim, F expert hidden dim, E
 this rank routes, W EP ranks, L = E / W experts this rank owns, N forward rows its expert instances compute (its
 received dispatch rows; N = P on one device), R retained rows it sends in backward, M retained rows its experts
 receive in backward (R = M on one device). b: bytes per element of the parameter and activation dtype (LRMoE
-requires x.dtype == parameter dtype), g: of the gradient dtype, o: optimiser-state bytes per parameter,
-u: 4 when b is not fp32 (an fp32 upcast copy is made), else 0.
+requires x.dtype == parameter dtype), g: of the gradient dtype, o: optimiser-state bytes per parameter.
 
 The model follows the code as it is (``selective_swiglu_experts`` on one device, ``ExpertParallel`` for W > 1),
 buffer by buffer, so that a change there shows up as a failing test here (tests/test_memory.py measures the
@@ -46,8 +45,8 @@ saved activations (forward to backward), "save" = what the code keeps today:
 transients: ``forward_phases`` and ``backward_phases`` follow the code line by line (``_Timeline``): a local stays
 alive until its function returns (nothing in these functions frees a buffer early), a line's temporaries live
 only on that line, and a phase is a point where a line allocates, with everything live there. The transient is
-the largest phase. Forward: the grouped GEMMs, the SwiGLU, the fp32 ||phi||^2 working set N*F*(u + 4) and the
-combine. Backward (one device; W > 1 adds the payloads and the received and returned rows):
+the largest phase. Forward: the grouped GEMMs, the SwiGLU, ||phi||^2 (lrmoe::row_sqnorm, N*4) and the combine.
+Backward (one device; W > 1 adds the payloads and the received and returned rows):
     dy           alpha * g / p per retained row, R*D*b (lrmoe::gather_scale_rows: no gathered or fp32 copy)
     h_rows       "recompute" and "offload": h of the retained rows, M*2F*b (recomputed from x or read back from the
                  host copy); "save" keeps only their row index and reads the saved h in place
@@ -360,7 +359,7 @@ def layer_memory(
         replica_grads=replicas * numel * g,
         saved=saved,
         offloaded=offloaded,
-        forward_phases=_forward_phases(config, rows, b, policy),
+        forward_phases=_forward_phases(config, rows, b, policy, saved),
         backward_phases=_backward_phases(config, rows, retain, b, policy, replicas),
         rows=rows,
         replicas=replicas,
@@ -369,11 +368,6 @@ def layer_memory(
         router_grad=config.num_experts * config.dim * g,
         grads_preallocated=config.grads_preallocated,
     )
-
-
-def _upcast(b_dtype: torch.dtype) -> int:
-    """Bytes per element of an fp32 copy made by ``.float()``: 0 when the tensor already is fp32."""
-    return 0 if b_dtype == torch.float32 else _FP32
 
 
 def _saved(config: MemoryConfig, rows: Rows, retain: float, b: int, replicas: int) -> dict[str, int]:
@@ -435,9 +429,16 @@ def _gathers(config: MemoryConfig, *dims: int) -> bool:
             and all(d % 8 == 0 for d in dims))
 
 
-def _forward_phases(config: MemoryConfig, rows: Rows, b: int, policy: str) -> dict[str, dict[str, int]]:
+def _forward_phases(config: MemoryConfig, rows: Rows, b: int, policy: str,
+                    saved: dict[str, int]) -> dict[str, dict[str, int]]:
+    """The forward, line by line. ``peak`` counts every saved activation at every phase; on one device the phases
+    before the down projection also carry ``saved_later``, minus the saved bytes made after them (y, ||phi||^2,
+    the pairs' inverse order), so that a phase's sum plus the saved bytes is what is live there. (Expert
+    parallelism: not split, every saved activation counted as live from the start, an upper bound.)"""
     T, D, F, P, N = config.tokens, config.dim, config.hidden_dim, rows.pairs, rows.recv
-    u = _upcast(config.param_dtype)
+    one_device = config.world_size == 1
+    after_gemm = -(saved["phi_sq"] + P * _INT64) if one_device else 0  # made after the down projection
+    before_gemm = after_gemm - (saved["y"] if one_device else 0)
     t = _Timeline()
     t.alloc(token_index=P * _INT64)
     if config.world_size > 1:
@@ -447,15 +448,16 @@ def _forward_phases(config: MemoryConfig, rows: Rows, b: int, policy: str) -> di
     src_rows = T if config.world_size == 1 else N
     # h: saved under "save"; otherwise a forward transient (offloaded: and, on a GPU, until its copy to the host is
     # done, which the copy overlaps with the rest of the forward).
-    t.mark("gate_up_gemm", x_rows=N * D * b if _gathers(config, src_rows, D, 2 * F) else 0)
+    t.mark("gate_up_gemm", x_rows=N * D * b if _gathers(config, src_rows, D, 2 * F) else 0,
+           saved_later=before_gemm)
     t.alloc(h=N * 2 * F * b if policy != "save" else 0)
-    t.mark("swiglu", silu=N * F * b, phi=N * F * b)
+    t.mark("swiglu", silu=N * F * b, phi=N * F * b, saved_later=before_gemm)
     t.alloc(phi=N * F * b)
     # phi read in place (rows_R=None). One device: y is the saved y (counted there), read in place by the combine.
     y_rows = N * D * b if config.world_size > 1 else 0
-    t.mark("down_gemm", y_rows=y_rows)
+    t.mark("down_gemm", y_rows=y_rows, saved_later=after_gemm)
     t.alloc(y_rows=y_rows)
-    t.mark("phi_sq", phi_fp32=N * F * u, phi_fp32_squared=N * F * _FP32)
+    t.mark("phi_sq", phi_sq=N * _FP32)  # lrmoe::row_sqnorm (eager): no fp32 copy of phi or its square
     if config.world_size > 1:  # the y rows that come back are the saved y; their ||phi||^2 come in a second collective
         t.alloc(phi_sq_rows=N * _FP32)
         # The rows and ||phi||^2 sent (in the order they came) are temporaries of the all-to-all's line.

@@ -259,7 +259,8 @@ def test_modelled_forward_and_backward_peaks_track_a_cpu_measurement(shape, dtyp
     # host copy of "offload" is CPU memory here, live from forward to the end of backward.
     measured_fwd = fwd + x.nbytes - mem.offloaded
     measured_bwd = bwd + x.nbytes + g.nbytes - out.nbytes - mem.offloaded
-    # Measured so far: forward -0.1 % to 0, backward -0.2 % to +1.4 % (index buffers that die early, counted live).
+    # Measured so far: forward -0.9 % to 0 (the router's fp32 gates before their cast, not modelled), backward
+    # -0.2 % to +1.4 % (index buffers that die early, counted live).
     assert 0.99 <= (mem.saved_activations + mem.forward_transient) / measured_fwd <= 1.02
     assert 0.99 <= (mem.saved_activations + mem.backward_transient) / measured_bwd <= 1.02
     # What the peak adds to the resident bytes is the larger of the two.

@@ -34,6 +34,7 @@ from lrmoe.ops import (
     grouped_outer,
     offload_to_host,
     offload_wait,
+    row_sqnorm,
     swiglu,
     swiglu_backward,
 )
@@ -245,6 +246,15 @@ class _Config:
     activations: str = "save"
 
 
+def phi_sqnorm(phi_NF: torch.Tensor) -> torch.Tensor:
+    """||phi||^2 per row in fp32 (both layers' forward, for the "lrm" score). Eager: lrmoe::row_sqnorm, without the
+    fp32 copy of phi and its square (N * F * 8 bytes) PyTorch makes; compiled: the PyTorch form, which Inductor
+    reduces without them."""
+    if torch.compiler.is_compiling():
+        return phi_NF.float().square().sum(-1)
+    return row_sqnorm(phi_NF)
+
+
 def router_gradient(g_TD: torch.Tensor, y_ND: torch.Tensor, rows_TK: torch.Tensor) -> torch.Tensor:
     """Exact router gradient dL/d alpha_tk = <g_t, y_tk>, [T, K] fp32, where pair (t, k)'s expert output is
     ``y_ND[rows_TK[t, k]]`` (y in the order the experts wrote it): one pass over y, no pair-order copy
@@ -396,7 +406,7 @@ class _SelectiveSwiGLU(torch.autograd.Function):
         y_PD = gather_grouped_mm(phi_PF, down_EDF, None, offsets_E)  # rows in place: no gather
         # Pair (t, k) = pair id t*K + k sits at row inv_P[t*K + k] of the expert-ordered buffers.
         inv_P = torch.empty_like(order_P).scatter_(0, order_P, ident_P)
-        phi_sq_TK = phi_PF.float().square().sum(-1).index_select(0, inv_P).view(n_tok, top_k)
+        phi_sq_TK = phi_sqnorm(phi_PF).index_select(0, inv_P).view(n_tok, top_k)
         out_TD = combine(y_PD, inv_P.view(n_tok, top_k), gates_TK)
 
         ctx.cfg = cfg

@@ -70,6 +70,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from lrmoe.functional.experts import (
     combine,
     expert_rows_backward,
+    phi_sqnorm,
     release_h,
     retained_dy,
     router_gradient,
@@ -481,7 +482,7 @@ class _ExpertParallelSwiGLU(torch.autograd.Function):
         phi_NF = swiglu(h_NF2)
         y_ND = gather_grouped_mm(phi_NF, down_IDF, None, offsets_I)  # rows in place
         inv_perm_N = torch.empty_like(perm_N).scatter_(0, perm_N, ident_N)
-        phi_sq_N = phi_NF.float().square().sum(-1)
+        phi_sq_N = phi_sqnorm(phi_NF)
 
         # Combine: y rows and ||phi||^2 go back in the order they came (source-major).
         y_PD, phi_sq_P = _all_to_all_with_scalars(

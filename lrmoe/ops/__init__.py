@@ -12,7 +12,7 @@ from lrmoe.ops.grouped_gemm import (
     grouped_outer,
 )
 from lrmoe.ops.offload import gather_host_rows, offload_to_host, offload_wait
-from lrmoe.ops.rows import gather_scale_rows
+from lrmoe.ops.rows import gather_scale_rows, row_sqnorm
 from lrmoe.ops.scoring import score_pairs
 from lrmoe.ops.selection import argsort_ids, select_within_quota
 from lrmoe.ops.swiglu import swiglu, swiglu_backward
@@ -29,6 +29,7 @@ __all__ = [
     "grouped_outer",
     "offload_to_host",
     "offload_wait",
+    "row_sqnorm",
     "score_pairs",
     "select_within_quota",
     "swiglu",

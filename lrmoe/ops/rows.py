@@ -1,4 +1,4 @@
-"""A row gather with a per-row scale, as a custom op.
+"""Row ops the layers call outside compilation: a row gather with a per-row scale, and the per-row sum of squares.
 
 Shapes: N source rows, C columns, R rows out.
 
@@ -11,9 +11,16 @@ Shapes: N source rows, C columns, R rows out.
     Rows must lie in [0, N) (not checked: that would need a host sync); the CUDA kernel gives zeros for one outside,
     the reference fails.
 
-The CPU kernel is the reference; fp64 runs the reference on every device. Not differentiable (the layers call it
-inside their backward). Not inlined under torch.compile: a compiled graph calls it as one opaque op, and the layers
-call it only outside compilation (compiled, Inductor fuses the PyTorch form with its neighbours; see retained_dy).
+``lrmoe::row_sqnorm(x_NC) -> out_N``
+    out[n] = sum over c of x[n, c]^2 in fp32, whatever x's dtype (the layers keep ||phi||^2 in fp32, fp64 runs
+    included). The layers' ||phi||^2 per pair in forward: PyTorch
+    makes an fp32 copy of phi and its square first, N * F * 8 bytes (the forward's largest buffers at large
+    batches); on CUDA one Triton kernel (lrmoe_kernels.scoring's pass over rows) makes neither.
+
+The CPU kernels are the references; fp64 runs the references on every device. Not differentiable (the layers
+call them inside their autograd.Function). Not inlined under torch.compile: a compiled graph calls each as one
+opaque op, and the layers call them only outside compilation (compiled, Inductor fuses the PyTorch forms with
+their neighbours and makes no such copies; see lrmoe.functional.experts).
 """
 
 from __future__ import annotations
@@ -23,7 +30,7 @@ from torch.fx.experimental.symbolic_shapes import guard_or_false
 
 from lrmoe.ops._kernels import forward_only, kernel_module
 
-__all__ = ["gather_scale_rows"]
+__all__ = ["gather_scale_rows", "row_sqnorm"]
 
 
 def gather_scale_rows_reference(src_NC, rows_R, coef_R):
@@ -66,3 +73,37 @@ def _(src_NC, rows_R, coef_R):
 
 
 forward_only(gather_scale_rows, 3)
+
+
+def row_sqnorm_reference(x_NC):
+    return x_NC.float().square().sum(-1)
+
+
+def _check_sqnorm(x_NC: torch.Tensor) -> None:
+    if x_NC.dim() != 2 or not x_NC.is_floating_point():
+        raise ValueError(f"lrmoe::row_sqnorm: x_NC must be a 2-D float tensor, got shape {tuple(x_NC.shape)} and "
+                         f"dtype {x_NC.dtype}")
+
+
+@torch.library.custom_op("lrmoe::row_sqnorm", mutates_args=())
+def row_sqnorm(x_NC: torch.Tensor) -> torch.Tensor:
+    _check_sqnorm(x_NC)
+    return row_sqnorm_reference(x_NC)
+
+
+@row_sqnorm.register_kernel("cuda")
+def _(x_NC):
+    _check_sqnorm(x_NC)
+    kernels = kernel_module("scoring")
+    if kernels is None or x_NC.dtype == torch.float64:  # the reference rounds fp64 to fp32 before squaring
+        return row_sqnorm_reference(x_NC)
+    return kernels.row_sqnorm_triton(x_NC)
+
+
+@row_sqnorm.register_fake
+def _(x_NC):
+    _check_sqnorm(x_NC)
+    return x_NC.new_empty(x_NC.shape[0], dtype=torch.float32)
+
+
+forward_only(row_sqnorm, 1)

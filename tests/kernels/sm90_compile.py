@@ -94,6 +94,7 @@ def run_launchers() -> None:
         for metric in score.METRIC_IDS:
             score.score_pairs_triton(torch.rand(16, 4).to(dtype), torch.randn(16, 256).to(dtype),
                                      torch.rand(16, 4), metric)
+        score.row_sqnorm_triton(torch.randn(16, 768).to(dtype))  # lrmoe::row_sqnorm
 
     swi = kernel_module("swiglu")
     swi._blocks = _as_on_gpu(swi, swi._blocks)
