@@ -142,10 +142,8 @@ def test_memory_batch_on_cpu_prints_the_model_column_only(batch, capsys, tmp_pat
     for r in rows:
         assert r["measured_tokens"] is None and r["probes"] == 0 and r["model_tokens"] % 128 == 0
     by = {(r["policy"], r["retain"]): r["model_tokens"] for r in rows}
-    assert by[("save", 1.0)] < by[("save", 0.75)] < by[("save", 0.5)]
-    # "recompute" saves less, so its forward (which retain does not change) binds from retain 0.75 on at 16 GiB.
-    assert by[("recompute", 1.0)] < by[("recompute", 0.75)] <= by[("recompute", 0.5)]
     for policy in ("save", "recompute"):
+        assert by[(policy, 1.0)] < by[(policy, 0.75)] < by[(policy, 0.5)]
         # The search's top leaves room above every prediction, so a measured T can exceed the model's.
         assert rows[0]["top"] >= by[(policy, 0.5)]
     for retain in (1.0, 0.75, 0.5):
