@@ -34,25 +34,24 @@ def _is_finite(x):
 
 
 @triton.jit
-def _row_norms(row_T, ok_T, D, stride_d, WANT_ABS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
-    """(sum of squares, sum of absolute values or 0) over the D columns of BLOCK_T rows starting at the pointers
-    row_T, in fp32, in one pass: elementwise fp32 accumulators, reduced once after the loop (fewer cross-lane
-    reductions than reducing every chunk). Masked lanes load 0 and add nothing; NaN/inf in any entry of a row makes
-    its sums non-finite."""
+def _row_norms(row_T, ok_T, D, stride_d, METRIC: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+    """(sum of squares, sum of absolute values for METRIC 2 ("grad_abs") or 0) over the D columns of BLOCK_T rows
+    starting at the pointers row_T, in fp32, in one pass: elementwise fp32 accumulators, reduced once after the loop
+    (fewer cross-lane reductions than reducing every chunk). Masked lanes load 0 and add nothing; NaN/inf in any
+    entry of a row makes its sums non-finite. For other metrics the second sum is of zeros, and compiles away when
+    unused."""
     d_D = tl.arange(0, BLOCK_D)
     sq_TD = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
-    if WANT_ABS:
-        abs_TD = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
+    abs_TD = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
     for d0 in range(0, D, BLOCK_D):
         dd_D = d0 + d_D
         mask_TD = ok_T[:, None] & (dd_D < D)[None, :]
         ptr_TD = row_T[:, None] + dd_D[None, :] * stride_d  # stride_d == 1 specialises to vector loads
         x_TD = tl.load(ptr_TD, mask=mask_TD, other=0.0).to(tl.float32)
         sq_TD += x_TD * x_TD
-        if WANT_ABS:
+        if METRIC == 2:
             abs_TD += tl.abs(x_TD)
-    abs_T = tl.sum(abs_TD, axis=1) if WANT_ABS else tl.zeros((BLOCK_T,), dtype=tl.float32)
-    return tl.sum(sq_TD, axis=1), abs_T
+    return tl.sum(sq_TD, axis=1), tl.sum(abs_TD, axis=1)
 
 
 @triton.jit
@@ -81,7 +80,7 @@ def _score_pairs_kernel(
     t64_T = t_T.to(tl.int64)  # row offsets in int64: T * D can pass 2^31 elements
     g_row_T = g_ptr + t64_T * stride_g_t
 
-    g_sq_T, g_abs_T = _row_norms(g_row_T, t_ok_T, D, stride_g_d, METRIC == 2, BLOCK_T, BLOCK_D)
+    g_sq_T, g_abs_T = _row_norms(g_row_T, t_ok_T, D, stride_g_d, METRIC, BLOCK_T, BLOCK_D)
 
     k_K = tl.arange(0, BLOCK_K)
     mask_TK = t_ok_T[:, None] & (k_K < K)[None, :]
@@ -109,7 +108,7 @@ def _score_pairs_kernel(
 def _row_sqnorm_kernel(x_ptr, out_ptr, N, D, stride_n, stride_d, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
     n_T = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     ok_T = n_T < N
-    sq_T, _ = _row_norms(x_ptr + n_T.to(tl.int64) * stride_n, ok_T, D, stride_d, False, BLOCK_T, BLOCK_D)
+    sq_T, _ = _row_norms(x_ptr + n_T.to(tl.int64) * stride_n, ok_T, D, stride_d, 0, BLOCK_T, BLOCK_D)
     tl.store(out_ptr + n_T, sq_T, mask=ok_T)
 
 
