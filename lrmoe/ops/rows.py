@@ -38,10 +38,15 @@ def gather_scale_rows_reference(src_NC, rows_R, coef_R):
     return (src_NC.index_select(0, rows_R).to(acc) * coef_R.to(acc).unsqueeze(1)).to(src_NC.dtype)
 
 
+def check_float_matrix(op: str, arg: str, t: torch.Tensor) -> None:
+    """The row ops' check of a source matrix (lrmoe::``op``'s argument ``arg``): 2-D and floating point."""
+    if t.dim() != 2 or not t.is_floating_point():
+        raise ValueError(f"lrmoe::{op}: {arg} must be a 2-D float tensor, got shape {tuple(t.shape)} and dtype "
+                         f"{t.dtype}")
+
+
 def _check(src_NC: torch.Tensor, rows_R: torch.Tensor, coef_R: torch.Tensor) -> None:
-    if src_NC.dim() != 2 or not src_NC.is_floating_point():
-        raise ValueError(f"lrmoe::gather_scale_rows: src_NC must be a 2-D float tensor, got shape "
-                         f"{tuple(src_NC.shape)} and dtype {src_NC.dtype}")
+    check_float_matrix("gather_scale_rows", "src_NC", src_NC)
     if rows_R.dim() != 1 or rows_R.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"lrmoe::gather_scale_rows: rows_R must be a 1-D int32 or int64 tensor, got shape "
                          f"{tuple(rows_R.shape)} and dtype {rows_R.dtype}")
@@ -79,21 +84,15 @@ def row_sqnorm_reference(x_NC):
     return x_NC.float().square().sum(-1)
 
 
-def _check_sqnorm(x_NC: torch.Tensor) -> None:
-    if x_NC.dim() != 2 or not x_NC.is_floating_point():
-        raise ValueError(f"lrmoe::row_sqnorm: x_NC must be a 2-D float tensor, got shape {tuple(x_NC.shape)} and "
-                         f"dtype {x_NC.dtype}")
-
-
 @torch.library.custom_op("lrmoe::row_sqnorm", mutates_args=())
 def row_sqnorm(x_NC: torch.Tensor) -> torch.Tensor:
-    _check_sqnorm(x_NC)
+    check_float_matrix("row_sqnorm", "x_NC", x_NC)
     return row_sqnorm_reference(x_NC)
 
 
 @row_sqnorm.register_kernel("cuda")
 def _(x_NC):
-    _check_sqnorm(x_NC)
+    check_float_matrix("row_sqnorm", "x_NC", x_NC)
     kernels = kernel_module("scoring")
     if kernels is None or x_NC.dtype == torch.float64:  # the reference rounds fp64 to fp32 before squaring
         return row_sqnorm_reference(x_NC)
@@ -102,7 +101,7 @@ def _(x_NC):
 
 @row_sqnorm.register_fake
 def _(x_NC):
-    _check_sqnorm(x_NC)
+    check_float_matrix("row_sqnorm", "x_NC", x_NC)
     return x_NC.new_empty(x_NC.shape[0], dtype=torch.float32)
 
 

@@ -22,15 +22,14 @@ from __future__ import annotations
 import torch
 
 from lrmoe.ops._kernels import inline_when_compiled, kernel_module
+from lrmoe.ops.rows import check_float_matrix
 
 __all__ = ["gather_dot_rows", "gather_sum_rows"]
 
 
 def _check(name: str, src_NC: torch.Tensor, rows_TK: torch.Tensor, other_TX: torch.Tensor | None, other: str,
            cols: int | None) -> None:
-    if src_NC.dim() != 2 or not src_NC.is_floating_point():
-        raise ValueError(f"lrmoe::{name}: src_NC must be a 2-D float tensor, got shape {tuple(src_NC.shape)} and "
-                         f"dtype {src_NC.dtype}")
+    check_float_matrix(name, "src_NC", src_NC)
     if rows_TK.dim() != 2 or rows_TK.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"lrmoe::{name}: rows_TK must be a 2-D int32 or int64 tensor, got shape "
                          f"{tuple(rows_TK.shape)} and dtype {rows_TK.dtype}")
