@@ -111,6 +111,9 @@ def run_launchers() -> None:
         off.gather_host_rows_triton(torch.randn(30, 512).to(dtype), torch.randint(0, 30, (12,), generator=gen))
         off.gather_host_rows_triton(torch.randn(30, 512).to(dtype), torch.randint(0, 30, (12,), generator=gen),
                                     torch.rand(12))  # lrmoe::gather_scale_rows
+        host = off._blocks(512, torch.empty((), dtype=dtype).element_size(), on_host=True)  # a pinned source's tiles
+        off.gather_host_rows_triton(torch.randn(30, 512).to(dtype), torch.randint(0, 30, (12,), generator=gen),
+                                    blocks=host)
 
     gg = kernel_module("grouped_gemm")
     gg.zero_rows_past_last_offset_(torch.randn(48, 512).to(torch.bfloat16), torch.tensor([10, 20, 30, 40]).int())
@@ -141,10 +144,10 @@ def run_launchers() -> None:
 
 def _as_on_gpu(module, fn):
     """``fn`` evaluated with the module's _INTERPRET switch off: the choice (blocks, flags) a GPU run makes."""
-    def wrapped(*args):
+    def wrapped(*args, **kwargs):
         saved, module._INTERPRET = module._INTERPRET, False
         try:
-            return fn(*args)
+            return fn(*args, **kwargs)
         finally:
             module._INTERPRET = saved
     return wrapped
