@@ -247,11 +247,9 @@ class _Config:
 
 
 def phi_sqnorm(phi_NF: torch.Tensor) -> torch.Tensor:
-    """||phi||^2 per row in fp32 (both layers' forward, for the "lrm" score). Eager: lrmoe::row_sqnorm, without the
-    fp32 copy of phi and its square (N * F * 8 bytes) PyTorch makes; compiled: the PyTorch form, which Inductor
-    reduces without them."""
-    if torch.compiler.is_compiling():
-        return phi_NF.float().square().sum(-1)
+    """||phi||^2 per row in fp32 (both layers' forward, for the "lrm" score): lrmoe::row_sqnorm, which makes no fp32
+    copy of phi and its square (N * F * 8 bytes) in eager, and under torch.compile is the PyTorch form that Inductor
+    fuses with the SwiGLU."""
     return row_sqnorm(phi_NF)
 
 
@@ -299,14 +297,13 @@ def retained_dy(
     g_TD: torch.Tensor, gates_TK: torch.Tensor, pair_R: torch.Tensor, weight_R: torch.Tensor, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dy_RD = alpha * g / p per kept row, token of each row, pair id with padding -1 read as 0). Padding rows get
-    weight 0, hence zero rows; the product is computed in fp32 and rounded once. Eager: lrmoe::gather_scale_rows,
-    one pass and no fp32 copy of the rows. Compiled (or g in another dtype than dy): the PyTorch form, which
-    Inductor fuses with the gather of the same tokens' x rows for the gate/up weight gradient into one kernel
-    (seen in the generated code on the H200); the op would split that kernel, and that trade is not timed yet."""
+    weight 0, hence zero rows; the product is computed in fp32 and rounded once: lrmoe::gather_scale_rows, one pass
+    and no fp32 copy of the rows, eager and compiled (its Triton kernel beat Inductor's gather there). g in another
+    dtype than dy: the PyTorch form."""
     safe_R = pair_R.clamp(min=0)
     tok_R = torch.div(safe_R, gates_TK.shape[1], rounding_mode="floor")
     coef_R = gates_TK.detach().reshape(-1).float().index_select(0, safe_R) * weight_R
-    if torch.compiler.is_compiling() or g_TD.dtype != dtype:
+    if g_TD.dtype != dtype:
         return (g_TD.index_select(0, tok_R) * coef_R.unsqueeze(1)).to(dtype), tok_R, safe_R
     return gather_scale_rows(g_TD, tok_R, coef_R), tok_R, safe_R
 

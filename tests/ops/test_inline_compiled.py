@@ -1,5 +1,6 @@
 """Under torch.compile, CUDA calls of the kernel ops are traced into their Triton kernels (lrmoe.ops._kernels.
-inline_when_compiled) and give what the eager op gives; CPU calls stay one opaque op each (the reference)."""
+inline_when_compiled) and give what the eager op gives (row_sqnorm: into its PyTorch form, for Inductor to fuse);
+CPU calls stay one opaque op each (the reference)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ CUDA = torch.cuda.is_available()
 
 
 def _cases(device: str, dtype: torch.dtype):
-    """(name, fn, args, what the CUDA graph must launch instead of the op) per inlined op."""
+    """(name, fn, args, what the CUDA graph must launch instead of the op; None: no kernel of ours, the op's
+    PyTorch form) per inlined op."""
     g = torch.Generator().manual_seed(0)
 
     def randn(*shape):
@@ -51,6 +53,9 @@ def _cases(device: str, dtype: torch.dtype):
         ("grouped_outer", ops.grouped_outer, (randn(N, 32), randn(N, C), rows_N, offsets_E), "_grouped_mm"),
         ("swiglu_backward", ops.swiglu_backward, (randn(N, C), rows_N[:40], randn(40, C // 2)),
          "_swiglu_backward_kernel"),
+        ("gather_scale_rows", ops.gather_scale_rows, (randn(N, C), rows_N[:40], torch.rand(40, generator=g).to(device)),
+         "_gather_rows_kernel"),
+        ("row_sqnorm", ops.row_sqnorm, (randn(N, C),), None),
     ]
 
 
@@ -60,7 +65,10 @@ def _compiled(fn, args):
     return out, "\n".join(code)
 
 
-@pytest.mark.parametrize("case", range(8))
+N_CASES = 10
+
+
+@pytest.mark.parametrize("case", range(N_CASES))
 def test_cpu_graphs_keep_each_op_whole(case):
     name, fn, args, _ = _cases("cpu", torch.float32)[case]
     out, code = _compiled(fn, args)
@@ -70,13 +78,19 @@ def test_cpu_graphs_keep_each_op_whole(case):
 
 
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
-@pytest.mark.parametrize("case", range(8))
+@pytest.mark.parametrize("case", range(N_CASES))
 def test_cuda_graphs_launch_the_kernels_and_match_eager(case):
     name, fn, args, kernel = _cases("cuda", torch.bfloat16)[case]
     out, code = _compiled(fn, args)
     assert "torch.ops.lrmoe" not in code, name  # no opaque op call left
+    pairs = zip(torch.utils._pytree.tree_leaves(out), torch.utils._pytree.tree_leaves(fn(*args)))
+    if kernel is None:  # Inductor's own code for the PyTorch form: eager's kernel is not launched
+        assert "_row_sqnorm_kernel" not in code, name
+        for got, want in pairs:
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        return
     assert kernel in code, name
-    for got, want in zip(torch.utils._pytree.tree_leaves(out), torch.utils._pytree.tree_leaves(fn(*args))):
+    for got, want in pairs:
         assert torch.equal(got, want), name  # the same kernels on the same inputs: bit for bit
 
 
@@ -112,6 +126,7 @@ KERNEL_WRITES = {
     "_compact_kernel": ["pair_ids_ptr", "weights_ptr"],
     "_zero_tail_kernel": ["y_ptr"],
     "_swiglu_backward_kernel": ["dh_ptr", "phi_ptr"],
+    "_gather_rows_kernel": ["out_ptr"],
 }
 
 
