@@ -95,9 +95,10 @@ def _block_c(n_cols: int, elem_bytes: int, kp: int, tile_bytes: int) -> int:
     return max(16, min(triton.next_power_of_2(max(n_cols, 1)), tile_bytes // (kp * elem_bytes)))
 
 
-def gather_sum_rows_triton(src_NC: torch.Tensor, rows_TK: torch.Tensor, weights_TK: torch.Tensor | None
-                           ) -> torch.Tensor:
-    """out_TC[t] = sum_k weights[t, k] * src[rows[t, k]] (fp32 accumulation, src's dtype); rows < 0 skipped."""
+def gather_sum_rows_triton(src_NC: torch.Tensor, rows_TK: torch.Tensor, weights_TK: torch.Tensor | None, *,
+                           block_c: int | None = None, num_warps: int | None = None) -> torch.Tensor:
+    """out_TC[t] = sum_k weights[t, k] * src[rows[t, k]] (fp32 accumulation, src's dtype); rows < 0 skipped.
+    ``block_c``, ``num_warps`` override the defaults, for tuning (benchmarks/token_rows.py)."""
     _check(src_NC, rows_TK)
     n_tok, top_k = rows_TK.shape
     n_cols = src_NC.shape[1]
@@ -108,19 +109,23 @@ def gather_sum_rows_triton(src_NC: torch.Tensor, rows_TK: torch.Tensor, weights_
     rows_TK = rows_TK.contiguous()
     w_TK = rows_TK if weights_TK is None else weights_TK.contiguous()  # rows: an unused stand-in pointer
     kp = triton.next_power_of_2(max(top_k, 1))
-    block_c = _block_c(n_cols, src_NC.element_size(), kp, 16384)
+    # GPU: 16 KiB tiles, 4 warps: within 3 % of the best of 12 shapes at D = 2,048 and 4,096 (benchmarks/
+    # token_rows.py --sweep, tenth session; 0.85 / 0.90 of a clone of y's bandwidth).
+    block_c = block_c or _block_c(n_cols, src_NC.element_size(), kp, 16384)
     grid = (n_tok, triton.cdiv(n_cols, block_c))
     launch(_gather_sum_rows_kernel, grid)(
         src_NC, rows_TK, w_TK, out_TC,
         n_cols, top_k,
         src_NC.stride(0), out_TC.stride(0),
-        HAS_W=weights_TK is not None, KP=kp, BLOCK_C=block_c, num_warps=1 if _INTERPRET else 4,
+        HAS_W=weights_TK is not None, KP=kp, BLOCK_C=block_c, num_warps=num_warps or (1 if _INTERPRET else 4),
     )  # fmt: skip
     return out_TC
 
 
-def gather_dot_rows_triton(src_NC: torch.Tensor, rows_TK: torch.Tensor, g_TC: torch.Tensor) -> torch.Tensor:
-    """out_TK[t, k] = <g[t], src[rows[t, k]]> in fp32; 0 where rows < 0."""
+def gather_dot_rows_triton(src_NC: torch.Tensor, rows_TK: torch.Tensor, g_TC: torch.Tensor, *,
+                           block_c: int | None = None, num_warps: int | None = None) -> torch.Tensor:
+    """out_TK[t, k] = <g[t], src[rows[t, k]]> in fp32; 0 where rows < 0. ``block_c``, ``num_warps`` override the
+    defaults, for tuning (benchmarks/token_rows.py)."""
     _check(src_NC, rows_TK)
     n_tok, top_k = rows_TK.shape
     out_TK = torch.empty(n_tok, top_k, dtype=torch.float32, device=src_NC.device)
@@ -130,11 +135,15 @@ def gather_dot_rows_triton(src_NC: torch.Tensor, rows_TK: torch.Tensor, g_TC: to
     g_TC = g_TC if g_TC.stride(1) == 1 else g_TC.contiguous()
     rows_TK = rows_TK.contiguous()
     kp = triton.next_power_of_2(max(top_k, 1))
-    block_c = _block_c(src_NC.shape[1], src_NC.element_size(), kp, 8192)  # + fp32 accumulators
+    # GPU: 16 KiB tiles over 2 warps (at K = 8, bf16: 1,024 columns, 128 fp32 accumulators a thread). Measured on
+    # one H200 (benchmarks/token_rows.py --sweep, T = 8192, K = 8, tenth session): the best of 12 shapes at D =
+    # 2,048 and 4,096, 85.7 / 151.9 us against 102.3 / 184.4 for the 8 KiB, 4-warp tiles before (0.85 / 0.95 of a
+    # clone of y's bandwidth).
+    block_c = block_c or _block_c(src_NC.shape[1], src_NC.element_size(), kp, 16384)
     launch(_gather_dot_rows_kernel, (n_tok,))(
         src_NC, rows_TK, g_TC, out_TK,
         src_NC.shape[1], top_k,
         src_NC.stride(0), g_TC.stride(0),
-        KP=kp, BLOCK_C=block_c, num_warps=1 if _INTERPRET else 4,
+        KP=kp, BLOCK_C=block_c, num_warps=num_warps or (1 if _INTERPRET else 2),
     )  # fmt: skip
     return out_TK
