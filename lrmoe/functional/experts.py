@@ -247,9 +247,8 @@ class _Config:
 
 
 def phi_sqnorm(phi_NF: torch.Tensor) -> torch.Tensor:
-    """||phi||^2 per row in fp32 (both layers' forward, for the "lrm" score): lrmoe::row_sqnorm, which makes no fp32
-    copy of phi and its square (N * F * 8 bytes) in eager, and under torch.compile is the PyTorch form that Inductor
-    fuses with the SwiGLU."""
+    """||phi||^2 per row in fp32 (both layers' forward, for the "lrm" score): lrmoe::row_sqnorm, one pass over phi
+    with no fp32 copy of it (N * F * 8 bytes), eager and compiled (lrmoe.ops.rows says why not the PyTorch form)."""
     return row_sqnorm(phi_NF)
 
 

@@ -19,9 +19,11 @@ Shapes: N source rows, C columns, R rows out.
 
 The CPU kernels are the references; fp64 runs the references on every device. Not differentiable (the layers
 call them inside their autograd.Function). Under torch.compile (lrmoe.ops._kernels.inline_when_compiled) a CUDA
-graph holds gather_scale_rows' Triton kernel itself (on one H200 it writes the backward's dy rows in 0.74-0.80
-of the time of Inductor's fused gather, benchmarks/row_gather.py) and row_sqnorm's PyTorch form, which Inductor
-fuses into the SwiGLU that makes phi (no fp32 copy there, and no second read of phi).
+graph holds each op's Triton kernel itself. On one H200 (tenth session): gather_scale_rows writes the backward's
+dy rows in 0.74-0.80 of the time of Inductor's fused gather (benchmarks/row_gather.py); row_sqnorm as its PyTorch
+form was not fused with the SwiGLU that makes phi: AOTAutograd's partitioner moved the reduction into the backward,
+recomputing silu(gate) * up from the saved h there (a 0.080 ms pass over [P, 2F] at the Qwen3 shape, retain 0.75),
+while the kernel reads phi once in forward (half the bytes) and its [P] result is what backward keeps.
 """
 
 from __future__ import annotations
@@ -93,7 +95,7 @@ def row_sqnorm(x_NC: torch.Tensor) -> torch.Tensor:
 
 
 @row_sqnorm.register_kernel("cuda")
-def _(x_NC):
+def _row_sqnorm_cuda(x_NC):
     check_float_matrix("row_sqnorm", "x_NC", x_NC)
     kernels = kernel_module("scoring")
     if kernels is None or x_NC.dtype == torch.float64:  # the reference rounds fp64 to fp32 before squaring
@@ -107,10 +109,5 @@ def _(x_NC):
     return x_NC.new_empty(x_NC.shape[0], dtype=torch.float32)
 
 
-def _row_sqnorm_compiled(x_NC):
-    check_float_matrix("row_sqnorm", "x_NC", x_NC)
-    return row_sqnorm_reference(x_NC)
-
-
 forward_only(row_sqnorm, 1)
-inline_when_compiled(row_sqnorm, _row_sqnorm_compiled)  # the PyTorch form, for Inductor to fuse (docstring)
+inline_when_compiled(row_sqnorm, _row_sqnorm_cuda)
