@@ -19,11 +19,12 @@ Shapes: N source rows, C columns, R rows out.
 
 The CPU kernels are the references; fp64 runs the references on every device. Not differentiable (the layers
 call them inside their autograd.Function). Under torch.compile (lrmoe.ops._kernels.inline_when_compiled) a CUDA
-graph holds each op's Triton kernel itself. On one H200 (tenth session): gather_scale_rows writes the backward's
-dy rows in 0.74-0.80 of the time of Inductor's fused gather (benchmarks/row_gather.py); row_sqnorm as its PyTorch
-form was not fused with the SwiGLU that makes phi: AOTAutograd's partitioner moved the reduction into the backward,
-recomputing silu(gate) * up from the saved h there (a 0.080 ms pass over [P, 2F] at the Qwen3 shape, retain 0.75),
-while the kernel reads phi once in forward (half the bytes) and its [P] result is what backward keeps.
+graph holds each op's Triton kernel itself. On one H200 (tenth session): gather_scale_rows and the x-row gather
+write the backward's dy and x rows (two launches) in 0.68-0.80 of the time of Inductor's one fused gather of both
+(benchmarks/row_gather.py); row_sqnorm as its PyTorch form was not fused with the SwiGLU that makes phi:
+AOTAutograd's partitioner moved the reduction into the backward, recomputing silu(gate) * up from the saved h
+there (a 0.080 ms pass over [P, 2F] at the Qwen3 shape, retain 0.75), while the kernel reads phi once in forward
+(half the bytes) and its [P] result is what backward keeps.
 """
 
 from __future__ import annotations
