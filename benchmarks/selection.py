@@ -7,7 +7,8 @@ Times, with triton.testing.do_bench (median, us), for modes "top" and "sample":
 - triton: lrmoe.ops.selection.select_within_quota_triton (the op's CUDA kernel), sorting the group ids itself;
 - triton, order given: the same given the group order (the stable argsort of the group ids), as the MoE layers
   call it (they have that order from their forward dispatch); for "sample" also with a bound on the group sizes
-  (the layers pass T), which sorts each group in registers instead of all pairs at once;
+  (the layers pass T), which sorts each group in registers instead of all pairs at once; and with the groups'
+  ends (the single-device layer passes its GEMM offsets), which the plan reads instead of searching;
 - and the pieces of the Triton path: the group order (an int32 sort), the one-program plan ("sample"; "top"
   plans inside its one kernel), for "top" that kernel (plan + threshold + write); for "sample" keys + torch.sort
   (lrmoe_kernels.selection.score_order) and its per-group probabilities kernel.
@@ -78,30 +79,39 @@ def main() -> None:
 
     order = argsort_ids(gids)
     biggest = int(torch.bincount(gids).max())  # the largest group (a host read: fine in a benchmark)
+    ends = torch.bincount(gids, minlength=G).cumsum(0).int()  # the groups' ends, as the layer's GEMM offsets
     for mode in ("top", "sample"):
         want = select_within_quota_reference(scores, gids, quotas, R, mode, uniform)
-        for given, bound in ((None, None), (order, None), (order, biggest)):
-            got = select_within_quota_triton(scores, gids, quotas, R, mode, uniform, given, bound)
+        for given, bound, given_ends in ((None, None, None), (order, None, None), (order, biggest, None),
+                                         (order, None, ends), (order, biggest, ends)):
+            got = select_within_quota_triton(scores, gids, quotas, R, mode, uniform, given, bound, given_ends)
             for name, w, g in zip(("pair_ids", "weights", "counts", "offsets"), want, got):
                 if not torch.equal(w, g):  # never time a wrong kernel
-                    raise SystemExit(f"{mode}: Triton {name} differs from the reference (order given: {given})")
+                    raise SystemExit(f"{mode}: Triton {name} differs from the reference (order given: "
+                                     f"{given is not None}, ends given: {given_ends is not None})")
             torch.cuda.synchronize()
             torch.cuda.set_sync_debug_mode("error")
             try:
-                select_within_quota_triton(scores, gids, quotas, R, mode, uniform, given, bound)
+                select_within_quota_triton(scores, gids, quotas, R, mode, uniform, given, bound, given_ends)
             finally:
                 torch.cuda.set_sync_debug_mode("default")
         row(mode, "reference", lambda: select_within_quota_reference(scores, gids, quotas, R, mode, uniform))
         row(mode, "triton", lambda: select_within_quota_triton(scores, gids, quotas, R, mode, uniform))
         row(mode, "triton, order given",
             lambda: select_within_quota_triton(scores, gids, quotas, R, mode, uniform, order))
+        row(mode, "triton, order + ends",
+            lambda: select_within_quota_triton(scores, gids, quotas, R, mode, uniform, order, None, ends))
         if mode == "sample" and biggest <= kernels.SORT_MAX:  # the layers also pass a bound on the group sizes
             row(mode, "triton, order + size bound",
                 lambda: select_within_quota_triton(scores, gids, quotas, R, mode, uniform, order, biggest))
+            row(mode, "triton, order + bound + ends",
+                lambda: select_within_quota_triton(scores, gids, quotas, R, mode, uniform, order, biggest, ends))
 
     row("both", "  group order (int32 sort)", lambda: argsort_ids(gids))
     row("sample", "  plan (1 program)", lambda: kernels.plan_groups(gids, order, quotas, R))
+    row("sample", "  plan from the ends", lambda: kernels.plan_groups(gids, order, quotas, R, ends))
     row("top", "  plan + threshold + write", lambda: kernels.select_top(scores, gids, order, quotas, R))
+    row("top", "  the same from the ends", lambda: kernels.select_top(scores, gids, order, quotas, R, ends))
     # The "sample" path's score order and its probabilities kernel (one program per group).
     by_score_P, _, _ = kernels.score_order(scores, gids, 0)
     s_plan = kernels.plan_groups(gids, by_score_P, quotas, R)

@@ -8,7 +8,8 @@ Per mode (DESIGN.md section 4, item 3):
 
 "top" (one launch given the group order, when run eagerly): ``_top_kernel``, one program per group, each first
 planning all groups (``_plan_block``: per group, start and size by a 16-ary search over the group ids read through
-the group order, take = min(max(quota, 0), size), the cumulative ends; program 0 writes the counts/offsets clipped
+the group order, or read from the group ends when the caller gives them (HAS_ENDS: the MoE layer has them from its
+dispatch), take = min(max(quota, 0), size), the cumulative ends; program 0 writes the counts/offsets clipped
 to R), then over its members in the group order: the take-th largest score key as a threshold by radix select
 (four 256-bin histograms, 8 bits at a time from the top, no sort by score), then one pass that keeps every key
 above it and, of the keys equal to it, the lowest pair ids, and writes them in pair-id order. A group of up to
@@ -111,14 +112,21 @@ def _lower_bound(gids_ptr, order_ptr, n, target, n_steps, PROBES: tl.constexpr):
 
 
 @triton.jit
-def _plan_block(gids_ptr, order_ptr, quotas_ptr, g, carry, P, G, n_steps, PROBES: tl.constexpr):
+def _plan_block(gids_ptr, order_ptr, quotas_ptr, ends_ptr, g, carry, P, G, n_steps, PROBES: tl.constexpr,
+                HAS_ENDS: tl.constexpr):
     """Groups g (a block of group ids, made by the caller, so that _plan_kernel's store addresses do not come out
     of this call: module docstring, Helpers): (in range, start, size, take, base), given ``carry`` = the takes of
-    all earlier groups. Start and end of every group by searches over the group ids read through the order."""
+    all earlier groups. Start and end of every group read from the given group ends (HAS_ENDS), else found by
+    searches over the group ids read through the order."""
     in_g = g < G
     g64 = g.to(tl.int64)
-    start = _lower_bound(gids_ptr, order_ptr, P, g64, n_steps, PROBES)
-    size = _lower_bound(gids_ptr, order_ptr, P, g64 + 1, n_steps, PROBES) - start
+    if HAS_ENDS:
+        end = tl.load(ends_ptr + g, mask=in_g, other=0).to(tl.int64)
+        start = tl.load(ends_ptr + g - 1, mask=in_g & (g > 0), other=0).to(tl.int64)
+        size = end - start
+    else:
+        start = _lower_bound(gids_ptr, order_ptr, P, g64, n_steps, PROBES)
+        size = _lower_bound(gids_ptr, order_ptr, P, g64 + 1, n_steps, PROBES) - start
     quota = tl.load(quotas_ptr + g, mask=in_g, other=0).to(tl.int64)
     take = tl.where(in_g, tl.minimum(tl.maximum(quota, 0), size), 0)
     base = tl.cumsum(take, 0) - take + carry
@@ -127,14 +135,15 @@ def _plan_block(gids_ptr, order_ptr, quotas_ptr, g, carry, P, G, n_steps, PROBES
 
 @triton.jit
 def _plan_kernel(
-    gids_ptr, order_ptr, quotas_ptr, starts_ptr, sizes_ptr, takes_ptr, bases_ptr, counts_ptr, offsets_ptr,
-    P, G, R, n_steps, BLOCK_G: tl.constexpr, PROBES: tl.constexpr,
+    gids_ptr, order_ptr, quotas_ptr, ends_ptr, starts_ptr, sizes_ptr, takes_ptr, bases_ptr, counts_ptr, offsets_ptr,
+    P, G, R, n_steps, BLOCK_G: tl.constexpr, PROBES: tl.constexpr, HAS_ENDS: tl.constexpr,
 ):
     # One program: G is small (experts or instances) and every group's end needs the takes of all before it.
     carry = tl.zeros((), tl.int64)
     for g0 in range(0, G, BLOCK_G):
         g = g0 + tl.arange(0, BLOCK_G)
-        in_g, start, size, take, base = _plan_block(gids_ptr, order_ptr, quotas_ptr, g, carry, P, G, n_steps, PROBES)
+        in_g, start, size, take, base = _plan_block(gids_ptr, order_ptr, quotas_ptr, ends_ptr, g, carry, P, G,
+                                                    n_steps, PROBES, HAS_ENDS)
         offsets = tl.minimum(base + take, R)
         tl.store(starts_ptr + g, start, mask=in_g)
         tl.store(sizes_ptr + g, size, mask=in_g)
@@ -225,9 +234,9 @@ def _write_kept(pair, key, ok, thresh, ties_kept, ties_before, kept_before, base
 
 @triton.jit
 def _top_kernel(
-    scores_ptr, gids_ptr, order_ptr, quotas_ptr, counts_ptr, offsets_ptr, pair_ids_ptr, weights_ptr, P, G, R,
-    n_steps, starts_ptr, sizes_ptr, takes_ptr, bases_ptr, PLANNED: tl.constexpr, BLOCK_G: tl.constexpr,
-    PROBES: tl.constexpr, BLOCK: tl.constexpr, FILL_BLOCK: tl.constexpr,
+    scores_ptr, gids_ptr, order_ptr, quotas_ptr, ends_ptr, counts_ptr, offsets_ptr, pair_ids_ptr, weights_ptr, P, G,
+    R, n_steps, starts_ptr, sizes_ptr, takes_ptr, bases_ptr, PLANNED: tl.constexpr, BLOCK_G: tl.constexpr,
+    PROBES: tl.constexpr, BLOCK: tl.constexpr, FILL_BLOCK: tl.constexpr, HAS_ENDS: tl.constexpr,
 ):
     # The whole of mode "top" in one launch. Every program first plans all groups (the searches are tiny and
     # L2-resident, so doing them in every program costs what one plan kernel costs, and saves its launch); program 0
@@ -254,8 +263,8 @@ def _top_kernel(
             base += tl.load(bases_ptr + pid)
     else:  # G <= BLOCK_G: one step of the plan
         g = tl.arange(0, BLOCK_G)
-        in_g, starts, sizes, takes, bases = _plan_block(gids_ptr, order_ptr, quotas_ptr, g, carry, P, G, n_steps,
-                                                        PROBES)
+        in_g, starts, sizes, takes, bases = _plan_block(gids_ptr, order_ptr, quotas_ptr, ends_ptr, g, carry, P, G,
+                                                        n_steps, PROBES, HAS_ENDS)
         offsets = tl.minimum(bases + takes, R)
         write = in_g & (pid == 0)
         tl.store(counts_ptr + g, (offsets - tl.minimum(bases, R)).to(tl.int32), mask=write)
@@ -478,28 +487,32 @@ def _search_steps(P: int) -> int:
 
 
 def plan_groups(
-    group_ids_P: torch.Tensor, order_P: torch.Tensor, quotas_G: torch.Tensor, max_rows: int
+    group_ids_P: torch.Tensor, order_P: torch.Tensor, quotas_G: torch.Tensor, max_rows: int,
+    ends_G: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
     """Per group: starts, sizes, takes, bases (int64: first position in ``order_P``, members, kept, first buffer
     row) and counts, offsets (int32, clipped to max_rows), from the group ids and an order that sorts them by
-    group first (the group order or the score order): one program. Separate tensors: the op returns two of them."""
+    group first (the group order or the score order): one program. ``ends_G``, when given, are the groups'
+    cumulative sizes (each group's end in any such order), read instead of searched. Separate tensors: the op
+    returns two of them."""
     device = quotas_G.device
     G, P = quotas_G.shape[0], group_ids_P.shape[0]
     plan = {name: torch.empty(G, dtype=torch.int64, device=device) for name in ("starts", "sizes", "takes", "bases")}
     plan |= {name: torch.empty(G, dtype=torch.int32, device=device) for name in ("counts", "offsets")}
     if G > 0:
         launch(_plan_kernel, (1,))(
-            group_ids_P, order_P, quotas_G, plan["starts"], plan["sizes"], plan["takes"], plan["bases"],
-            plan["counts"], plan["offsets"], P, G, max_rows, _search_steps(P),
+            group_ids_P, order_P, quotas_G, quotas_G if ends_G is None else ends_G, plan["starts"], plan["sizes"],
+            plan["takes"], plan["bases"], plan["counts"], plan["offsets"], P, G, max_rows, _search_steps(P),
             # 8 warps: at 4, ptxas spills the [256, 16] int64 probes of a full plan step (255 registers, 256 bytes
             # of stack for sm_90; tests/kernels/sm90_compile.py --resources).
-            BLOCK_G=min(BLOCK_G, triton.next_power_of_2(G)), PROBES=16, num_warps=8,
+            BLOCK_G=min(BLOCK_G, triton.next_power_of_2(G)), PROBES=16, num_warps=8, HAS_ENDS=ends_G is not None,
         )
     return plan
 
 
 def select_top(
-    scores_P: torch.Tensor, group_ids_P: torch.Tensor, order_P: torch.Tensor, quotas_G: torch.Tensor, max_rows: int
+    scores_P: torch.Tensor, group_ids_P: torch.Tensor, order_P: torch.Tensor, quotas_G: torch.Tensor, max_rows: int,
+    ends_G: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Mode "top" from the group order (group ascending, pair id within): (pair_ids [R], weights [R], counts [G],
     offsets [G]), every group's kept pairs in pair-id order and padding after them, in one launch (one program per
@@ -515,14 +528,15 @@ def select_top(
         return pair_ids_R.fill_(-1), weights_R.zero_(), counts_G, offsets_G
     # Planned in its own launch: more groups than one step, or traced for torch.compile (module docstring, Helpers).
     planned = G > BLOCK_G or tracing()
-    plan = plan_groups(group_ids_P, order_P, quotas_G, max_rows) if planned else None
+    plan = plan_groups(group_ids_P, order_P, quotas_G, max_rows, ends_G) if planned else None
     if planned:
         counts_G, offsets_G = plan["counts"], plan["offsets"]
     stats = [plan[k] for k in ("starts", "sizes", "takes", "bases")] if planned else [counts_G] * 4  # unread
     launch(_top_kernel, (G + triton.cdiv(max_rows, BLOCK),))(
-        scores_P, group_ids_P, order_P, quotas_G, counts_G, offsets_G, pair_ids_R, weights_R, P, G, max_rows,
-        _search_steps(P), *stats, PLANNED=planned, BLOCK_G=min(BLOCK_G, triton.next_power_of_2(G)), PROBES=16,
-        BLOCK=TOP_BLOCK, FILL_BLOCK=BLOCK, num_warps=8,
+        scores_P, group_ids_P, order_P, quotas_G, quotas_G if ends_G is None else ends_G, counts_G, offsets_G,
+        pair_ids_R, weights_R, P, G, max_rows, _search_steps(P), *stats, PLANNED=planned,
+        BLOCK_G=min(BLOCK_G, triton.next_power_of_2(G)), PROBES=16, BLOCK=TOP_BLOCK, FILL_BLOCK=BLOCK, num_warps=8,
+        HAS_ENDS=ends_G is not None,
     )
     return pair_ids_R, weights_R, counts_G, offsets_G
 

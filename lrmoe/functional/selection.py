@@ -66,6 +66,7 @@ def select_within_quota(
     uniform_G: torch.Tensor | None = None,
     group_order_P: torch.Tensor | None = None,
     max_group_size: int | None = None,
+    group_ends_G: torch.Tensor | None = None,
 ) -> Selection:
     """Keep min(quota, size) pairs of every group and compact them into a buffer of ``max_rows`` entries.
 
@@ -88,6 +89,11 @@ def select_within_quota(
             picks an expert at most once, so a group holds at most T pairs). With ``group_order_P`` and a bound
             up to 8,192, CUDA "sample" sorts each group in one program's registers instead of sorting all pairs.
             Not checked (a sync): a group above it gives a wrong selection.
+        group_ends_G: [G] integer, the cumulative group sizes (group g's members end at group_ends_G[g] in the
+            group order), when the caller has them (an MoE layer's grouped-GEMM offsets of its forward dispatch).
+            On CUDA the selection then reads each group's start and size instead of searching the group ids for
+            them. The result does not depend on them when they are right; checked on CPU, not on CUDA (a sync):
+            wrong ends give a wrong selection there.
     """
     check_tensor("scores_P", scores_P, ndim=1, kind="float")
     check_tensor("group_ids_P", group_ids_P, ndim=1, kind="int")
@@ -112,6 +118,12 @@ def select_within_quota(
             raise ValueError(f"group_order_P must have the shape of scores_P {tuple(scores_P.shape)}, got "
                              f"{tuple(group_order_P.shape)}")
 
+    if group_ends_G is not None:
+        check_tensor("group_ends_G", group_ends_G, ndim=1, kind="int")
+        if group_ends_G.shape != quotas_G.shape:
+            raise ValueError(f"group_ends_G must have the shape of quotas_G {tuple(quotas_G.shape)}, got "
+                             f"{tuple(group_ends_G.shape)}")
+
     if mode == "sample" and uniform_G is None:
         # Drawn here, not in the op, so that lrmoe::select_within_quota is deterministic given its inputs.
         uniform_G = torch.rand(quotas_G.shape[0], generator=generator, device=scores_P.device)
@@ -123,7 +135,7 @@ def select_within_quota(
         select = _COMPILED_SAMPLE
     pair_ids_R, weights_R, counts_G, offsets_G = select(
         scores_P.detach(), group_ids_P, quotas_G, max_rows, mode, uniform_G if mode == "sample" else None,
-        group_order_P, max_group_size,
+        group_order_P, max_group_size, group_ends_G,
     )
     return Selection(pair_ids=pair_ids_R, weights=weights_R, counts=counts_G, offsets=offsets_G)
 

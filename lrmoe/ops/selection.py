@@ -2,14 +2,19 @@
 
 Shapes: P pairs, G groups, R = max_rows.
 
-``lrmoe::select_within_quota(scores, group_ids, quotas, max_rows, mode, uniform, group_order=None) -> (pair_ids,
-weights, counts, offsets)``
+``lrmoe::select_within_quota(scores, group_ids, quotas, max_rows, mode, uniform, group_order=None,
+max_group_size=None, group_ends=None) -> (pair_ids, weights, counts, offsets)``
     pair_ids [R] int64, weights [R] fp32, counts [G] int32, offsets [G] int32: the contract of
     lrmoe.functional.select_within_quota (its docstring and the Selection dataclass describe the layout), which
     checks the arguments and draws ``uniform`` for mode "sample" when the caller gave none, so the op itself is
     deterministic: mode "sample" requires ``uniform`` [G]; mode "top" ignores it. ``group_order`` [P] int64, when
     given, is the stable ascending argsort of ``group_ids`` (pairs by group, pair id within), which both modes
     select in; the op then does not sort the group ids itself. Not checked (that would need a sync).
+    ``group_ends`` [G] int32/int64, when given, are the cumulative group sizes (group g's members end at
+    group_ends[g] in the group order; the MoE layer has them from its forward dispatch as the grouped GEMMs'
+    offsets): the CUDA plan reads each group's start and size from them instead of searching the group ids. The
+    result does not depend on them when they are right; on CPU the reference checks them (no sync there), on CUDA
+    they are not checked (a sync).
 
 The CPU kernel is the reference below, pure PyTorch (it runs on any device): sorts, cumulative sums and scatters
 into buffers of static size, no host synchronisation. The CUDA kernel is ``select_within_quota_triton`` (Triton
@@ -94,14 +99,21 @@ def select_within_quota_reference(
     uniform_G: torch.Tensor | None,
     group_order_P: torch.Tensor | None = None,
     max_group_size: int | None = None,
+    group_ends_G: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The op's contract in plain PyTorch: (pair_ids_R, weights_R, counts_G, offsets_G). ``max_group_size`` only
-    selects a CUDA strategy; the result does not depend on it."""
+    """The op's contract in plain PyTorch: (pair_ids_R, weights_R, counts_G, offsets_G). ``max_group_size`` and
+    ``group_ends_G`` only select a CUDA strategy; the result does not depend on them (the ends are checked here
+    when on the CPU)."""
     _check_mode(mode, uniform_G)
     device = scores_P.device
     gid_P = group_ids_P.long()
     scores_P = nan_as_inf(scores_P)
     sizes_G, starts_G, take_G = group_sizes(gid_P, quotas_G)
+    if group_ends_G is not None and group_ends_G.device.type == "cpu":
+        want_G = starts_G + sizes_G
+        if group_ends_G.shape != want_G.shape or not torch.equal(group_ends_G.long(), want_G):
+            raise ValueError(f"lrmoe::select_within_quota: group_ends must be the cumulative group sizes "
+                             f"{want_G.tolist()}, got {group_ends_G.tolist()}")
     order_P = argsort_ids(gid_P) if group_order_P is None else group_order_P  # by group, then pair id
     g_P = gid_P[order_P]
 
@@ -241,6 +253,7 @@ def select_within_quota_triton(
     uniform_G: torch.Tensor | None,
     group_order_P: torch.Tensor | None = None,
     max_group_size: int | None = None,
+    group_ends_G: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The CUDA kernel of the op (runs on CPU tensors too, in Triton's interpreter): same outputs, bit for bit.
 
@@ -251,21 +264,22 @@ def select_within_quota_triton(
     scores_P = scores_P.contiguous()
     gids_P = group_ids_P.contiguous()
     quotas_G = quotas_G.contiguous()
+    ends_G = None if group_ends_G is None else group_ends_G.contiguous()
     order_P = argsort_ids(gids_P) if group_order_P is None else group_order_P.contiguous()
     if mode == "top":
         # Per group its take-th largest score as a threshold, in the group order: no sort by score, one launch.
-        return kernels.select_top(scores_P, gids_P, order_P, quotas_G, max_rows)
+        return kernels.select_top(scores_P, gids_P, order_P, quotas_G, max_rows, ends_G)
     # Inclusion probabilities: one Triton program per group over its members in score order, the reference's
     # arithmetic op for op (bit-identical); then their running sum in the group order in PyTorch, as in the
     # reference, and the sampling and compaction in Triton.
     if group_order_P is not None and max_group_size is not None and max_group_size <= kernels.SORT_MAX:
         # Every group fits one program's registers: each sorted within the group order, no global sort.
-        plan = kernels.plan_groups(gids_P, order_P, quotas_G, max_rows)
+        plan = kernels.plan_groups(gids_P, order_P, quotas_G, max_rows, ends_G)
         by_score_P, pair_ids_R, weights_R = kernels.group_score_order(scores_P, order_P, plan, max_rows,
                                                                       max_group_size)
     else:
         by_score_P, pair_ids_R, weights_R = kernels.score_order(scores_P, gids_P, max_rows)
-        plan = kernels.plan_groups(gids_P, by_score_P, quotas_G, max_rows)
+        plan = kernels.plan_groups(gids_P, by_score_P, quotas_G, max_rows, ends_G)  # by group first: same ends
     p_P = kernels.sample_probabilities(sample_weights(nan_as_inf(scores_P)), by_score_P, plan)
     # The running sum of p in the group order over all groups, as the reference's _segment_cumsum takes it
     # (torch.cumsum's fp64 rounding); the compaction subtracts each group's start from it.
@@ -288,21 +302,23 @@ def select_within_quota(
     uniform: torch.Tensor | None,
     group_order: torch.Tensor | None = None,
     max_group_size: int | None = None,
+    group_ends: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return select_within_quota_reference(scores, group_ids, quotas, max_rows, mode, uniform, group_order)
+    return select_within_quota_reference(scores, group_ids, quotas, max_rows, mode, uniform, group_order,
+                                         group_ends_G=group_ends)
 
 
 @select_within_quota.register_kernel("cuda")
 def _select_within_quota_cuda(scores, group_ids, quotas, max_rows, mode, uniform, group_order=None,
-                              max_group_size=None):
+                              max_group_size=None, group_ends=None):
     if kernel_module("selection") is None:  # no Triton on this machine
         return select_within_quota_reference(scores, group_ids, quotas, max_rows, mode, uniform, group_order)
     return select_within_quota_triton(scores, group_ids, quotas, max_rows, mode, uniform, group_order,
-                                      max_group_size)
+                                      max_group_size, group_ends)
 
 
 @select_within_quota.register_fake
-def _(scores, group_ids, quotas, max_rows, mode, uniform, group_order=None, max_group_size=None):
+def _(scores, group_ids, quotas, max_rows, mode, uniform, group_order=None, max_group_size=None, group_ends=None):
     _check_mode(mode, uniform)
     G = quotas.shape[0]
     return (
@@ -318,7 +334,7 @@ def _select_setup(ctx, inputs, output):
 
 
 def _select_backward(ctx, *grads):
-    return None, None, None, None, None, None, None, None  # never called: the outputs are non-differentiable
+    return (None,) * 9  # never called: the outputs are non-differentiable
 
 
 select_within_quota.register_autograd(_select_backward, setup_context=_select_setup)

@@ -78,8 +78,17 @@ def run_launchers() -> None:
     for tokens in (2048, 8192):  # "sample" sorting groups of up to T pairs in registers, at the benchmark's T
         select_within_quota_triton(torch.rand(512), experts, torch.full((128,), 3), 400, "sample", torch.rand(128),
                                    torch.argsort(experts, stable=True), tokens)
+    # The group ends given (read by the plan instead of searched): in-kernel plan, plan kernel, both modes.
+    ends = torch.bincount(experts, minlength=128).cumsum(0).int()
+    order = torch.argsort(experts, stable=True)
+    select_within_quota_triton(torch.rand(512), experts, torch.full((128,), 3), 400, "top", None, order, None, ends)
+    select_within_quota_triton(torch.rand(512), experts, torch.full((128,), 3), 400, "sample", torch.rand(128),
+                               order, 8192, ends)
     many = torch.randint(0, 3 * sel.BLOCK_G, (64,), generator=gen)  # more groups than one plan step
     select_within_quota_triton(scores, many, torch.ones(3 * sel.BLOCK_G, dtype=torch.int64), 20, "top", None)
+    many_ends = torch.bincount(many, minlength=3 * sel.BLOCK_G).cumsum(0)
+    select_within_quota_triton(scores, many, torch.ones(3 * sel.BLOCK_G, dtype=torch.int64), 20, "top", None,
+                               torch.argsort(many, stable=True), None, many_ends)
 
     tok = kernel_module("token_rows")
     for dtype in (torch.bfloat16, torch.float32):

@@ -42,18 +42,24 @@ def assert_same(scores, gids, quotas, max_rows, uniform=None, gid_dtype=torch.in
         uniform = [(0.37 + 0.29 * g) % 1.0 for g in range(len(quotas))]
     u = torch.tensor(uniform, dtype=u_dtype, device=DEVICE)
     order = argsort_ids(t[1])
+    # The cumulative group sizes, counted here on the host from the lists (the layer has them from its dispatch).
+    ends = torch.tensor([sum(g <= e for g in gids) for e in range(len(quotas))], dtype=torch.int32, device=DEVICE)
     for mode in ("top", "sample"):
         want = select_within_quota_reference(*t, max_rows, mode, u)
         # The Triton path sorting the group ids itself, and given their order (as the MoE layer gives it).
-        # max_group_size: the per-group register sort of "sample" (any bound >= every group's size).
-        for given_order, bound in ((None, None), (order, None), (order, max(len(scores), 1))):
-            got = select_within_quota_triton(*t, max_rows, mode, u, given_order, bound)
+        # max_group_size: the per-group register sort of "sample" (any bound >= every group's size). ends: the
+        # plan reads the groups' starts and sizes instead of searching for them.
+        bound = max(len(scores), 1)
+        for given_order, bound, given_ends in ((None, None, None), (order, None, None), (order, bound, None),
+                                               (None, None, ends), (order, bound, ends)):
+            got = select_within_quota_triton(*t, max_rows, mode, u, given_order, bound, given_ends)
             # A custom op's outputs may alias neither its inputs nor each other (PyTorch rejects it on CUDA).
             ptrs = [x.untyped_storage().data_ptr() for x in (*got, *t, u) if x.numel() > 0]
             assert len(set(ptrs)) == len(ptrs), (mode, "outputs share storage")
             for name, w, g in zip(("pair_ids", "weights", "counts", "offsets"), want, got):
                 assert g.dtype == w.dtype and g.shape == w.shape, (mode, name)
-                assert torch.equal(g, w), (mode, name, given_order is None, g.tolist(), w.tolist())
+                assert torch.equal(g, w), (mode, name, given_order is None, given_ends is None, g.tolist(),
+                                           w.tolist())
 
 
 CASES = {

@@ -31,6 +31,7 @@ def _cases(device: str, dtype: torch.dtype):
     P = T * K
     groups_P = torch.randint(0, E, (P,), generator=g).to(device)
     order_P = torch.argsort(groups_P, stable=True)
+    ends_E = torch.bincount(groups_P, minlength=E).cumsum(0)
     quotas_E = torch.randint(0, 40, (E,), generator=g).to(device)
     uniform_E = torch.rand(E, generator=g).to(device)
     scores_P = torch.rand(P, generator=g).to(device)
@@ -46,6 +47,8 @@ def _cases(device: str, dtype: torch.dtype):
          "_top_kernel"),
         ("select sample", ops.select_within_quota,
          (scores_P, groups_P, quotas_E, 160, "sample", uniform_E, order_P, T), "_compact_kernel"),
+        ("select top, group ends", ops.select_within_quota,
+         (scores_P, groups_P, quotas_E, 160, "top", None, order_P, T, ends_E), "_plan_kernel"),
         ("gather_grouped_mm", ops.gather_grouped_mm, (randn(N, C), randn(E, 32, C), rows_N, offsets_E),
          "_zero_tail_kernel"),
         ("grouped_outer", ops.grouped_outer, (randn(N, 32), randn(N, C), rows_N, offsets_E), "_grouped_mm"),
@@ -63,7 +66,7 @@ def _compiled(fn, args):
     return out, "\n".join(code)
 
 
-N_CASES = 10
+N_CASES = 11
 
 
 @pytest.mark.parametrize("case", range(N_CASES))

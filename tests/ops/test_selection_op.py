@@ -38,6 +38,27 @@ def test_opcheck(mode, max_rows):
     torch.library.opcheck(select_within_quota, (scores, gids, quotas, max_rows, mode, uniform))
     order = torch.argsort(gids, stable=True)  # the group order given, as the MoE layers give it
     torch.library.opcheck(select_within_quota, (scores, gids, quotas, max_rows, mode, uniform, order))
+    ends = torch.bincount(gids, minlength=quotas.shape[0]).cumsum(0).int()  # and the groups' ends
+    torch.library.opcheck(select_within_quota, (scores, gids, quotas, max_rows, mode, uniform, order, None, ends))
+
+
+@pytest.mark.parametrize("mode", ["top", "sample"])
+def test_group_ends_change_nothing_and_wrong_ones_are_refused_on_cpu(mode):
+    scores, gids, quotas, uniform = _inputs(seed=5)
+    order = torch.argsort(gids, stable=True)
+    ends = torch.bincount(gids, minlength=quotas.shape[0]).cumsum(0)
+    want = select_within_quota(scores, gids, quotas, 9, mode, uniform, order)
+    for given in (ends, ends.int()):
+        got = select_within_quota(scores, gids, quotas, 9, mode, uniform, order, None, given)
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+    wrong = ends.clone()
+    wrong[0] += 1  # one member moved to the next group
+    with pytest.raises(ValueError, match="group_ends must be the cumulative group sizes"):
+        select_within_quota(scores, gids, quotas, 9, mode, uniform, order, None, wrong)
+    with pytest.raises(ValueError, match="group_ends_G must have the shape of quotas_G"):
+        select_fn(scores, gids, quotas, max_rows=9, mode=mode, uniform_G=uniform, group_ends_G=ends[:-1])
+    with pytest.raises(TypeError, match="group_ends_G must be an integer tensor"):
+        select_fn(scores, gids, quotas, max_rows=9, mode=mode, uniform_G=uniform, group_ends_G=ends.float())
 
 
 def test_opcheck_top_without_uniform_int32_ids_and_no_pairs():
