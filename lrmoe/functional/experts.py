@@ -278,15 +278,18 @@ def select_retained(
     generator: torch.Generator | None,
     uniform_G: torch.Tensor | None,
     group_order_P: torch.Tensor | None = None,
+    group_ends_G: torch.Tensor | None = None,
 ):
     """Score the pairs and keep each group's quota (the source side of the selective backward, both layers).
-    ``group_order_P``: the stable argsort of ``groups_P`` when the layer has it from its forward dispatch, so the
-    selection need not sort again. Returns (Selection, fraction of the finite score mass the kept pairs carry)."""
+    ``group_order_P`` and ``group_ends_G``: the stable argsort of ``groups_P`` and the cumulative group sizes, when
+    the layer has them from its forward dispatch, so the selection need neither sort nor search for the groups
+    again. Returns (Selection, fraction of the finite score mass the kept pairs carry)."""
     scores_P = score_pairs(gates_TK.detach(), g_TD, phi_sq_TK, metric=metric, generator=generator).reshape(-1)
     # Each token picks an expert at most once, so no group (expert, instance, or (source, expert)) holds more
     # than T pairs: the bound CUDA "sample" needs to sort per group.
     sel = select_within_quota(scores_P, groups_P, quotas_G, max_rows=max_rows, mode=selection, generator=generator,
-                              uniform_G=uniform_G, group_order_P=group_order_P, max_group_size=gates_TK.shape[0])
+                              uniform_G=uniform_G, group_order_P=group_order_P, max_group_size=gates_TK.shape[0],
+                              group_ends_G=group_ends_G)
     finite_P = torch.where(torch.isfinite(scores_P), scores_P, 0.0)
     kept_mass = finite_P.index_select(0, sel.pair_ids.clamp(min=0)).mul(sel.pair_ids >= 0).sum()
     return sel, kept_mass / finite_P.sum().clamp(min=torch.finfo(torch.float32).tiny)
@@ -432,14 +435,14 @@ class _SelectiveSwiGLU(torch.autograd.Function):
         else:
             # Groups are experts, or (source, expert) pairs g = e * S + s: expert-major, so one expert's kept rows
             # stay contiguous and its grouped-GEMM offset is the end of its last source group.
-            if group_ids_P is None:  # grouped by expert: the forward's dispatch order is the group order
-                groups_P, group_order_P = expert_ids_TK.reshape(-1), order_P
+            if group_ids_P is None:  # grouped by expert: the forward's dispatch order and offsets are the groups'
+                groups_P, group_order_P, group_ends_G = expert_ids_TK.reshape(-1), order_P, offsets_E
             else:
-                groups_P, group_order_P = group_ids_P, None
+                groups_P, group_order_P, group_ends_G = group_ids_P, None, None
             sel, mass_kept = select_retained(
                 gates_TK, g_TD, phi_sq_TK, groups_P, quotas_G, retained_rows_bound(n_pairs, n_exp, cfg.retain),
                 metric=cfg.metric, selection=cfg.selection, generator=cfg.generator, uniform_G=uniform_G,
-                group_order_P=group_order_P,
+                group_order_P=group_order_P, group_ends_G=group_ends_G,
             )
             pair_R, weight_R = sel.pair_ids, sel.weights
             off_E = sel.offsets.view(n_exp, -1)[:, -1]

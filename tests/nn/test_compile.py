@@ -110,8 +110,8 @@ def test_inductor_runs_the_offload_wait_after_the_copy(fwd_bwd):
 def test_compiled_layer_graphs_hold_no_device_asserts_and_one_op_per_selection(selection, fwd_bwd):
     # Every node of the compiled step is a kernel launch on the GPU. The forward and backward graphs must hold no
     # device-side asserts (F.one_hot adds two reductions and two asserts), no scatter of the single-bin quota
-    # sums, one sort in forward, and the selection as one custom op given the layer's dispatch order (so it
-    # sorts nothing itself).
+    # sums, one sort in forward, and the selection as one custom op given the layer's dispatch order and offsets
+    # (so it sorts nothing and, on CUDA, searches nothing itself).
     from torch._dynamo.backends.common import aot_autograd
 
     torch._dynamo.reset()
@@ -133,7 +133,8 @@ def test_compiled_layer_graphs_hold_no_device_asserts_and_one_op_per_selection(s
     assert not [t for t in targets if "assert" in t], targets
     assert not [t for t in targets if "index_add" in t], targets
     (select,) = [n for n in bwd.graph.nodes if n.target is torch.ops.lrmoe.select_within_quota.default]
-    assert len(select.args) == 8 and isinstance(select.args[6], torch.fx.Node)  # group_order given
+    assert len(select.args) == 9 and isinstance(select.args[6], torch.fx.Node)  # group_order given
     assert select.args[7] == 64  # max_group_size: T, each token picks an expert at most once
+    assert isinstance(select.args[8], torch.fx.Node)  # group_ends given: the plan searches nothing either
     assert not [n for n in bwd.graph.nodes if "sort" in str(n.target)]
     torch._dynamo.reset()
