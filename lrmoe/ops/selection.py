@@ -109,11 +109,13 @@ def select_within_quota_reference(
     gid_P = group_ids_P.long()
     scores_P = nan_as_inf(scores_P)
     sizes_G, starts_G, take_G = group_sizes(gid_P, quotas_G)
+    # Checked on CPU only, where reading the values costs no device sync (the CPU kernel runs eagerly, also under
+    # torch.compile, which keeps the op whole on CPU).
     if group_ends_G is not None and group_ends_G.device.type == "cpu":
         want_G = starts_G + sizes_G
         if group_ends_G.shape != want_G.shape or not torch.equal(group_ends_G.long(), want_G):
             raise ValueError(f"lrmoe::select_within_quota: group_ends must be the cumulative group sizes "
-                             f"{want_G.tolist()}, got {group_ends_G.tolist()}")
+                             f"{want_G.tolist()}, got {group_ends_G.tolist()}")  # CPU: no device sync
     order_P = argsort_ids(gid_P) if group_order_P is None else group_order_P  # by group, then pair id
     g_P = gid_P[order_P]
 
