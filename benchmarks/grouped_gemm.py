@@ -5,6 +5,10 @@
 
 Forward (y_RO = weight[e] @ x[rows]): (a) the Triton kernel with the gather fused into its operand load,
 (b) index_select gather then torch._grouped_mm, (c) torch._grouped_mm alone on pre-gathered rows.
+The forward's (a) reads the weight through a TMA descriptor (the default for bf16); the rows "weight by pointers"
+time the pointer loads it had before, and the two "O-contiguous" rows the same on a weight stored transposed (the
+layout the input gradient's weight.transpose(1, 2) view has), each way. The weight gradient's (a) reads a_RO's whole
+K blocks and writes its output through TMA descriptors; "a and w by pointers" is the kernel without them.
 Weight gradient (w[e] = sum outer(a[i], b[rows[i]])): the Triton kernel against (b) and (c) of the same kind
 (torch._grouped_mm 2D x 2D with offsets). The gate/up GEMM with the SwiGLU (``-up`` shapes, weight [E, 2f, d], op
 "swiglu", FLOP of the 2f-wide GEMM): (a) the Triton kernel with the gather and the SwiGLU + ||phi||^2 in its
@@ -144,8 +148,14 @@ def main() -> None:
             (x_NI, weight_EOI, a_RO, rows_R, offsets_E), sizes_E = make_inputs(args.rows, I, O, skewed)
             x_RI = x_NI.index_select(0, rows_R)
             w_t = weight_EOI.transpose(-2, -1)
+            w_cm = weight_EOI.transpose(1, 2).contiguous().transpose(1, 2)  # same values, O contiguous
             fwd = {
                 "(a) triton gather-fused": lambda: gather_grouped_mm_triton(x_NI, weight_EOI, rows_R, offsets_E),
+                "(a) weight by pointers": lambda: gather_grouped_mm_triton(x_NI, weight_EOI, rows_R, offsets_E,
+                                                                           b_desc=False),
+                "(a) weight O-contiguous": lambda: gather_grouped_mm_triton(x_NI, w_cm, rows_R, offsets_E),
+                "(a) O-contiguous, pointers": lambda: gather_grouped_mm_triton(x_NI, w_cm, rows_R, offsets_E,
+                                                                               b_desc=False),
                 "(b) index_select+_grouped_mm": lambda: torch._grouped_mm(
                     x_NI.index_select(0, rows_R), w_t, offs=offsets_E
                 ),
@@ -153,6 +163,7 @@ def main() -> None:
             }
             wgrad = {
                 "(a) triton gather-fused": lambda: grouped_outer_triton(a_RO, x_NI, rows_R, offsets_E),
+                "(a) a and w by pointers": lambda: grouped_outer_triton(a_RO, x_NI, rows_R, offsets_E, tma=False),
                 "(b) index_select+_grouped_mm": lambda: torch._grouped_mm(
                     a_RO.t(), x_NI.index_select(0, rows_R), offs=offsets_E
                 ),

@@ -45,8 +45,9 @@ import os
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
-from .launch import known_empty, launch
+from .launch import known_empty, launch, tracing
 
 __all__ = [
     "gather_grouped_mm_triton",
@@ -119,11 +120,28 @@ def _prune_small(configs, named_args, **kwargs):
     return configs
 
 
+def _set_desc_blocks(nargs: dict) -> None:
+    """A config's pre_hook (and the launchers' when they pass blocks themselves): the TMA descriptors' block
+    shapes for this launch's BLOCK_M, BLOCK_N, BLOCK_K. gather_grouped_mm's weight ``w`` (B_DESC 1: [E, O, I]
+    blocks [1, BLOCK_N, BLOCK_K]; 2: its transpose, [1, BLOCK_K, BLOCK_N]); grouped_outer's ``a_desc``
+    ([BLOCK_K, BLOCK_M] rows of a_RO) and ``w_desc`` ([1, BLOCK_M, BLOCK_N] of w_EOI). Tensors are left."""
+    bm, bn, bk = nargs["BLOCK_M"], nargs["BLOCK_N"], nargs["BLOCK_K"]
+    if isinstance(w := nargs.get("w"), TensorDescriptor):
+        w.block_shape = [1, bn, bk] if nargs["B_DESC"] == 1 else [1, bk, bn]
+    if isinstance(a := nargs.get("a_desc"), TensorDescriptor):
+        a.block_shape = [bk, bm]
+    if isinstance(out := nargs.get("w_desc"), TensorDescriptor):
+        out.block_shape = [1, bm, bn]
+
+
 def _with_config(kernel, configs):
     """The interpreter runs the bare kernel with _interpreter_config(); a GPU autotunes over ``configs``, keyed on
-    (O, I) plus the argument dtypes (Triton's autotuner appends those), never on R, which changes per step."""
+    (O, I) plus the argument dtypes (Triton's autotuner appends those), never on R, which changes per step. Each
+    config sets the TMA descriptors' blocks before its launch (_set_desc_blocks)."""
     if _INTERPRET:
         return kernel
+    configs = [triton.Config(c.kwargs, num_warps=c.num_warps, num_stages=c.num_stages, pre_hook=_set_desc_blocks)
+               for c in configs]
     return triton.autotune(
         configs=configs, key=["O", "I"], prune_configs_by=dict(early_config_prune=_prune_small)
     )(kernel)
@@ -207,13 +225,18 @@ def _gather_operands(x_ptr, w_ptr, rows_ptr, group, offs_m, m_mask, offs_n, n_co
 @triton.heuristics(dict(EVEN_K=lambda args: args["I"] % args["BLOCK_K"] == 0))
 @triton.jit
 def _gather_grouped_mm_kernel(
-    x_ptr, w_ptr, rows_ptr, offsets_ptr, y_ptr,
+    x_ptr, w, rows_ptr, offsets_ptr, y_ptr,
     R, O, I, E, dtype_bytes,
     stride_xn, stride_xi, stride_we, stride_wo, stride_wi, stride_yr, stride_yo,
     G_POW2: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     UPCAST: tl.constexpr, ACC_FP64: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    B_DESC: tl.constexpr = 0,
 ):  # fmt: skip
+    """B_DESC 0: ``w`` is the weight's pointer (any strides); 1: a TMA descriptor over the weight [E, O, I]
+    (I contiguous), blocks [1, BLOCK_N, BLOCK_K]; 2: one over its transpose [E, I, O] (O contiguous, the input
+    gradient's weight.transpose(1, 2) view), blocks [1, BLOCK_K, BLOCK_N]. A descriptor's loads past I or O fill
+    zeros, so no mask."""
     group, offs_m, m_mask, offs_n = _tile(offsets_ptr, R, E, O, G_POW2, BLOCK_M, BLOCK_N)
     y_ptrs = y_ptr + offs_m[:, None].to(tl.int64) * stride_yr + offs_n[None, :] * stride_yo
     y_mask = m_mask[:, None] & (offs_n[None, :] < O)
@@ -221,24 +244,65 @@ def _gather_grouped_mm_kernel(
     if group == E:
         tl.store(y_ptrs, tl.zeros((BLOCK_M, BLOCK_N), dtype=y_ptr.dtype.element_ty), mask=y_mask)
     elif group < E:
-        a_ptrs, b_ptrs, offs_k = _gather_operands(x_ptr, w_ptr, rows_ptr, group, offs_m, m_mask, offs_n, O,
-                                                  stride_xn, stride_xi, stride_we, stride_wo, stride_wi, BLOCK_K)
+        if B_DESC == 0:
+            a_ptrs, b_ptrs, offs_k = _gather_operands(x_ptr, w, rows_ptr, group, offs_m, m_mask, offs_n, O,
+                                                      stride_xn, stride_xi, stride_we, stride_wo, stride_wi, BLOCK_K)
+        else:
+            src_m = tl.load(rows_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)
+            offs_k = tl.arange(0, BLOCK_K)
+            a_ptrs = x_ptr + src_m[:, None] * stride_xn + offs_k[None, :] * stride_xi
+            n0 = (tl.program_id(0) % tl.cdiv(O, BLOCK_N)) * BLOCK_N
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float64 if ACC_FP64 else tl.float32)
         for k in range(0, tl.cdiv(I, BLOCK_K)):
             if EVEN_K:
                 a = tl.load(a_ptrs)
+            else:
+                a = tl.load(a_ptrs, mask=(offs_k < I - k * BLOCK_K)[None, :], other=0.0)
+            if B_DESC == 1:
+                b = tl.trans(w.load([group, n0, k * BLOCK_K]).reshape(BLOCK_N, BLOCK_K))
+            elif B_DESC == 2:
+                b = w.load([group, k * BLOCK_K, n0]).reshape(BLOCK_K, BLOCK_N)
+            elif EVEN_K:
                 b = tl.load(b_ptrs)
             else:
-                k_mask = offs_k < I - k * BLOCK_K
-                a = tl.load(a_ptrs, mask=k_mask[None, :], other=0.0)
-                b = tl.load(b_ptrs, mask=k_mask[:, None], other=0.0)
+                b = tl.load(b_ptrs, mask=(offs_k < I - k * BLOCK_K)[:, None], other=0.0)
             if UPCAST:
                 a = a.to(tl.float32)
                 b = b.to(tl.float32)
             acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION, out_dtype=acc.dtype)
             a_ptrs += BLOCK_K * stride_xi
-            b_ptrs += BLOCK_K * stride_wi
+            if B_DESC == 0:
+                b_ptrs += BLOCK_K * stride_wi
         tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=y_mask)
+
+
+def _weight_operand(weight_EOI: torch.Tensor, b_desc: bool | None) -> tuple:
+    """(w argument, B_DESC) for _gather_grouped_mm_kernel: a TMA descriptor over the weight when ``b_desc`` is
+    True, or None (the default) and it can be one: 16-bit dtype (the interpreter: any), a nonempty weight with one
+    of its last two dims contiguous, the other strides and the base 16-byte aligned (TMA's rules), and not traced
+    (the launch then goes into a compiled graph through wrap_triton, which this descriptor path is not tested
+    with). The block shape is a placeholder: _set_desc_blocks sets it from the launch's config. b_desc=False, or a
+    weight that cannot be one, gives the pointer path."""
+    E, O, I = weight_EOI.shape
+    s_e, s_o, s_i = weight_EOI.stride()
+    size = weight_EOI.element_size()
+    mode = 1 if s_i == 1 else 2 if s_o == 1 else 0
+    other = (s_e, s_o) if mode == 1 else (s_e, s_i)
+    can = (
+        mode > 0
+        and min(E, O, I) > 0
+        and (_INTERPRET or size == 2)
+        and weight_EOI.data_ptr() % 16 == 0
+        and all(s * size % 16 == 0 for s in other)
+        and not tracing()
+    )
+    if b_desc and not can:
+        raise ValueError("b_desc=True needs a weight TMA can read (see _weight_operand)")
+    if not can or b_desc is False:
+        return weight_EOI, 0
+    if mode == 1:
+        return TensorDescriptor(weight_EOI, [E, O, I], [s_e, s_o, 1], [1, 16, 16]), 1
+    return TensorDescriptor(weight_EOI, [E, I, O], [s_e, s_i, 1], [1, 16, 16]), 2
 
 
 _gather_grouped_mm = _with_config(_gather_grouped_mm_kernel, _gpu_configs())
@@ -246,12 +310,13 @@ _gather_grouped_mm = _with_config(_gather_grouped_mm_kernel, _gpu_configs())
 
 def gather_grouped_mm_triton(
     x_NI: torch.Tensor, weight_EOI: torch.Tensor, rows_R: torch.Tensor, offsets_E: torch.Tensor,
-    config: triton.Config | None = None,
+    config: triton.Config | None = None, b_desc: bool | None = None,
 ) -> torch.Tensor:
     """y_RO[i] = weight_EOI[e(i)] @ x_NI[rows_R[i]] for i < offsets_E[-1], 0 after; dtype of x. No host sync.
 
     The output is allocated with torch.empty: the kernel writes every row, zeros included. ``config`` launches
-    those blocks instead of autotuning (for benchmarks/grouped_gemm.py --configs).
+    those blocks instead of autotuning (for benchmarks/grouped_gemm.py --configs). ``b_desc``: read the weight
+    through a TMA descriptor (True), through pointers (False), or the descriptor where it can be one (None).
     """
     _check_device(x_NI, weight_EOI, rows_R, offsets_E)
     R, (E, O, I) = rows_R.shape[0], weight_EOI.shape
@@ -259,12 +324,15 @@ def gather_grouped_mm_triton(
     if known_empty(R, O):
         return y_RO
     kernel, fixed = _kernel_and_blocks(_gather_grouped_mm, _gather_grouped_mm_kernel, config)
+    w, mode = _weight_operand(weight_EOI, b_desc)
+    if fixed:  # no autotuner to run the configs' pre_hook
+        _set_desc_blocks({"w": w, "B_DESC": mode, **fixed})
     grid = lambda meta: ((triton.cdiv(R, meta["BLOCK_M"]) + E) * triton.cdiv(O, meta["BLOCK_N"]),)  # noqa: E731
     launch(kernel, grid)(
-        x_NI, weight_EOI, rows_R, offsets_E, y_RO,
+        x_NI, w, rows_R, offsets_E, y_RO,
         R, O, I, E, x_NI.element_size(),
         *x_NI.stride(), *weight_EOI.stride(), *y_RO.stride(),
-        G_POW2=triton.next_power_of_2(E + 1), **_dot_flags(x_NI.dtype), **fixed,
+        G_POW2=triton.next_power_of_2(E + 1), **_dot_flags(x_NI.dtype), **fixed, B_DESC=mode,
     )  # fmt: skip
     return y_RO
 
@@ -446,12 +514,16 @@ def zero_rows_past_last_offset_(y_RO: torch.Tensor, offsets_E: torch.Tensor) -> 
 
 @triton.jit
 def _grouped_outer_kernel(
-    a_ptr, b_ptr, rows_ptr, offsets_ptr, w_ptr,
+    a_ptr, b_ptr, rows_ptr, offsets_ptr, w_ptr, a_desc, w_desc,
     R, O, I, E, dtype_bytes,
     stride_ar, stride_ao, stride_bn, stride_bi, stride_we, stride_wo, stride_wi,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     UPCAST: tl.constexpr, ACC_FP64: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    TMA: tl.constexpr = False,
 ):  # fmt: skip
+    """TMA True: a_desc is a TMA descriptor over a_RO (blocks [BLOCK_K, BLOCK_M]) and w_desc one over w_EOI
+    (blocks [1, BLOCK_M, BLOCK_N]); the gathered b stays pointer loads (TMA on Hopper cannot gather rows). False:
+    pointers only (any strides; the launcher passes the tensors again as a_desc and w_desc, unused)."""
     # One program per (expert, BLOCK_M x BLOCK_N tile of w[e]), expert slowest: the programs of one expert run
     # together and read its rows of a and b through L2. The reduction runs over the group's rows, BLOCK_K at a
     # time; its length is read on the device, so an empty group stores zeros and no atomics or memset are needed.
@@ -471,46 +543,98 @@ def _grouped_outer_kernel(
     offs_k = tl.arange(0, BLOCK_K)
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float64 if ACC_FP64 else tl.float32)
-    for r0 in range(start, end, BLOCK_K):
+    # With the descriptor, the whole BLOCK_K blocks of the group come through TMA, unmasked (a block that crossed
+    # the group's end would read the next group's rows of a, and an inf there times a zeroed b row is NaN); the
+    # last partial block, if any, through the masked pointer loads below.
+    tail = start if not TMA else start + (tl.maximum(end - start, 0) // BLOCK_K) * BLOCK_K
+    if TMA:
+        for r0 in range(start, tail, BLOCK_K):
+            src_r = tl.load(rows_ptr + r0 + offs_k).to(tl.int64)
+            a_t = tl.trans(a_desc.load([r0, pid_m * BLOCK_M]))
+            b_t = tl.load(b_ptr + src_r[:, None] * stride_bn + offs_n_safe[None, :] * stride_bi)
+            if UPCAST:
+                a_t = a_t.to(tl.float32)
+                b_t = b_t.to(tl.float32)
+            acc = tl.dot(a_t, b_t, acc, input_precision=INPUT_PRECISION, out_dtype=acc.dtype)
+    for r0 in range(tail, end, BLOCK_K):
         offs_r = r0 + offs_k
         r_mask = offs_r < end
         src_r = tl.load(rows_ptr + offs_r, mask=r_mask, other=0).to(tl.int64)
         # a^T tile [BLOCK_M, BLOCK_K] and gathered b tile [BLOCK_K, BLOCK_N]. Both are masked on the group's end:
         # zero in a alone would still turn an inf or NaN in a row of b outside the group into NaN.
-        a = tl.load(
+        a_t = tl.load(
             a_ptr + offs_m_safe[:, None] * stride_ao + offs_r[None, :].to(tl.int64) * stride_ar,
             mask=r_mask[None, :], other=0.0,
         )  # fmt: skip
-        b = tl.load(
+        b_t = tl.load(
             b_ptr + src_r[:, None] * stride_bn + offs_n_safe[None, :] * stride_bi, mask=r_mask[:, None], other=0.0
         )
         if UPCAST:
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
-        acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION, out_dtype=acc.dtype)
+            a_t = a_t.to(tl.float32)
+            b_t = b_t.to(tl.float32)
+        acc = tl.dot(a_t, b_t, acc, input_precision=INPUT_PRECISION, out_dtype=acc.dtype)
 
-    w_ptrs = (w_ptr + e.to(tl.int64) * stride_we
-              + offs_m[:, None].to(tl.int64) * stride_wo + offs_n[None, :] * stride_wi)  # fmt: skip
-    tl.store(w_ptrs, acc.to(w_ptr.dtype.element_ty), mask=(offs_m[:, None] < O) & (offs_n[None, :] < I))
+    if TMA:  # the descriptor clips the tile at O and I
+        w_desc.store([e, pid_m * BLOCK_M, pid_n * BLOCK_N], acc.to(w_ptr.dtype.element_ty)[None, :, :])
+    else:
+        w_ptrs = (w_ptr + e.to(tl.int64) * stride_we
+                  + offs_m[:, None].to(tl.int64) * stride_wo + offs_n[None, :] * stride_wi)  # fmt: skip
+        tl.store(w_ptrs, acc.to(w_ptr.dtype.element_ty), mask=(offs_m[:, None] < O) & (offs_n[None, :] < I))
 
 
 _grouped_outer = _with_config(_grouped_outer_kernel, _outer_gpu_configs())
 
 
+def _outer_operands(a_RO: torch.Tensor, w_EOI: torch.Tensor, tma: bool | None) -> tuple:
+    """(a_desc, w_desc, TMA) for _grouped_outer_kernel: descriptors over a_RO and the output when ``tma``
+    is True, or None and both can be (16-bit or the interpreter, row-major a_RO, 16-byte aligned strides and bases,
+    nonempty, not traced); pointers otherwise. Block shapes are set by _set_desc_blocks."""
+    size = a_RO.element_size()
+    (R, O), (E, _, I) = a_RO.shape, w_EOI.shape
+    can = (
+        min(R, O, E, I) > 0
+        and (_INTERPRET or size == 2)
+        and a_RO.stride(1) == 1
+        and all(t.data_ptr() % 16 == 0 for t in (a_RO, w_EOI))
+        and all(st * size % 16 == 0 for st in (a_RO.stride(0), *w_EOI.stride()[:2]))
+        and not tracing()
+    )
+    if tma and not can:
+        raise ValueError("tma=True needs operands TMA can read and write (see _outer_operands)")
+    if not can or tma is False:
+        return a_RO, w_EOI, False
+    a_desc = TensorDescriptor(a_RO, [R, O], [a_RO.stride(0), 1], [16, 16])
+    w_desc = TensorDescriptor(w_EOI, [E, O, I], list(w_EOI.stride()), [1, 16, 16])
+    return a_desc, w_desc, True
+
+
 def grouped_outer_triton(
     a_RO: torch.Tensor, b_NI: torch.Tensor, rows_R: torch.Tensor, offsets_E: torch.Tensor,
-    config: triton.Config | None = None,
+    config: triton.Config | None = None, tma: bool | None = None,
 ) -> torch.Tensor:
     """w_EOI[e] = sum over i in group e of outer(a_RO[i], b_NI[rows_R[i]]); dtype of a. No host sync.
 
     The output is allocated with torch.empty: every program stores its whole tile, zeros for empty groups.
-    ``config``: as in gather_grouped_mm_triton.
+    ``config``: as in gather_grouped_mm_triton. ``tma``: read a_RO and write the output through TMA descriptors
+    (True), through pointers (False), or the descriptors where they can be (None).
     """
     _check_device(a_RO, b_NI, rows_R, offsets_E)
     R, O, I, E = rows_R.shape[0], a_RO.shape[1], b_NI.shape[1], offsets_E.shape[0]
     w_EOI = torch.empty((E, O, I), dtype=a_RO.dtype, device=a_RO.device)
     if known_empty(E, O, I):
         return w_EOI
+    kernel, fixed = _kernel_and_blocks(_grouped_outer, _grouped_outer_kernel, config)
+    a_desc, w_desc, use_tma = _outer_operands(a_RO, w_EOI, tma)
+    if fixed:  # no autotuner to run the configs' pre_hook
+        _set_desc_blocks({"a_desc": a_desc, "w_desc": w_desc, **fixed})
+    grid = lambda meta: (E * triton.cdiv(O, meta["BLOCK_M"]) * triton.cdiv(I, meta["BLOCK_N"]),)  # noqa: E731
+    launch(kernel, grid)(
+        a_RO, b_NI, rows_R, offsets_E, w_EOI, a_desc, w_desc,
+        R, O, I, E, a_RO.element_size(),
+        *a_RO.stride(), *b_NI.stride(), *w_EOI.stride(),
+        **_dot_flags(a_RO.dtype), **fixed, TMA=use_tma,
+    )  # fmt: skip
+    return w_EOI
     kernel, fixed = _kernel_and_blocks(_grouped_outer, _grouped_outer_kernel, config)
     grid = lambda meta: (E * triton.cdiv(O, meta["BLOCK_M"]) * triton.cdiv(I, meta["BLOCK_N"]),)  # noqa: E731
     launch(kernel, grid)(

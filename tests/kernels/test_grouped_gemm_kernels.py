@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from lrmoe_kernels.grouped_gemm import (
     _gpu_configs,
     _outer_gpu_configs,
+    _weight_operand,
     gather_grouped_mm_triton,
     gather_grouped_swiglu_triton,
     grouped_outer_triton,
@@ -76,17 +77,17 @@ def assert_close(got, want, dtype, k):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * k**0.5)
 
 
-def check_gather(x_NI, weight_EOI, rows_R, offsets_E):
+def check_gather(x_NI, weight_EOI, rows_R, offsets_E, b_desc=None):
     want = torch.ops.lrmoe.gather_grouped_mm(x_NI, weight_EOI, rows_R, offsets_E)
-    got = gather_grouped_mm_triton(*on_device(x_NI, weight_EOI, rows_R, offsets_E))
+    got = gather_grouped_mm_triton(*on_device(x_NI, weight_EOI, rows_R, offsets_E), b_desc=b_desc)
     assert_close(got, want, x_NI.dtype, x_NI.shape[1])
     end = min(int(offsets_E[-1]), rows_R.shape[0]) if offsets_E.numel() else 0
     assert (got[end:] == 0).all(), "rows past offsets[-1] must be zero"
 
 
-def check_outer(a_RO, b_NI, rows_R, offsets_E):
+def check_outer(a_RO, b_NI, rows_R, offsets_E, tma=None):
     want = torch.ops.lrmoe.grouped_outer(a_RO, b_NI, rows_R, offsets_E)
-    got = grouped_outer_triton(*on_device(a_RO, b_NI, rows_R, offsets_E))
+    got = grouped_outer_triton(*on_device(a_RO, b_NI, rows_R, offsets_E), tma=tma)
     assert_close(got, want, a_RO.dtype, max(1, rows_R.shape[0]))
     starts = [0] + offsets_E.tolist()[:-1]
     for e, (s, t) in enumerate(zip(starts, offsets_E.tolist())):
@@ -96,10 +97,31 @@ def check_outer(a_RO, b_NI, rows_R, offsets_E):
 
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_gather_grouped_mm_equals_reference(case, dtype):
+@pytest.mark.parametrize("b_desc", [None, False], ids=["weight-desc-if-possible", "weight-pointers"])
+def test_gather_grouped_mm_equals_reference(case, dtype, b_desc):
     x_NI, weight_EOI, _, rows_R, offsets_E = make_case(*case, dtype=dtype)
     assert not weight_EOI.is_contiguous()
+    check_gather(x_NI, weight_EOI, rows_R, offsets_E, b_desc)
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_weight_descriptor_both_layouts(transposed):
+    """The TMA descriptor path on both weight layouts (the forward's [E, O, I] and the input gradient's transposed
+    view), O and I not multiples of the blocks (the descriptor's zero fill past the edges replaces the masks)."""
+    x_NI, weight_EOI, _, rows_R, offsets_E = make_case(7, 40, 24, [3, 0, 18], 2, 0, torch.bfloat16, transposed)
+    w, mode = _weight_operand(weight_EOI.to(DEVICE), None)
+    assert mode == (2 if transposed else 1)
+    check_gather(x_NI, weight_EOI, rows_R, offsets_E, b_desc=True)
+
+
+def test_weight_descriptor_refused_where_tma_cannot_read():
+    """A weight whose rows are not 16-byte aligned (I = 7 in bf16: 14 bytes) takes the pointer path by default;
+    asking for the descriptor says why it cannot."""
+    x_NI, weight_EOI, _, rows_R, offsets_E = make_case(5, 7, 24, [4, 5], 1, 0, torch.bfloat16, transposed=False)
+    assert _weight_operand(weight_EOI.to(DEVICE), None)[1] == 0
     check_gather(x_NI, weight_EOI, rows_R, offsets_E)
+    with pytest.raises(ValueError, match="b_desc=True"):
+        gather_grouped_mm_triton(*on_device(x_NI, weight_EOI, rows_R, offsets_E), b_desc=True)
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -114,6 +136,41 @@ def test_contiguous_weight_and_other_dtypes(dtype):
     x_NI, weight_EOI, a_RO, rows_R, offsets_E = make_case(7, 40, 24, [3, 0, 18], 2, 0, dtype, transposed=False)
     check_gather(x_NI, weight_EOI, rows_R, offsets_E)
     check_outer(a_RO, x_NI, rows_R, offsets_E)
+
+
+# Groups longer than the weight gradient's K blocks (32 rows in the interpreter and in the GPU configs): whole
+# blocks, which go through the TMA descriptor, then a partial one (70 = 2 x 32 + 6, 45, 33), and one of exactly
+# two blocks (64).
+LONG_GROUPS = (11, 24, 40, [70, 0, 45, 64, 33], 3, 0)
+
+
+@pytest.mark.parametrize("tma", [None, True, False], ids=["tma-if-possible", "tma", "pointers"])
+def test_grouped_outer_whole_blocks_through_tma(tma):
+    x_NI, _, a_RO, rows_R, offsets_E = make_case(*LONG_GROUPS, dtype=torch.bfloat16)
+    check_outer(a_RO, x_NI, rows_R, offsets_E, tma)
+
+
+@pytest.mark.parametrize("tma", [True, False], ids=["tma", "pointers"])
+def test_grouped_outer_keeps_a_nonfinite_row_in_its_group(tma):
+    """An inf in the first row of a group (the row a whole block read past the previous group's end would take
+    in) must leave the other groups' gradients finite and equal to the reference; its own gets inf or NaN."""
+    x_NI, _, a_RO, rows_R, offsets_E = make_case(*LONG_GROUPS, dtype=torch.bfloat16)
+    a_RO[70] = float("inf")  # the first row of group 2 (group 1 is empty)
+    want = torch.ops.lrmoe.grouped_outer(a_RO, x_NI, rows_R, offsets_E)
+    got = grouped_outer_triton(*on_device(a_RO, x_NI, rows_R, offsets_E), tma=tma).cpu()
+    assert not want[2].isfinite().all() and not got[2].isfinite().all()
+    others = [0, 1, 3, 4]
+    assert got[others].isfinite().all()
+    assert_close(got[others], want[others], torch.bfloat16, rows_R.shape[0])
+
+
+def test_grouped_outer_refuses_tma_where_it_cannot():
+    """a_RO with columns not contiguous (a transposed view) takes the pointer path; asking for TMA says why not."""
+    x_NI, _, a_RO, rows_R, offsets_E = make_case(*LONG_GROUPS, dtype=torch.bfloat16)
+    a_t = a_RO.t().contiguous().t()
+    check_outer(a_t, x_NI, rows_R, offsets_E)
+    with pytest.raises(ValueError, match="tma=True"):
+        grouped_outer_triton(*on_device(a_t, x_NI, rows_R, offsets_E), tma=True)
 
 
 def _config_id(config) -> str:
