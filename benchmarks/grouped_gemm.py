@@ -7,8 +7,7 @@ Forward (y_RO = weight[e] @ x[rows]): (a) the Triton kernel with the gather fuse
 (b) index_select gather then torch._grouped_mm, (c) torch._grouped_mm alone on pre-gathered rows.
 The forward's (a) reads the weight through a TMA descriptor (the default for bf16); the rows "weight by pointers"
 time the pointer loads it had before, and the two "O-contiguous" rows the same on a weight stored transposed (the
-layout the input gradient's weight.transpose(1, 2) view has), each way. The weight gradient's (a) reads a_RO's whole
-K blocks and writes its output through TMA descriptors; "a and w by pointers" is the kernel without them.
+layout the input gradient's weight.transpose(1, 2) view has), each way.
 Weight gradient (w[e] = sum outer(a[i], b[rows[i]])): the Triton kernel against (b) and (c) of the same kind
 (torch._grouped_mm 2D x 2D with offsets). The gate/up GEMM with the SwiGLU (``-up`` shapes, weight [E, 2f, d], op
 "swiglu", FLOP of the 2f-wide GEMM): (a) the Triton kernel with the gather and the SwiGLU + ||phi||^2 in its
@@ -163,7 +162,6 @@ def main() -> None:
             }
             wgrad = {
                 "(a) triton gather-fused": lambda: grouped_outer_triton(a_RO, x_NI, rows_R, offsets_E),
-                "(a) a and w by pointers": lambda: grouped_outer_triton(a_RO, x_NI, rows_R, offsets_E, tma=False),
                 "(b) index_select+_grouped_mm": lambda: torch._grouped_mm(
                     a_RO.t(), x_NI.index_select(0, rows_R), offs=offsets_E
                 ),

@@ -25,13 +25,21 @@ are fixed and small, and loaded tiles are upcast to fp32 before tl.dot, because 
 operands multiplies raw bit patterns and returns garbage without an error. On a GPU the tiles stay bf16 so Hopper
 runs them on the tensor cores (wgmma), and a small autotune set keyed on (O, I, dtype) picks the blocks.
 
-What to try next on the H200 (first version is pointer loads, software-pipelined by Triton with cp.async):
+Operands: gathered rows come through pointer loads, software-pipelined by Triton with cp.async (Hopper's TMA
+cannot gather rows; Blackwell's gather4 can). gather_grouped_mm reads a 16-bit weight through a 3-D TMA
+descriptor (either layout: the forward's [E, O, I] and the input gradient's transposed view), which on one H200
+took it from 0.84-0.95 to 0.90-1.01 of torch._grouped_mm on pre-gathered rows (eleventh session,
+docs/performance.md). Tried and not kept: grouped_outer reading a_RO's whole K blocks and writing its output
+through descriptors (the partial last block by masked pointer loads) was 1-7 % slower at 7 of the 8 benchmark
+problems and 2 % faster at the eighth.
+
+What to try next on the H200:
 - registers: compiled for sm_90 with a launch's specialisations (`python tests/kernels/sm90_compile.py
   --resources`), every GPU config fits without spilling (bf16: 108-234 registers, no stack), so the gap to
   _grouped_mm is not spills;
-- a persistent grid (one program per SM looping over tiles) to save launch/tail cost when groups are small;
-- TMA descriptors for the weight (B) operand of gather_grouped_mm and for the stores; the gathered A operand
-  needs per-row addresses, which Hopper's TMA cannot do (Blackwell's TMA gather4 can);
+- a persistent grid (one program per SM looping over tiles) to save launch/tail cost when groups are small, and
+  for grouped_outer's short K loops (one group's rows) to overlap a tile's epilogue with the next tile's loads;
+- the weight through TMA in gather_grouped_swiglu (two B tiles per K step);
 - grouped_outer under skew: a hot expert's programs loop over many more rows than the rest; split-K over the
   rows of big groups, or launching the biggest groups first (a device-side argsort of the group sizes, no host
   read), shortens the tail;
@@ -122,22 +130,17 @@ def _prune_small(configs, named_args, **kwargs):
 
 def _set_desc_blocks(nargs: dict) -> None:
     """A config's pre_hook (and the launchers' when they pass blocks themselves): the TMA descriptors' block
-    shapes for this launch's BLOCK_M, BLOCK_N, BLOCK_K. gather_grouped_mm's weight ``w`` (B_DESC 1: [E, O, I]
-    blocks [1, BLOCK_N, BLOCK_K]; 2: its transpose, [1, BLOCK_K, BLOCK_N]); grouped_outer's ``a_desc``
-    ([BLOCK_K, BLOCK_M] rows of a_RO) and ``w_desc`` ([1, BLOCK_M, BLOCK_N] of w_EOI). Tensors are left."""
-    bm, bn, bk = nargs["BLOCK_M"], nargs["BLOCK_N"], nargs["BLOCK_K"]
+    shape for this launch's BLOCK_N, BLOCK_K: gather_grouped_mm's weight ``w`` (B_DESC 1: [E, O, I], blocks [1,
+    BLOCK_N, BLOCK_K]; 2: its transpose, [1, BLOCK_K, BLOCK_N]). A weight passed as a tensor is left."""
     if isinstance(w := nargs.get("w"), TensorDescriptor):
+        bn, bk = nargs["BLOCK_N"], nargs["BLOCK_K"]
         w.block_shape = [1, bn, bk] if nargs["B_DESC"] == 1 else [1, bk, bn]
-    if isinstance(a := nargs.get("a_desc"), TensorDescriptor):
-        a.block_shape = [bk, bm]
-    if isinstance(out := nargs.get("w_desc"), TensorDescriptor):
-        out.block_shape = [1, bm, bn]
 
 
 def _with_config(kernel, configs):
     """The interpreter runs the bare kernel with _interpreter_config(); a GPU autotunes over ``configs``, keyed on
     (O, I) plus the argument dtypes (Triton's autotuner appends those), never on R, which changes per step. Each
-    config sets the TMA descriptors' blocks before its launch (_set_desc_blocks)."""
+    config sets the TMA descriptor's blocks before its launch (_set_desc_blocks; a no-op for grouped_outer)."""
     if _INTERPRET:
         return kernel
     configs = [triton.Config(c.kwargs, num_warps=c.num_warps, num_stages=c.num_stages, pre_hook=_set_desc_blocks)
@@ -514,16 +517,12 @@ def zero_rows_past_last_offset_(y_RO: torch.Tensor, offsets_E: torch.Tensor) -> 
 
 @triton.jit
 def _grouped_outer_kernel(
-    a_ptr, b_ptr, rows_ptr, offsets_ptr, w_ptr, a_desc, w_desc,
+    a_ptr, b_ptr, rows_ptr, offsets_ptr, w_ptr,
     R, O, I, E, dtype_bytes,
     stride_ar, stride_ao, stride_bn, stride_bi, stride_we, stride_wo, stride_wi,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     UPCAST: tl.constexpr, ACC_FP64: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-    TMA: tl.constexpr = False,
 ):  # fmt: skip
-    """TMA True: a_desc is a TMA descriptor over a_RO (blocks [BLOCK_K, BLOCK_M]) and w_desc one over w_EOI
-    (blocks [1, BLOCK_M, BLOCK_N]); the gathered b stays pointer loads (TMA on Hopper cannot gather rows). False:
-    pointers only (any strides; the launcher passes the tensors again as a_desc and w_desc, unused)."""
     # One program per (expert, BLOCK_M x BLOCK_N tile of w[e]), expert slowest: the programs of one expert run
     # together and read its rows of a and b through L2. The reduction runs over the group's rows, BLOCK_K at a
     # time; its length is read on the device, so an empty group stores zeros and no atomics or memset are needed.
@@ -543,98 +542,46 @@ def _grouped_outer_kernel(
     offs_k = tl.arange(0, BLOCK_K)
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float64 if ACC_FP64 else tl.float32)
-    # With the descriptor, the whole BLOCK_K blocks of the group come through TMA, unmasked (a block that crossed
-    # the group's end would read the next group's rows of a, and an inf there times a zeroed b row is NaN); the
-    # last partial block, if any, through the masked pointer loads below.
-    tail = start if not TMA else start + (tl.maximum(end - start, 0) // BLOCK_K) * BLOCK_K
-    if TMA:
-        for r0 in range(start, tail, BLOCK_K):
-            src_r = tl.load(rows_ptr + r0 + offs_k).to(tl.int64)
-            a_t = tl.trans(a_desc.load([r0, pid_m * BLOCK_M]))
-            b_t = tl.load(b_ptr + src_r[:, None] * stride_bn + offs_n_safe[None, :] * stride_bi)
-            if UPCAST:
-                a_t = a_t.to(tl.float32)
-                b_t = b_t.to(tl.float32)
-            acc = tl.dot(a_t, b_t, acc, input_precision=INPUT_PRECISION, out_dtype=acc.dtype)
-    for r0 in range(tail, end, BLOCK_K):
+    for r0 in range(start, end, BLOCK_K):
         offs_r = r0 + offs_k
         r_mask = offs_r < end
         src_r = tl.load(rows_ptr + offs_r, mask=r_mask, other=0).to(tl.int64)
         # a^T tile [BLOCK_M, BLOCK_K] and gathered b tile [BLOCK_K, BLOCK_N]. Both are masked on the group's end:
         # zero in a alone would still turn an inf or NaN in a row of b outside the group into NaN.
-        a_t = tl.load(
+        a = tl.load(
             a_ptr + offs_m_safe[:, None] * stride_ao + offs_r[None, :].to(tl.int64) * stride_ar,
             mask=r_mask[None, :], other=0.0,
         )  # fmt: skip
-        b_t = tl.load(
+        b = tl.load(
             b_ptr + src_r[:, None] * stride_bn + offs_n_safe[None, :] * stride_bi, mask=r_mask[:, None], other=0.0
         )
         if UPCAST:
-            a_t = a_t.to(tl.float32)
-            b_t = b_t.to(tl.float32)
-        acc = tl.dot(a_t, b_t, acc, input_precision=INPUT_PRECISION, out_dtype=acc.dtype)
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION, out_dtype=acc.dtype)
 
-    if TMA:  # the descriptor clips the tile at O and I
-        w_desc.store([e, pid_m * BLOCK_M, pid_n * BLOCK_N], acc.to(w_ptr.dtype.element_ty)[None, :, :])
-    else:
-        w_ptrs = (w_ptr + e.to(tl.int64) * stride_we
-                  + offs_m[:, None].to(tl.int64) * stride_wo + offs_n[None, :] * stride_wi)  # fmt: skip
-        tl.store(w_ptrs, acc.to(w_ptr.dtype.element_ty), mask=(offs_m[:, None] < O) & (offs_n[None, :] < I))
+    w_ptrs = (w_ptr + e.to(tl.int64) * stride_we
+              + offs_m[:, None].to(tl.int64) * stride_wo + offs_n[None, :] * stride_wi)  # fmt: skip
+    tl.store(w_ptrs, acc.to(w_ptr.dtype.element_ty), mask=(offs_m[:, None] < O) & (offs_n[None, :] < I))
 
 
 _grouped_outer = _with_config(_grouped_outer_kernel, _outer_gpu_configs())
 
 
-def _outer_operands(a_RO: torch.Tensor, w_EOI: torch.Tensor, tma: bool | None) -> tuple:
-    """(a_desc, w_desc, TMA) for _grouped_outer_kernel: descriptors over a_RO and the output when ``tma``
-    is True, or None and both can be (16-bit or the interpreter, row-major a_RO, 16-byte aligned strides and bases,
-    nonempty, not traced); pointers otherwise. Block shapes are set by _set_desc_blocks."""
-    size = a_RO.element_size()
-    (R, O), (E, _, I) = a_RO.shape, w_EOI.shape
-    can = (
-        min(R, O, E, I) > 0
-        and (_INTERPRET or size == 2)
-        and a_RO.stride(1) == 1
-        and all(t.data_ptr() % 16 == 0 for t in (a_RO, w_EOI))
-        and all(st * size % 16 == 0 for st in (a_RO.stride(0), *w_EOI.stride()[:2]))
-        and not tracing()
-    )
-    if tma and not can:
-        raise ValueError("tma=True needs operands TMA can read and write (see _outer_operands)")
-    if not can or tma is False:
-        return a_RO, w_EOI, False
-    a_desc = TensorDescriptor(a_RO, [R, O], [a_RO.stride(0), 1], [16, 16])
-    w_desc = TensorDescriptor(w_EOI, [E, O, I], list(w_EOI.stride()), [1, 16, 16])
-    return a_desc, w_desc, True
-
-
 def grouped_outer_triton(
     a_RO: torch.Tensor, b_NI: torch.Tensor, rows_R: torch.Tensor, offsets_E: torch.Tensor,
-    config: triton.Config | None = None, tma: bool | None = None,
+    config: triton.Config | None = None,
 ) -> torch.Tensor:
     """w_EOI[e] = sum over i in group e of outer(a_RO[i], b_NI[rows_R[i]]); dtype of a. No host sync.
 
     The output is allocated with torch.empty: every program stores its whole tile, zeros for empty groups.
-    ``config``: as in gather_grouped_mm_triton. ``tma``: read a_RO and write the output through TMA descriptors
-    (True), through pointers (False), or the descriptors where they can be (None).
+    ``config``: as in gather_grouped_mm_triton.
     """
     _check_device(a_RO, b_NI, rows_R, offsets_E)
     R, O, I, E = rows_R.shape[0], a_RO.shape[1], b_NI.shape[1], offsets_E.shape[0]
     w_EOI = torch.empty((E, O, I), dtype=a_RO.dtype, device=a_RO.device)
     if known_empty(E, O, I):
         return w_EOI
-    kernel, fixed = _kernel_and_blocks(_grouped_outer, _grouped_outer_kernel, config)
-    a_desc, w_desc, use_tma = _outer_operands(a_RO, w_EOI, tma)
-    if fixed:  # no autotuner to run the configs' pre_hook
-        _set_desc_blocks({"a_desc": a_desc, "w_desc": w_desc, **fixed})
-    grid = lambda meta: (E * triton.cdiv(O, meta["BLOCK_M"]) * triton.cdiv(I, meta["BLOCK_N"]),)  # noqa: E731
-    launch(kernel, grid)(
-        a_RO, b_NI, rows_R, offsets_E, w_EOI, a_desc, w_desc,
-        R, O, I, E, a_RO.element_size(),
-        *a_RO.stride(), *b_NI.stride(), *w_EOI.stride(),
-        **_dot_flags(a_RO.dtype), **fixed, TMA=use_tma,
-    )  # fmt: skip
-    return w_EOI
     kernel, fixed = _kernel_and_blocks(_grouped_outer, _grouped_outer_kernel, config)
     grid = lambda meta: (E * triton.cdiv(O, meta["BLOCK_M"]) * triton.cdiv(I, meta["BLOCK_N"]),)  # noqa: E731
     launch(kernel, grid)(

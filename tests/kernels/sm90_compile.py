@@ -131,8 +131,7 @@ def run_launchers() -> None:
     gg._gather_grouped_mm, gg._grouped_outer = gg._gather_grouped_mm_kernel, gg._grouped_outer_kernel  # no autotune
     gg._gather_grouped_swiglu = gg._gather_grouped_swiglu_kernel
     gg._swiglu_block_n = _as_on_gpu(gg, gg._swiglu_block_n)
-    gg._weight_operand = _as_on_gpu(gg, gg._weight_operand)  # TMA descriptors for 16-bit operands only
-    gg._outer_operands = _as_on_gpu(gg, gg._outer_operands)
+    gg._weight_operand = _as_on_gpu(gg, gg._weight_operand)  # TMA descriptors for 16-bit weights only
     for dtype in (torch.bfloat16, torch.float32):
         # The configs the autotuner would try on this problem (fp32 and narrow problems: the smallest only).
         shape = dict(O=128, I=256, dtype_bytes=torch.empty((), dtype=dtype).element_size())
@@ -145,8 +144,7 @@ def run_launchers() -> None:
             gg.gather_grouped_mm_triton(x, w, rows, offsets, b_desc=False)  # transpose's descriptor; pointers
         for config in gg._prune_small(gg._outer_gpu_configs(), shape):
             gg._interpreter_config = lambda c=config: dict(c.kwargs, num_warps=c.num_warps, num_stages=c.num_stages)
-            gg.grouped_outer_triton(torch.randn(48, 128).to(dtype), x, rows, offsets)  # bf16: TMA for a and w
-            gg.grouped_outer_triton(torch.randn(48, 128).to(dtype), x, rows, offsets, tma=False)
+            gg.grouped_outer_triton(torch.randn(48, 128).to(dtype), x, rows, offsets)
         shape = dict(F=128, I=256, dtype_bytes=shape["dtype_bytes"])
         for config in gg._prune_small_swiglu(gg._swiglu_gpu_configs(), shape):
             gg._interpreter_config = lambda c=config: dict(c.kwargs, num_warps=c.num_warps, num_stages=c.num_stages)

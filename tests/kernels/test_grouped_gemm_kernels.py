@@ -85,9 +85,9 @@ def check_gather(x_NI, weight_EOI, rows_R, offsets_E, b_desc=None):
     assert (got[end:] == 0).all(), "rows past offsets[-1] must be zero"
 
 
-def check_outer(a_RO, b_NI, rows_R, offsets_E, tma=None):
+def check_outer(a_RO, b_NI, rows_R, offsets_E):
     want = torch.ops.lrmoe.grouped_outer(a_RO, b_NI, rows_R, offsets_E)
-    got = grouped_outer_triton(*on_device(a_RO, b_NI, rows_R, offsets_E), tma=tma)
+    got = grouped_outer_triton(*on_device(a_RO, b_NI, rows_R, offsets_E))
     assert_close(got, want, a_RO.dtype, max(1, rows_R.shape[0]))
     starts = [0] + offsets_E.tolist()[:-1]
     for e, (s, t) in enumerate(zip(starts, offsets_E.tolist())):
@@ -139,38 +139,26 @@ def test_contiguous_weight_and_other_dtypes(dtype):
 
 
 # Groups longer than the weight gradient's K blocks (32 rows in the interpreter and in the GPU configs): whole
-# blocks, which go through the TMA descriptor, then a partial one (70 = 2 x 32 + 6, 45, 33), and one of exactly
-# two blocks (64).
+# blocks, then a partial one (70 = 2 x 32 + 6, 45, 33), and one of exactly two blocks (64).
 LONG_GROUPS = (11, 24, 40, [70, 0, 45, 64, 33], 3, 0)
 
 
-@pytest.mark.parametrize("tma", [None, True, False], ids=["tma-if-possible", "tma", "pointers"])
-def test_grouped_outer_whole_blocks_through_tma(tma):
+def test_grouped_outer_whole_and_partial_blocks():
     x_NI, _, a_RO, rows_R, offsets_E = make_case(*LONG_GROUPS, dtype=torch.bfloat16)
-    check_outer(a_RO, x_NI, rows_R, offsets_E, tma)
+    check_outer(a_RO, x_NI, rows_R, offsets_E)
 
 
-@pytest.mark.parametrize("tma", [True, False], ids=["tma", "pointers"])
-def test_grouped_outer_keeps_a_nonfinite_row_in_its_group(tma):
-    """An inf in the first row of a group (the row a whole block read past the previous group's end would take
-    in) must leave the other groups' gradients finite and equal to the reference; its own gets inf or NaN."""
+def test_grouped_outer_keeps_a_nonfinite_row_in_its_group():
+    """An inf in the first row of a group (the row a block read past the previous group's end would take in)
+    must leave the other groups' gradients finite and equal to the reference; its own gets inf or NaN."""
     x_NI, _, a_RO, rows_R, offsets_E = make_case(*LONG_GROUPS, dtype=torch.bfloat16)
     a_RO[70] = float("inf")  # the first row of group 2 (group 1 is empty)
     want = torch.ops.lrmoe.grouped_outer(a_RO, x_NI, rows_R, offsets_E)
-    got = grouped_outer_triton(*on_device(a_RO, x_NI, rows_R, offsets_E), tma=tma).cpu()
+    got = grouped_outer_triton(*on_device(a_RO, x_NI, rows_R, offsets_E)).cpu()
     assert not want[2].isfinite().all() and not got[2].isfinite().all()
     others = [0, 1, 3, 4]
     assert got[others].isfinite().all()
     assert_close(got[others], want[others], torch.bfloat16, rows_R.shape[0])
-
-
-def test_grouped_outer_refuses_tma_where_it_cannot():
-    """a_RO with columns not contiguous (a transposed view) takes the pointer path; asking for TMA says why not."""
-    x_NI, _, a_RO, rows_R, offsets_E = make_case(*LONG_GROUPS, dtype=torch.bfloat16)
-    a_t = a_RO.t().contiguous().t()
-    check_outer(a_t, x_NI, rows_R, offsets_E)
-    with pytest.raises(ValueError, match="tma=True"):
-        grouped_outer_triton(*on_device(a_t, x_NI, rows_R, offsets_E), tma=True)
 
 
 def _config_id(config) -> str:
