@@ -8,7 +8,8 @@ Prints one table: medians of CUDA-event timings (triton.testing.do_bench), peak 
 the host synchronisations torch.cuda.set_sync_debug_mode("warn") reported in one step after warm-up (-1: not
 measured, CUDA graphs). --modes adds compiled-cg (torch.compile mode="reduce-overhead": CUDA graphs, no launch
 cost); --compiled-sample reference makes compiled "sample" selection trace the reference's PyTorch inline instead of
-calling the custom op (the library's default).
+calling the custom op (the library's default). --quota-align 1 128 runs every LRMoE row at retain < 1 with the
+plain backward quotas and with quotas in multiples of 128 pairs (LRMoE's quota_align), tagged "a1" / "a128".
 The GEMM floor is 6·T·k·3·d·f FLOP forward+backward (2× for forward alone) at the measured matmul rate.
 """
 
@@ -115,6 +116,9 @@ def main() -> None:
     parser.add_argument("--gather-gemm", nargs="+", default=["grouped_mm"], choices=["grouped_mm", "triton"],
                         help="the kernel of LRMoE's bf16 GEMMs with a row gather (lrmoe.ops.grouped_gemm."
                              "_GATHER_KERNEL); several: each LRMoE row once per kernel, tagged")
+    parser.add_argument("--quota-align", type=int, nargs="+", default=[1],
+                        help="LRMoE's quota_align (backward quotas in multiples of it); several: each LRMoE row at "
+                             "retain < 1 once per value, tagged 'a<value>'")
     args = parser.parse_args()
     if args.compiled_sample == "reference":
         selection_module._COMPILED_SAMPLE = select_within_quota_reference
@@ -131,11 +135,14 @@ def main() -> None:
 
     both = len(args.selection) > 1
     gathers = list(dict.fromkeys(args.gather_gemm))
+    aligns = list(dict.fromkeys(args.quota_align))
     layers = [
         (f"lrmoe r={r:g}" + (f" {sel}" if both and r < 1 else "") + (" tri" if gather == "triton" and len(gathers) > 1
-                                                                     else ""),
-         lambda r=r, sel=sel: LRMoE(**shape, retain=r, selection=sel), gather)
+                                                                     else "")
+         + (f" a{align}" if len(aligns) > 1 and r < 1 else ""),
+         lambda r=r, sel=sel, align=align: LRMoE(**shape, retain=r, selection=sel, quota_align=align), gather)
         for gather in gathers for r in args.retain for sel in (args.selection if r < 1 else args.selection[:1])
+        for align in (aligns if r < 1 else aligns[:1])
     ]
     if not args.skip_baselines:
         layers += [("grouped_mm layer", lambda: GroupedMMLayer(**shape), "grouped_mm"),

@@ -96,6 +96,7 @@ def plan_experts(
     draw_uniform: bool = True,
     source_ids_T: torch.Tensor | None = None,
     num_sources: int = 1,
+    quota_align: int = 1,
 ) -> ExpertPlan:
     """Loads, quotas and sampling uniforms for one single-device MoE layer step.
 
@@ -107,6 +108,8 @@ def plan_experts(
     so each expert's quota is split over the sources in proportion to their loads), the uniforms [S, E] (drawn
     as one [S * E] draw in source-major order), and ``group_ids`` = expert * S + source. This is the plan
     expert parallelism uses when source s is EP rank s.
+
+    ``quota_align``: plan_quotas' ``align`` (trimmed experts' quotas in multiples of it, same total).
     """
     uniform = None
     if source_ids_T is None:
@@ -125,7 +128,7 @@ def plan_experts(
         loads = expert_loads(src_T1 * num_experts + expert_ids_TK.long(), num_sources * num_experts)
         loads = loads.view(num_sources, num_experts)
         group_ids_TK = expert_ids_TK.long() * num_sources + src_T1
-    quotas = plan_quotas(loads, retain, min_retain=min_retain, policy=policy)
+    quotas = plan_quotas(loads, retain, min_retain=min_retain, policy=policy, align=quota_align)
     if draw_uniform and selection == "sample" and retain < 1.0:
         uniform = torch.rand(loads.shape, generator=generator, device=expert_ids_TK.device)
     return ExpertPlan(loads=loads, quotas=quotas, uniform=uniform, group_ids=group_ids_TK)
@@ -149,6 +152,7 @@ def selective_swiglu_experts(
     source_ids_T: torch.Tensor | None = None,
     num_sources: int = 1,
     activations: str = "save",
+    quota_align: int = 1,
 ) -> torch.Tensor:
     """out_TD = sum_k gates[t, k] * SwiGLU_{expert_ids[t, k]}(x_t), with the selective backward.
 
@@ -158,6 +162,8 @@ def selective_swiglu_experts(
         down_EDF: [E, D, F] (``experts.down_proj``).
         expert_ids_TK: [T, K] integer expert of each pair; gates_TK: [T, K] float combine weights.
         retain, metric, selection, policy, min_retain: see plan_quotas, score_pairs, select_within_quota.
+        quota_align: plan_quotas' ``align``, when planning here: trimmed experts keep multiples of it (128 lets
+            torch._grouped_mm's 128-row tiles run full in backward), the same total.
         plan: loads/quotas/uniforms from :func:`plan_experts`; planned here when None. A plan grouped by
             (source, expert) (``plan.group_ids`` set) makes every (source, expert) group keep its own quota.
         source_ids_T, num_sources: when planning here, group the pairs by (source, expert) (see plan_experts).
@@ -204,7 +210,7 @@ def selective_swiglu_experts(
     if plan is None:
         plan = plan_experts(
             expert_ids_TK, n_exp, retain=retain, min_retain=min_retain, policy=policy, selection=selection,
-            generator=generator, source_ids_T=source_ids_T, num_sources=num_sources,
+            generator=generator, source_ids_T=source_ids_T, num_sources=num_sources, quota_align=quota_align,
         )
     quotas_G, uniform_G, group_ids_P = _flat_groups(plan, n_exp, expert_ids_TK.shape)
     differentiable = (x_TD, gate_up_EFD, down_EDF, gates_TK, stats_probe)

@@ -76,6 +76,8 @@ class LRMoE(nn.Module):
             it for the retained rows only; less memory, one more grouped GEMM over the retained rows) or "offload"
             (forward copies it to pinned host memory on a side stream, backward reads back the retained rows
             only; the device memory of "recompute" without its GEMM, the gradients of "save" bit for bit).
+        quota_align: backward quotas of trimmed experts in multiples of this many pairs, the same total
+            (plan_quotas' ``align``); 128 fills torch._grouped_mm's row tiles on an H200. 1: the plain plan.
 
     Input [..., dim] -> output of the same shape and dtype.
     """
@@ -96,6 +98,7 @@ class LRMoE(nn.Module):
         norm_topk_prob: bool = True,
         generator: torch.Generator | None = None,
         activations: str = "save",
+        quota_align: int = 1,
     ):
         super().__init__()
         for name, value in (("dim", dim), ("hidden_dim", hidden_dim), ("num_experts", num_experts)):
@@ -109,10 +112,12 @@ class LRMoE(nn.Module):
         check_choice("policy", policy, POLICIES)
         check_choice("score_func", score_func, ("softmax", "sigmoid"))
         check_choice("activations", activations, ACTIVATION_POLICIES)
+        if not isinstance(quota_align, int) or isinstance(quota_align, bool) or quota_align < 1:
+            raise ValueError(f"quota_align must be a positive int (pairs per GEMM row tile), got {quota_align!r}")
         self.dim, self.hidden_dim, self.num_experts, self.top_k = dim, hidden_dim, num_experts, top_k
         self.retain, self.metric, self.selection, self.policy = retain, metric, selection, policy
         self.min_retain, self.score_func, self.norm_topk_prob = min_retain, score_func, norm_topk_prob
-        self.generator, self.activations = generator, activations
+        self.generator, self.activations, self.quota_align = generator, activations, quota_align
 
         self.gate = nn.Linear(dim, num_experts, bias=False)
         self.experts = SwiGLUExperts(num_experts, dim, hidden_dim)
@@ -152,6 +157,7 @@ class LRMoE(nn.Module):
         plan = plan_experts(
             routing.expert_ids, self.num_experts, retain=self.retain, min_retain=self.min_retain,
             policy=self.policy, selection=self.selection, generator=self.generator, draw_uniform=probe is not None,
+            quota_align=self.quota_align,
         )
         with torch.no_grad():
             self.last_loads.copy_(plan.loads)

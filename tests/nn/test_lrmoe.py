@@ -124,15 +124,16 @@ def lrm_scores(layer, x, c):
 
 @pytest.mark.parametrize("retain", [0.75, 0.5, 0.3])
 @pytest.mark.parametrize("policy", ["waterfill", "proportional"])
-def test_top_selection_restricts_expert_gradients_to_top_quota_pairs(retain, policy):
-    layer, x, c = make(retain=retain, selection="top", policy=policy)
+@pytest.mark.parametrize("align", [1, 4])
+def test_top_selection_restricts_expert_gradients_to_top_quota_pairs(retain, policy, align):
+    layer, x, c = make(retain=retain, selection="top", policy=policy, quota_align=align)
     out, gx, gp = grads(layer, x, layer, c)
     dense_out, _, dense_gp = grads(layer, x, lambda x: dense_reference(layer, x), c)
 
     # Which pairs a correct implementation keeps: per expert, the quota highest LRM scores (ties to lower id).
     scores, top_i = lrm_scores(layer, x, c)
     loads = torch.zeros(E, dtype=torch.int64).scatter_add_(0, top_i.reshape(-1), torch.ones(T * K, dtype=torch.int64))
-    quotas = plan_quotas(loads, retain, policy=policy)
+    quotas = plan_quotas(loads, retain, policy=policy, align=align)
     kept = torch.zeros(T * K, dtype=torch.bool)
     flat_s, flat_e = scores.reshape(-1).tolist(), top_i.reshape(-1).tolist()
     for e in range(E):
@@ -212,6 +213,14 @@ def test_backward_gemms_see_at_most_the_planned_rows():
     bound = math.ceil(0.5 * n_pairs) + E
     assert all(rows <= bound for _, rows in mode.rows), mode.rows
     assert max(rows for _, rows in mode.rows) < n_pairs
+
+
+def test_quota_align_reaches_the_plan():
+    layer, x, c = make(retain=0.75, selection="top", quota_align=4)
+    grads(layer, x, layer, c)
+    aligned = plan_quotas(layer.last_loads, 0.75, align=4)
+    assert torch.equal(layer.last_quotas, aligned)
+    assert not torch.equal(aligned, plan_quotas(layer.last_loads, 0.75))  # here the two plans differ
 
 
 def test_stats():
@@ -352,6 +361,8 @@ def test_sample_is_reproducible_with_seed_and_generator():
         (dict(selection="best"), "selection"),
         (dict(score_func="relu"), "score_func"),
         (dict(num_experts=0, top_k=1), "num_experts"),
+        (dict(quota_align=0), "quota_align"),
+        (dict(quota_align=64.0), "quota_align"),
     ],
 )
 def test_bad_configuration_raises_naming_the_argument(kwargs, match):
