@@ -178,6 +178,7 @@ def plan_expert_parallel(
     max_replicas: int = 0,
     capacity_factor: float | None = None,
     placement_policy: PlacementPolicy = place_hot_replicas,
+    quota_align: int = 1,
 ) -> ExpertParallelPlan:
     """The plan of one EP layer step from the all-gathered [W, E] load matrix (``ExpertParallelPlan``, uniform
     None): placement, forward assignment, backward quotas.
@@ -185,7 +186,8 @@ def plan_expert_parallel(
     A pure function of its inputs (deterministic arithmetic, no communication), so every rank that calls it with
     the same load matrix gets the same plan: this is what lets a source rank select its own pairs in backward
     before any communication. Without replicas and capacity, instance (w, i) is expert w * L + i and the quotas
-    are plan_quotas(loads_WE, retain) exactly.
+    are plan_quotas(loads_WE, retain) exactly. ``quota_align``: plan_quotas' ``align`` over the instances' totals
+    (each instance's rows form one group of the receiving rank's grouped GEMMs); not with ``capacity_factor``.
     """
     if loads_WE.dim() != 2:
         raise ValueError(f"loads_WE must be [W, E], got shape {tuple(loads_WE.shape)}")
@@ -218,12 +220,12 @@ def plan_expert_parallel(
     loads_SG = assign_SWI.reshape(n_ranks, -1)
     if capacity_factor is None:
         capacity_W = None
-        quotas_SG = plan_quotas(loads_SG, retain, min_retain=min_retain, policy=policy)
+        quotas_SG = plan_quotas(loads_SG, retain, min_retain=min_retain, policy=policy, align=quota_align)
     else:
         capacity_W = backward_capacity(loads_WE, retain, capacity_factor)
         placement_G = torch.arange(n_ranks, device=device).repeat_interleave(n_inst)
         quotas_SG = plan_quotas(loads_SG, retain, min_retain=min_retain, policy=policy, capacity=capacity_W,
-                                placement=placement_G)
+                                placement=placement_G, align=quota_align)
     quotas_SWI = quotas_SG.view(n_ranks, n_ranks, n_inst)
     if max_replicas == 0:  # instances are the experts, in order
         quotas_SE = quotas_SG.clone()
@@ -259,20 +261,21 @@ def _placement_key(policy: PlacementPolicy) -> str:
 @torch.library.custom_op("lrmoe::ep_plan", mutates_args=())
 def _ep_plan(
     loads_WE: torch.Tensor, retain: float, min_retain: float, policy: str, max_replicas: int,
-    capacity_factor: float | None, placement_key: str,
+    capacity_factor: float | None, placement_key: str, quota_align: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(instances, routes, assignment, instance_quotas, quotas, capacity) of ``plan_expert_parallel``; capacity
     is a [W] tensor of -1 without ``capacity_factor``."""
     plan = plan_expert_parallel(
         loads_WE, retain, min_retain=min_retain, policy=policy, max_replicas=max_replicas,
         capacity_factor=capacity_factor, placement_policy=_PLACEMENT_POLICIES[placement_key],
+        quota_align=quota_align,
     )
     capacity_W = plan.capacity if plan.capacity is not None else torch.full_like(plan.loads[:, 0], -1)
     return plan.instances, plan.routes, plan.assignment, plan.instance_quotas, plan.quotas, capacity_W
 
 
 @_ep_plan.register_fake
-def _(loads_WE, retain, min_retain, policy, max_replicas, capacity_factor, placement_key):
+def _(loads_WE, retain, min_retain, policy, max_replicas, capacity_factor, placement_key, quota_align):
     n_ranks, n_exp = loads_WE.shape
     n_inst = n_exp // n_ranks + max_replicas
 
@@ -287,7 +290,7 @@ def _plan_step(loads_WE: torch.Tensor, layer: LRMoE, rep: _Replication) -> Exper
     """``plan_expert_parallel`` for one layer step, through the opaque op (uniform None)."""
     inst, routes, assign, inst_quotas, quotas, capacity = _ep_plan(
         loads_WE.long(), layer.retain, layer.min_retain, layer.policy, rep.max_replicas, rep.capacity_factor,
-        rep.placement_key,
+        rep.placement_key, layer.quota_align,
     )
     return ExpertParallelPlan(loads=loads_WE.long(), instances=inst, routes=routes, assignment=assign,
                               instance_quotas=inst_quotas, quotas=quotas,
@@ -725,6 +728,11 @@ class ExpertParallel(ParallelStyle):
             raise TypeError(f"ExpertParallel applies to lrmoe.nn.LRMoE layers, got {type(module).__name__}")
         if isinstance(module, _ExpertParallelMixin):
             raise ValueError("this LRMoE layer is already expert-parallel")
+        if module.quota_align != 1 and self.replication.capacity_factor is not None:
+            raise ValueError(
+                f"quota_align={module.quota_align} with capacity_factor={self.replication.capacity_factor}: aligned "
+                "quota steps could pass a rank's backward capacity; use quota_align=1 or capacity_factor=None"
+            )
         ep_mesh = self._ep_mesh(device_mesh)
         n_ranks = ep_mesh.size()
         if module.num_experts % n_ranks:

@@ -78,6 +78,7 @@ class LRMoE(nn.Module):
             only; the device memory of "recompute" without its GEMM, the gradients of "save" bit for bit).
         quota_align: backward quotas of trimmed experts in multiples of this many pairs, the same total
             (plan_quotas' ``align``); 128 fills torch._grouped_mm's row tiles on an H200. 1: the plain plan.
+            Expert parallelism aligns each instance's quota (not with its capacity_factor).
 
     Input [..., dim] -> output of the same shape and dtype.
     """
@@ -101,7 +102,8 @@ class LRMoE(nn.Module):
         quota_align: int = 1,
     ):
         super().__init__()
-        for name, value in (("dim", dim), ("hidden_dim", hidden_dim), ("num_experts", num_experts)):
+        for name, value in (("dim", dim), ("hidden_dim", hidden_dim), ("num_experts", num_experts),
+                            ("quota_align", quota_align)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         if not isinstance(top_k, int) or not 1 <= top_k <= num_experts:
@@ -112,8 +114,6 @@ class LRMoE(nn.Module):
         check_choice("policy", policy, POLICIES)
         check_choice("score_func", score_func, ("softmax", "sigmoid"))
         check_choice("activations", activations, ACTIVATION_POLICIES)
-        if not isinstance(quota_align, int) or isinstance(quota_align, bool) or quota_align < 1:
-            raise ValueError(f"quota_align must be a positive int (pairs per GEMM row tile), got {quota_align!r}")
         self.dim, self.hidden_dim, self.num_experts, self.top_k = dim, hidden_dim, num_experts, top_k
         self.retain, self.metric, self.selection, self.policy = retain, metric, selection, policy
         self.min_retain, self.score_func, self.norm_topk_prob = min_retain, score_func, norm_topk_prob

@@ -43,7 +43,7 @@ def reference_forward(layer: LRMoE, x_TD, token_counts, uniform_SE=None):
                          norm_topk_prob=layer.norm_topk_prob)
     plan = plan_experts(routing.expert_ids, layer.num_experts, retain=layer.retain, min_retain=layer.min_retain,
                         policy=layer.policy, selection=layer.selection, draw_uniform=False,
-                        source_ids_T=source_ids_T, num_sources=n_src)
+                        source_ids_T=source_ids_T, num_sources=n_src, quota_align=layer.quota_align)
     plan = dataclasses.replace(plan, uniform=uniform_SE)
     return selective_swiglu_experts(
         x_TD, layer.experts.gate_up_proj, layer.experts.down_proj, routing.expert_ids, routing.gates.to(x_TD.dtype),
@@ -58,9 +58,9 @@ def _matches_reference(rank, world, configs):
     start = sum(counts[:rank])
     rows = slice(start, start + counts[rank])
     n_local = E // world
-    for retain, selection, seed in configs:
+    for retain, selection, seed, align in configs:
         torch.manual_seed(seed)
-        ref = LRMoE(D, FF, E, K, retain=retain, selection=selection)
+        ref = LRMoE(D, FF, E, K, retain=retain, selection=selection, quota_align=align)
         x_all, c_all = torch.randn(sum(counts), D), torch.randn(sum(counts), D)
         layer = parallelize_module(copy.deepcopy(ref), mesh, ExpertParallel())
         layer.generator = torch.Generator().manual_seed(1000 + rank)
@@ -93,9 +93,14 @@ def _matches_reference(rank, world, configs):
         assert int(stats.total_pairs) == sum(counts) * K
         assert int(stats.retained_pairs) == math.floor(retain * sum(counts) * K)
         assert float(stats.backward_calls) == 1.0
+        assert torch.equal(stats.quotas, plan_quotas(stats.loads, retain, align=align))
+        if align > 1:  # the aligned plan is not the plain one here, so the comparisons above saw the alignment
+            assert not torch.equal(stats.quotas, plan_quotas(stats.loads, retain))
 
 
-CONFIGS = [(1.0, "top", 0), (0.75, "top", 2), (0.75, "sample", 2), (0.5, "sample", 3), (0.5, "top", 4)]
+# (retain, selection, seed, quota_align)
+CONFIGS = [(1.0, "top", 0, 1), (0.75, "top", 2, 1), (0.75, "sample", 2, 1), (0.5, "sample", 3, 1), (0.5, "top", 4, 1),
+           (0.75, "top", 5, 2)]
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -168,6 +173,8 @@ def _configurations(rank, world):
         parallelize_module(LRMoE(D, FF, world + 1, K), mesh, ExpertParallel())
     with pytest.raises(TypeError, match="LRMoE"):
         parallelize_module(torch.nn.Linear(D, D), mesh, ExpertParallel())
+    with pytest.raises(ValueError, match="quota_align"):  # aligned steps and capacities do not mix
+        parallelize_module(LRMoE(D, FF, E, K, quota_align=8), mesh, ExpertParallel(capacity_factor=1.5))
     # activations="recompute" (h not saved, recomputed for the kept rows) gives the gradients of "save";
     # "offload" (h kept in host memory, the kept rows read back) gives them bit for bit.
     torch.manual_seed(0)

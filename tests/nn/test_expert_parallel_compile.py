@@ -92,7 +92,7 @@ def test_plan_op_passes_opcheck():
     """The plan op (lrmoe::ep_plan): schema, fake implementation and dispatch agree (torch.library.opcheck)."""
     loads_WE = torch.tensor([[9, 9, 0, 0, 1, 0, 0, 1], [13, 13, 0, 0, 0, 0, 0, 0]])
     key = _placement_key(place_hot_replicas)
-    for max_replicas, capacity_factor in ((0, None), (1, 1.0)):
+    for max_replicas, capacity_factor, quota_align in ((0, None, 1), (1, 1.0, 1), (1, None, 4)):
         torch.library.opcheck(torch.ops.lrmoe.ep_plan.default,
-                              (loads_WE, 0.75, 0.0, "waterfill", max_replicas, capacity_factor, key))
+                              (loads_WE, 0.75, 0.0, "waterfill", max_replicas, capacity_factor, key, quota_align))
 
