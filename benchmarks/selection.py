@@ -1,8 +1,15 @@
 """How fast is select_within_quota on the GPU, reference against Triton? (target: P = 65,536, G = 128, <= 60 us)
 
     PYTHONPATH=. python3 benchmarks/selection.py [--pairs 65536] [--groups 128] [--retain 0.75] [--skew 0]
+        [--methods do_bench graph]
 
-Times, with triton.testing.do_bench (median, us), for modes "top" and "sample":
+Times (medians, us) for modes "top" and "sample", two ways: "do_bench" (triton.testing.do_bench: each call
+launched from Python, an L2 flush before each) and "graph" (calls captured in one CUDA graph and replayed,
+benchmarks/scoring_bandwidth.py's graph_ms: GPU time without the per-launch host cost, which a step whose host
+runs ahead of the GPU does not wait for; the inputs stay in L2, as in the layer, where the scores were just
+written; the reference synchronises, so it is not captured). The same "top, order given" row timed 54.8 us
+(eighth session) and 80.0 us (eleventh) by do_bench with kernels whose sm_90 code has the same registers: at
+this scale do_bench measures the host's launch cost too. Rows:
 - reference: lrmoe.ops.selection.select_within_quota_reference (pure PyTorch, the op's CPU kernel) on CUDA;
 - triton: lrmoe.ops.selection.select_within_quota_triton (the op's CUDA kernel), sorting the group ids itself;
 - triton, order given: the same given the group order (the stable argsort of the group ids), as the MoE layers
@@ -26,6 +33,7 @@ import argparse
 import math
 
 import torch
+from scoring_bandwidth import graph_ms
 
 from lrmoe.ops._kernels import kernel_module
 from lrmoe.ops.selection import (
@@ -58,6 +66,7 @@ def main() -> None:
     parser.add_argument("--groups", type=int, default=128)
     parser.add_argument("--retain", type=float, default=0.75)
     parser.add_argument("--skew", type=float, default=0.0)
+    parser.add_argument("--methods", nargs="+", choices=("do_bench", "graph"), default=["do_bench", "graph"])
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("selection.py measures CUDA kernels: no CUDA device is visible here, nothing to do.")
@@ -71,11 +80,17 @@ def main() -> None:
     scores, gids, quotas, R, uniform = make_inputs(P, G, args.retain, args.skew)
     print(f"# select_within_quota, P={P}, G={G}, retain={args.retain}, skew={args.skew}, R={R}, "
           f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
-    print(f"{'mode':>7} {'impl':>26} {'us':>9}")
+    print(f"{'mode':>7} {'impl':>26} " + " ".join(f"{'us (' + m + ')':>14}" for m in args.methods))
 
-    def row(mode, impl, fn):
-        ms = do_bench(fn, warmup=25, rep=200, return_mode="median")
-        print(f"{mode:>7} {impl:>26} {ms * 1e3:>9.1f}")
+    def row(mode, impl, fn, capturable=True):
+        cells = []
+        for method in args.methods:
+            if method == "do_bench":
+                ms = do_bench(fn, warmup=25, rep=200, return_mode="median")
+            else:
+                ms = graph_ms(fn, [()]) if capturable else float("nan")
+            cells.append(f"{ms * 1e3:>14.1f}")
+        print(f"{mode:>7} {impl:>26} " + " ".join(cells))
 
     order = argsort_ids(gids)
     biggest = int(torch.bincount(gids).max())  # the largest group (a host read: fine in a benchmark)
@@ -95,7 +110,8 @@ def main() -> None:
                 select_within_quota_triton(scores, gids, quotas, R, mode, uniform, given, bound, given_ends)
             finally:
                 torch.cuda.set_sync_debug_mode("default")
-        row(mode, "reference", lambda: select_within_quota_reference(scores, gids, quotas, R, mode, uniform))
+        row(mode, "reference", lambda: select_within_quota_reference(scores, gids, quotas, R, mode, uniform),
+            capturable=False)
         row(mode, "triton", lambda: select_within_quota_triton(scores, gids, quotas, R, mode, uniform))
         row(mode, "triton, order given",
             lambda: select_within_quota_triton(scores, gids, quotas, R, mode, uniform, order))
