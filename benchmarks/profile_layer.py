@@ -1,6 +1,7 @@
 """Where the LRMoE layer's forward+backward time goes on one GPU (bf16): torch.profiler, top kernels by GPU time.
 
     python benchmarks/profile_layer.py --shape qwen3-30b-a3b --retain 0.75 [--compiled] [--forward-only]
+        [--quota-align 128]
 
 Prints the wall time per step (unprofiled) next to the GPU time, so a host-bound step shows as a gap, then one
 table per run: the operators (eager) or generated kernels (--compiled) with the largest self GPU time
@@ -31,13 +32,15 @@ def main() -> None:
     parser.add_argument("--forward-only", action="store_true", help="profile forward under no_grad")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--rows", type=int, default=25)
+    parser.add_argument("--quota-align", type=int, default=1, help="LRMoE's quota_align")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/profile_layer.py needs a CUDA GPU")
 
     shape = SHAPES[args.shape]
     torch.manual_seed(0)
-    layer = LRMoE(**shape, retain=args.retain, selection=args.selection).cuda().bfloat16()
+    layer = LRMoE(**shape, retain=args.retain, selection=args.selection,
+                  quota_align=args.quota_align).cuda().bfloat16()
     fn = torch.compile(layer, fullgraph=True) if args.compiled else layer
     x = torch.randn(args.tokens, shape["dim"], device="cuda", dtype=torch.bfloat16, requires_grad=True)
 
