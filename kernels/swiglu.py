@@ -1,5 +1,5 @@
 """The SwiGLU backward of the retained rows, with the SwiGLU itself, in one pass (the kernel behind
-``lrmoe::swiglu_backward``).
+``lrmoe::swiglu_backward``), and the forward SwiGLU with ||phi||^2 (behind ``lrmoe::swiglu_sqnorm``).
 
 Shapes: N rows of h, R rows out, F the expert hidden dim (h is [N, 2F], gate half first).
 
@@ -8,6 +8,10 @@ Shapes: N rows of h, R rows out, F the expert hidden dim (h is [N, 2F], gate hal
     dh_i = [dphi_i * up * s * (1 + gate * (1 - s)),  dphi_i * gate * s], rounded to h's dtype once;
     phi_i = silu(gate) * up, each factor rounded to h's dtype as eager PyTorch rounds them (silu, then the product).
     Rows outside [0, N) are not read: their outputs are zero (as for zero h).
+``swiglu_sqnorm_triton(h_N2F) -> (phi_NF, phi_sq_N)``
+    phi as above for every row of h, and phi_sq_n = sum over f of phi_nf^2 in fp32 from the rounded phi: the
+    layers' forward SwiGLU and the ||phi||^2 the "lrm" score needs, from one read of h (PyTorch writes a SiLU
+    temporary and phi, and lrmoe::row_sqnorm reads phi again).
 
 Why one kernel: the layer's backward needs phi (the down projection's weight-gradient operand) and dh (the gate/up
 projection's output gradient) of the same retained rows, both from h. Compiled, Inductor produced them in two
@@ -28,9 +32,17 @@ import triton.language as tl
 
 from .launch import known_empty, launch
 
-__all__ = ["swiglu_backward_triton"]
+__all__ = ["swiglu_backward_triton", "swiglu_sqnorm_triton"]
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@triton.jit
+def _phi(gate, up, h_dtype: tl.constexpr):
+    """phi = silu(gate) * up from fp32 gate and up, rounded as eager PyTorch rounds in h's dtype: F.silu (fp32
+    math, one rounding), then the product (one more)."""
+    silu = (gate / (1.0 + tl.exp(-gate))).to(h_dtype)
+    return (silu.to(tl.float32) * up).to(h_dtype)
 
 
 @triton.jit
@@ -67,9 +79,34 @@ def _swiglu_backward_kernel(
     dh_ptrs = dh_ptr + r64_R * stride_gr + f_F[None, :] * stride_gf
     tl.store(dh_ptrs, dgate.to(h_dtype), mask=mask_RF)
     tl.store(dh_ptrs + F * stride_gf, dup.to(h_dtype), mask=mask_RF)
-    silu = (gate / (1.0 + tl.exp(-gate))).to(h_dtype)  # F.silu in h's dtype: fp32 math, one rounding
-    phi = (silu.to(tl.float32) * up).to(h_dtype)
-    tl.store(phi_ptr + r64_R * stride_pr + f_F[None, :] * stride_pf, phi, mask=mask_RF)
+    tl.store(phi_ptr + r64_R * stride_pr + f_F[None, :] * stride_pf, _phi(gate, up, h_dtype), mask=mask_RF)
+
+
+@triton.jit
+def _swiglu_sqnorm_kernel(
+    h_ptr, phi_ptr, sq_ptr,
+    N, F,
+    stride_hn, stride_hf, stride_pn, stride_pf,
+    BLOCK_R: tl.constexpr, BLOCK_F: tl.constexpr,
+):  # fmt: skip
+    # One program per BLOCK_R rows, over all F columns in BLOCK_F steps, so the row sums need no atomics:
+    # elementwise fp32 accumulators, reduced once after the loop (as lrmoe_kernels.scoring's row norms).
+    r_R = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    r_ok_R = r_R < N
+    r64_R = r_R.to(tl.int64)[:, None]
+    h_dtype = h_ptr.dtype.element_ty
+    sq_RF = tl.zeros((BLOCK_R, BLOCK_F), dtype=tl.float32)
+    for f0 in range(0, F, BLOCK_F):
+        f_F = f0 + tl.arange(0, BLOCK_F)
+        mask_RF = r_ok_R[:, None] & (f_F < F)[None, :]
+        gate_ptr = h_ptr + r64_R * stride_hn + f_F[None, :] * stride_hf
+        gate = tl.load(gate_ptr, mask=mask_RF, other=0.0).to(tl.float32)
+        up = tl.load(gate_ptr + F * stride_hf, mask=mask_RF, other=0.0).to(tl.float32)
+        phi = _phi(gate, up, h_dtype)
+        tl.store(phi_ptr + r64_R * stride_pn + f_F[None, :] * stride_pf, phi, mask=mask_RF)
+        phi32 = phi.to(tl.float32)  # masked lanes: phi of zeros is zero, adding nothing
+        sq_RF += phi32 * phi32
+    tl.store(sq_ptr + r_R, tl.sum(sq_RF, axis=1), mask=r_ok_R)
 
 
 def _blocks(F: int) -> dict:
@@ -78,6 +115,30 @@ def _blocks(F: int) -> dict:
     if _INTERPRET:
         return {"BLOCK_R": 4, "BLOCK_F": 8, "num_warps": 1}
     return {"BLOCK_R": 8, "BLOCK_F": min(triton.next_power_of_2(max(F, 1)), 256), "num_warps": 4}
+
+
+def _sqnorm_blocks(F: int) -> dict:
+    """GPU: 4 rows x up to 256 columns a step, 4 warps (as _blocks, half the rows: each program loops over F).
+    A first choice, not swept. Interpreter: small, so test shapes cross tiles, steps and masked edges."""
+    if _INTERPRET:
+        return {"BLOCK_R": 4, "BLOCK_F": 8, "num_warps": 1}
+    return {"BLOCK_R": 4, "BLOCK_F": min(triton.next_power_of_2(max(F, 1)), 256), "num_warps": 4}
+
+
+def swiglu_sqnorm_triton(h_N2F: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(phi_NF in h's dtype, phi_sq_N fp32); see the module docstring. CUDA tensors (CPU ones under
+    TRITON_INTERPRET=1); nothing is checked here (lrmoe.ops.swiglu does that). No host sync."""
+    N, F2 = h_N2F.shape
+    F = F2 // 2
+    phi_NF = torch.empty((N, F), dtype=h_N2F.dtype, device=h_N2F.device)
+    sq_N = torch.empty((N,), dtype=torch.float32, device=h_N2F.device)
+    if known_empty(N):
+        return phi_NF, sq_N
+    cfg = _sqnorm_blocks(F)
+    launch(_swiglu_sqnorm_kernel, (triton.cdiv(N, cfg["BLOCK_R"]),))(
+        h_N2F, phi_NF, sq_N, N, F, *h_N2F.stride(), *phi_NF.stride(), **cfg,
+    )  # fmt: skip
+    return phi_NF, sq_N
 
 
 def swiglu_backward_triton(

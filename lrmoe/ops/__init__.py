@@ -15,7 +15,7 @@ from lrmoe.ops.offload import gather_host_rows, offload_to_host, offload_wait
 from lrmoe.ops.rows import gather_scale_rows, row_sqnorm
 from lrmoe.ops.scoring import score_pairs
 from lrmoe.ops.selection import argsort_ids, select_within_quota
-from lrmoe.ops.swiglu import swiglu, swiglu_backward
+from lrmoe.ops.swiglu import swiglu, swiglu_backward, swiglu_sqnorm
 from lrmoe.ops.token_rows import gather_dot_rows, gather_sum_rows
 
 __all__ = [
@@ -34,4 +34,5 @@ __all__ = [
     "select_within_quota",
     "swiglu",
     "swiglu_backward",
+    "swiglu_sqnorm",
 ]

@@ -4,7 +4,12 @@ Shapes: N rows of h, R rows out, F the expert hidden dim; h is [N, 2F], gate hal
 ``gate_up_proj`` layout).
 
 ``swiglu(h_N2F) -> phi_NF``
-    silu(gate) * up in h's dtype (plain PyTorch: the forward, where Inductor fuses it into its neighbours).
+    silu(gate) * up in h's dtype (plain PyTorch).
+``lrmoe::swiglu_sqnorm(h_N2F) -> (phi_NF, phi_sq_N)``
+    The layers' forward SwiGLU: phi as ``swiglu`` gives it, and ||phi_n||^2 in fp32 from the rounded phi (as
+    lrmoe::row_sqnorm of it), which the "lrm" score needs. On CUDA one Triton kernel reading h once and writing
+    phi and the norms (eagerly no SiLU temporary, N * F elements; compiled, one pass instead of the SwiGLU's and
+    row_sqnorm's).
 ``lrmoe::swiglu_backward(h_N2F, rows_R, dphi_RF) -> (dh_R2F, phi_RF)``
     For the rows h_i = h[rows[i]] (h itself when rows is None): the gradient of phi = silu(gate) * up with
     respect to h given dphi, computed in fp32 and rounded to h's dtype once (sigmoid's derivative loses too much in
@@ -13,8 +18,8 @@ Shapes: N rows of h, R rows out, F the expert hidden dim; h is [N, 2F], gate hal
     kernel (lrmoe_kernels.swiglu) reading the saved h in place through the row index. Rows must lie in [0, N) (not
     checked: that would need a host sync); the CUDA kernel gives zeros for one outside, the reference fails.
 
-The CPU kernel is the reference (index_select, then PyTorch); fp64 runs the reference on every device. Not
-differentiable (it is a backward already).
+The CPU kernels are the references (PyTorch); fp64 runs the references on every device. Neither op is
+differentiable (swiglu_backward is a backward already; the layers differentiate the SwiGLU themselves).
 """
 
 from __future__ import annotations
@@ -24,8 +29,9 @@ import torch.nn.functional as F
 from torch.fx.experimental.symbolic_shapes import guard_or_false
 
 from lrmoe.ops._kernels import forward_only, inline_when_compiled, kernel_module
+from lrmoe.ops.rows import row_sqnorm_reference
 
-__all__ = ["swiglu", "swiglu_backward"]
+__all__ = ["swiglu", "swiglu_backward", "swiglu_sqnorm"]
 
 
 def swiglu(h_N2F: torch.Tensor) -> torch.Tensor:
@@ -45,10 +51,14 @@ def swiglu_backward_reference(h_N2F, rows_R, dphi_RF):
     return torch.cat([dgate, dup], dim=-1).to(h_N2F.dtype), phi_RF
 
 
-def _check(h_N2F: torch.Tensor, rows_R: torch.Tensor | None, dphi_RF: torch.Tensor) -> None:
+def _check_h(op: str, h_N2F: torch.Tensor) -> None:
     if h_N2F.dim() != 2 or h_N2F.shape[1] % 2 or not h_N2F.is_floating_point():
-        raise ValueError(f"lrmoe::swiglu_backward: h_N2F must be a 2-D float tensor with an even number of columns "
-                         f"[N, 2F], got shape {tuple(h_N2F.shape)} and dtype {h_N2F.dtype}")
+        raise ValueError(f"lrmoe::{op}: h_N2F must be a 2-D float tensor with an even number of columns [N, 2F], "
+                         f"got shape {tuple(h_N2F.shape)} and dtype {h_N2F.dtype}")
+
+
+def _check(h_N2F: torch.Tensor, rows_R: torch.Tensor | None, dphi_RF: torch.Tensor) -> None:
+    _check_h("swiglu_backward", h_N2F)
     if rows_R is not None and (rows_R.dim() != 1 or rows_R.dtype not in (torch.int32, torch.int64)):
         raise ValueError(f"lrmoe::swiglu_backward: rows_R must be a 1-D int32 or int64 tensor or None, got shape "
                          f"{tuple(rows_R.shape)} and dtype {rows_R.dtype}")
@@ -86,3 +96,33 @@ def _(h_N2F, rows_R, dphi_RF):
 
 forward_only(swiglu_backward, 3)  # a backward already
 inline_when_compiled(swiglu_backward, _swiglu_backward_cuda)
+
+
+def swiglu_sqnorm_reference(h_N2F):
+    phi_NF = swiglu(h_N2F)
+    return phi_NF, row_sqnorm_reference(phi_NF)
+
+
+@torch.library.custom_op("lrmoe::swiglu_sqnorm", mutates_args=())
+def swiglu_sqnorm(h_N2F: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    _check_h("swiglu_sqnorm", h_N2F)
+    return swiglu_sqnorm_reference(h_N2F)
+
+
+@swiglu_sqnorm.register_kernel("cuda")
+def _swiglu_sqnorm_cuda(h_N2F):
+    _check_h("swiglu_sqnorm", h_N2F)
+    kernels = kernel_module("swiglu")
+    if kernels is None or h_N2F.dtype == torch.float64:  # the kernel computes in fp32
+        return swiglu_sqnorm_reference(h_N2F)
+    return kernels.swiglu_sqnorm_triton(h_N2F)
+
+
+@swiglu_sqnorm.register_fake
+def _(h_N2F):
+    _check_h("swiglu_sqnorm", h_N2F)
+    return h_N2F.new_empty(h_N2F.shape[0], h_N2F.shape[1] // 2), h_N2F.new_empty(h_N2F.shape[0], dtype=torch.float32)
+
+
+forward_only(swiglu_sqnorm, 1)
+inline_when_compiled(swiglu_sqnorm, _swiglu_sqnorm_cuda)

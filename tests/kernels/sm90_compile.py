@@ -107,11 +107,13 @@ def run_launchers() -> None:
 
     swi = kernel_module("swiglu")
     swi._blocks = _as_on_gpu(swi, swi._blocks)
+    swi._sqnorm_blocks = _as_on_gpu(swi, swi._sqnorm_blocks)
     for dtype in (torch.bfloat16, torch.float32):
         h = torch.randn(40, 2 * 768).to(dtype)  # the Qwen3 F: full column blocks
         for rows in (torch.randint(0, 40, (24,), generator=gen), torch.randint(0, 40, (24,), generator=gen).int(),
                      None):
             swi.swiglu_backward_triton(h, rows, torch.randn(40 if rows is None else 24, 768).to(dtype))
+        swi.swiglu_sqnorm_triton(h)  # lrmoe::swiglu_sqnorm
 
     off = kernel_module("offload")
     off._blocks = _as_on_gpu(off, off._blocks)  # the GPU's tiles, not the interpreter's

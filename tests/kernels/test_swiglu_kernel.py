@@ -1,6 +1,7 @@
-"""lrmoe_kernels.swiglu: the Triton launcher equals the reference op lrmoe::swiglu_backward (its CPU kernel) on tiny
-odd shapes: rows through an index (repeated, out of order) or in place, F crossing several column blocks with a
-masked edge, a strided h, fp32 and bf16; an index outside h gives zero rows, never a read.
+"""lrmoe_kernels.swiglu: the Triton launchers equal the reference ops lrmoe::swiglu_backward and lrmoe::swiglu_sqnorm
+(their CPU kernels) on tiny odd shapes: rows through an index (repeated, out of order) or in place, F crossing
+several column blocks with a masked edge, a strided h, fp32 and bf16; an index outside h gives zero rows, never a
+read.
 
 Without a GPU the kernel runs in Triton's interpreter (tests/conftest.py switches it on) on CPU tensors."""
 
@@ -12,9 +13,9 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from lrmoe_kernels.swiglu import swiglu_backward_triton
+from lrmoe_kernels.swiglu import swiglu_backward_triton, swiglu_sqnorm_triton
 
-from lrmoe.ops.swiglu import swiglu_backward_reference
+from lrmoe.ops.swiglu import swiglu_backward_reference, swiglu_sqnorm_reference
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 DEVICE = "cpu" if INTERPRET else "cuda"
@@ -72,3 +73,40 @@ def test_no_rows():
        indexed=st.booleans())
 def test_property_equal_to_reference(n, r, f, seed, indexed):
     _check(*_case(n, r, f, torch.float32, seed, indexed=indexed))
+
+
+# ------------------------------------------------------------------------------------------- swiglu_sqnorm_triton
+
+
+def _check_sqnorm(h):
+    phi, sq = swiglu_sqnorm_triton(h)
+    want_phi, want_sq = swiglu_sqnorm_reference(h.cpu())
+    assert phi.dtype == h.dtype and sq.dtype == torch.float32
+    assert phi.shape == want_phi.shape and sq.shape == want_sq.shape
+    # phi: as in _check (bf16: two roundings, truncated by the interpreter). ||phi||^2 from the kernel's own phi,
+    # summed in another order than the reference's: fp32 ulps.
+    tol = dict(rtol=1.6e-2, atol=1e-3) if h.dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(phi.cpu(), want_phi, **tol)
+    torch.testing.assert_close(sq.cpu(), phi.cpu().float().square().sum(-1), rtol=1e-5, atol=1e-6)
+    if h.dtype == torch.float32:
+        torch.testing.assert_close(sq.cpu(), want_sq, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("f", [1, 8, 19])  # one column; one step; three steps of 8 with a masked edge
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sqnorm_equal_to_reference(f, dtype):
+    h, _, _ = _case(9, 1, f, dtype, seed=10 + f, indexed=False)
+    _check_sqnorm(h)
+
+
+def test_sqnorm_strided_h_and_no_rows():
+    h, _, _ = _case(7, 1, 12, torch.float32, seed=11, indexed=False, strided=True)
+    _check_sqnorm(h)
+    phi, sq = swiglu_sqnorm_triton(h[:0])
+    assert phi.shape == (0, 12) and sq.shape == (0,)
+
+
+@given(n=st.integers(1, 12), f=st.integers(1, 24), seed=st.integers(0, 2**16))
+def test_sqnorm_property_equal_to_reference(n, f, seed):
+    h, _, _ = _case(n, 1, f, torch.float32, seed, indexed=False)
+    _check_sqnorm(h)

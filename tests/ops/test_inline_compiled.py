@@ -57,6 +57,7 @@ def _cases(device: str, dtype: torch.dtype):
         ("gather_scale_rows", ops.gather_scale_rows, (randn(N, C), rows_N[:40], torch.rand(40, generator=g).to(device)),
          "_gather_rows_kernel"),
         ("row_sqnorm", ops.row_sqnorm, (randn(N, C),), "_row_sqnorm_kernel"),
+        ("swiglu_sqnorm", ops.swiglu_sqnorm, (randn(N, C),), "_swiglu_sqnorm_kernel"),
     ]
 
 
@@ -66,7 +67,7 @@ def _compiled(fn, args):
     return out, "\n".join(code)
 
 
-N_CASES = 11
+N_CASES = 12
 
 
 @pytest.mark.parametrize("case", range(N_CASES))
@@ -123,6 +124,7 @@ KERNEL_WRITES = {
     "_swiglu_backward_kernel": ["dh_ptr", "phi_ptr"],
     "_gather_rows_kernel": ["out_ptr"],
     "_row_sqnorm_kernel": ["out_ptr"],
+    "_swiglu_sqnorm_kernel": ["phi_ptr", "sq_ptr"],
 }
 
 

@@ -1,12 +1,12 @@
-"""lrmoe::swiglu_backward: torch.library.opcheck, values against autograd of the SwiGLU itself, the outputs'
-non-differentiability, and argument errors."""
+"""lrmoe::swiglu_backward and lrmoe::swiglu_sqnorm: torch.library.opcheck, values against the definitions (autograd
+of the SwiGLU itself for the backward), the outputs' non-differentiability, and argument errors."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from lrmoe.ops import swiglu, swiglu_backward
+from lrmoe.ops import swiglu, swiglu_backward, swiglu_sqnorm
 
 # (N rows of h, F, rows or None): repeated and unordered rows, one row, rows in place, no rows.
 CASES = [(6, 5, [4, 0, 4, 2]), (1, 1, [0, 0]), (7, 8, None), (3, 4, [])]
@@ -68,3 +68,35 @@ def test_argument_errors_name_the_argument(args, match):
 def test_integer_h_is_refused():
     with pytest.raises(ValueError, match="h_N2F must be a 2-D float tensor"):
         swiglu_backward(torch.ones(3, 4, dtype=torch.int64), None, torch.randn(3, 2))
+
+
+# ------------------------------------------------------------------------------------------- lrmoe::swiglu_sqnorm
+
+
+@pytest.mark.parametrize("shape", [(6, 10), (1, 2), (0, 8), (5, 0)])
+@pytest.mark.parametrize("requires_grad", [False, True])
+def test_sqnorm_opcheck(shape, requires_grad):
+    h = torch.randn(*shape, dtype=torch.float64).requires_grad_(requires_grad)
+    torch.library.opcheck(swiglu_sqnorm, (h,))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_sqnorm_values_are_the_swiglu_and_the_sum_of_its_squares(dtype):
+    g = torch.Generator().manual_seed(2)
+    h = (2 * torch.randn(9, 14, generator=g)).to(dtype)
+    phi, sq = swiglu_sqnorm(h)
+    assert phi.dtype == dtype and sq.dtype == torch.float32 and sq.shape == (9,)
+    assert torch.equal(phi, swiglu(h))  # what the forward's swiglu gives, bit for bit
+    # ||phi||^2 of the rounded phi, summed in higher precision for the comparison
+    torch.testing.assert_close(sq.double(), phi.double().square().sum(-1), rtol=1e-6, atol=0)
+
+
+def test_sqnorm_outputs_do_not_require_grad():
+    phi, sq = swiglu_sqnorm(torch.randn(4, 6, requires_grad=True))
+    assert not phi.requires_grad and not sq.requires_grad
+
+
+@pytest.mark.parametrize("h", [torch.randn(4, 5), torch.randn(4), torch.ones(3, 4, dtype=torch.int64)])
+def test_sqnorm_refuses_what_is_not_an_even_float_matrix(h):
+    with pytest.raises(ValueError, match="lrmoe::swiglu_sqnorm: h_N2F must be a 2-D float tensor"):
+        swiglu_sqnorm(h)
