@@ -45,7 +45,8 @@ saved activations (forward to backward), "save" = what the code keeps today:
 transients: ``forward_phases`` and ``backward_phases`` follow the code line by line (``_Timeline``): a local stays
 alive until its function returns (nothing in these functions frees a buffer early), a line's temporaries live
 only on that line, and a phase is a point where a line allocates, with everything live there. The transient is
-the largest phase. Forward: the grouped GEMMs, the SwiGLU, ||phi||^2 (lrmoe::row_sqnorm, N*4) and the combine.
+the largest phase. Forward: the grouped GEMMs, the SwiGLU with ||phi||^2 (lrmoe::swiglu_sqnorm: phi N*F*b and
+N*4, no SiLU temporary) and the combine.
 Backward (one device; W > 1 adds the payloads and the received and returned rows):
     dy           alpha * g / p per retained row, R*D*b (lrmoe::gather_scale_rows: no gathered or fp32 copy)
     h_rows       "recompute" and "offload": h of the retained rows, M*2F*b (recomputed from x or read back from the
@@ -451,15 +452,14 @@ def _forward_phases(config: MemoryConfig, rows: Rows, b: int, policy: str,
     t.mark("gate_up_gemm", x_rows=N * D * b if _gathers(config, src_rows, D, 2 * F) else 0,
            saved_later=before_gemm)
     t.alloc(h=N * 2 * F * b if policy != "save" else 0)
-    t.mark("swiglu", silu=N * F * b, phi=N * F * b, saved_later=before_gemm)
-    t.alloc(phi=N * F * b)
+    # lrmoe::swiglu_sqnorm: phi and its rows' ||phi||^2, both locals until the forward returns; no SiLU temporary.
+    t.mark("swiglu", phi=N * F * b, phi_sq_rows=N * _FP32, saved_later=before_gemm)
+    t.alloc(phi=N * F * b, phi_sq_rows=N * _FP32)
     # phi read in place (rows_R=None). One device: y is the saved y (counted there), read in place by the combine.
     y_rows = N * D * b if config.world_size > 1 else 0
     t.mark("down_gemm", y_rows=y_rows, saved_later=after_gemm)
     t.alloc(y_rows=y_rows)
-    t.mark("phi_sq", phi_sq=N * _FP32)  # lrmoe::row_sqnorm (eager): no fp32 copy of phi or its square
     if config.world_size > 1:  # the y rows that come back are the saved y; their ||phi||^2 come in a second collective
-        t.alloc(phi_sq_rows=N * _FP32)
         # The rows and ||phi||^2 sent (in the order they came) are temporaries of the all-to-all's line.
         t.mark("combine_all_to_all", combine_send=N * (D * b + _FP32), phi_sq_recv=P * _FP32)
         t.alloc(phi_sq_recv=P * _FP32, pair_index=P * _INT64)

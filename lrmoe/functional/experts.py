@@ -34,9 +34,8 @@ from lrmoe.ops import (
     grouped_outer,
     offload_to_host,
     offload_wait,
-    row_sqnorm,
-    swiglu,
     swiglu_backward,
+    swiglu_sqnorm,
 )
 
 __all__ = ["ACTIVATION_POLICIES", "ExpertPlan", "plan_experts", "retained_rows_bound", "selective_swiglu_experts"]
@@ -252,12 +251,6 @@ class _Config:
     activations: str = "save"
 
 
-def phi_sqnorm(phi_NF: torch.Tensor) -> torch.Tensor:
-    """||phi||^2 per row in fp32 (both layers' forward, for the "lrm" score): lrmoe::row_sqnorm, one pass over phi
-    with no fp32 copy of it (N * F * 8 bytes), eager and compiled (lrmoe.ops.rows says why not the PyTorch form)."""
-    return row_sqnorm(phi_NF)
-
-
 def router_gradient(g_TD: torch.Tensor, y_ND: torch.Tensor, rows_TK: torch.Tensor) -> torch.Tensor:
     """Exact router gradient dL/d alpha_tk = <g_t, y_tk>, [T, K] fp32, where pair (t, k)'s expert output is
     ``y_ND[rows_TK[t, k]]`` (y in the order the experts wrote it): one pass over y, no pair-order copy
@@ -407,11 +400,11 @@ class _SelectiveSwiGLU(torch.autograd.Function):
 
         h_PF2 = gather_grouped_mm(x_TD, gate_up_EFD, tok_P, offsets_E)
         h_saved = saved_h(h_PF2, cfg.activations)
-        phi_PF = swiglu(h_PF2)
+        phi_PF, phi_sq_P = swiglu_sqnorm(h_PF2)  # and ||phi||^2 per row in fp32, from one read of h
         y_PD = gather_grouped_mm(phi_PF, down_EDF, None, offsets_E)  # rows in place: no gather
         # Pair (t, k) = pair id t*K + k sits at row inv_P[t*K + k] of the expert-ordered buffers.
         inv_P = torch.empty_like(order_P).scatter_(0, order_P, ident_P)
-        phi_sq_TK = phi_sqnorm(phi_PF).index_select(0, inv_P).view(n_tok, top_k)
+        phi_sq_TK = phi_sq_P.index_select(0, inv_P).view(n_tok, top_k)
         out_TD = combine(y_PD, inv_P.view(n_tok, top_k), gates_TK)
 
         ctx.cfg = cfg

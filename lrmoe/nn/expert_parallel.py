@@ -70,7 +70,6 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from lrmoe.functional.experts import (
     combine,
     expert_rows_backward,
-    phi_sqnorm,
     release_h,
     retained_dy,
     router_gradient,
@@ -87,7 +86,7 @@ from lrmoe.functional.replicas import (
 )
 from lrmoe.functional.routing import expert_loads, route_topk
 from lrmoe.nn.lrmoe import LRMoE
-from lrmoe.ops import argsort_ids, gather_grouped_mm, swiglu
+from lrmoe.ops import argsort_ids, gather_grouped_mm, swiglu_sqnorm
 
 __all__ = ["ExpertParallel", "ExpertParallelPlan", "ExpertParallelStats", "backward_capacity", "plan_expert_parallel"]
 
@@ -482,10 +481,9 @@ class _ExpertParallelSwiGLU(torch.autograd.Function):
         ident_N = torch.arange(n_rows, device=x_TD.device)
         h_NF2 = gather_grouped_mm(x_recv_ND, gate_up_IFD, perm_N, offsets_I)
         h_saved = saved_h(h_NF2, cfg.activations)
-        phi_NF = swiglu(h_NF2)
+        phi_NF, phi_sq_N = swiglu_sqnorm(h_NF2)  # and ||phi||^2 per row in fp32, from one read of h
         y_ND = gather_grouped_mm(phi_NF, down_IDF, None, offsets_I)  # rows in place
         inv_perm_N = torch.empty_like(perm_N).scatter_(0, perm_N, ident_N)
-        phi_sq_N = phi_sqnorm(phi_NF)
 
         # Combine: y rows and ||phi||^2 go back in the order they came (source-major).
         y_PD, phi_sq_P = _all_to_all_with_scalars(

@@ -13,7 +13,7 @@ Shapes: N source rows, C columns, R rows out.
 
 ``lrmoe::row_sqnorm(x_NC) -> out_N``
     out[n] = sum over c of x[n, c]^2 in fp32, whatever x's dtype (the layers keep ||phi||^2 in fp32, fp64 runs
-    included). The layers' ||phi||^2 per pair in forward: PyTorch
+    included). The layers' ||phi||^2 per pair in forward until lrmoe::swiglu_sqnorm made it with phi: PyTorch
     makes an fp32 copy of phi and its square first, N * F * 8 bytes (the forward's largest buffers at large
     batches); on CUDA one Triton kernel (lrmoe_kernels.scoring's pass over rows) makes neither.
 

@@ -108,25 +108,3 @@ def test_row_sqnorm_refuses_what_is_not_a_float_matrix():
         row_sqnorm(torch.ones(3))
     with pytest.raises(ValueError, match="x_NC must be a 2-D float tensor"):
         row_sqnorm(torch.ones(3, 2, dtype=torch.int32))
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (the ops are inlined on CUDA only)")
-def test_compiled_layer_takes_phi_sqnorm_from_phi_in_forward_on_cuda():
-    """The compiled layer's ||phi||^2 (retain < 1) is row_sqnorm's kernel in the forward graph, reading phi; its
-    PyTorch form was moved into the backward by the partitioner, which recomputed the SwiGLU from the saved h there
-    (a reduction kernel over silu(gate) * up, seen in the generated code on the H200)."""
-    import re
-
-    from torch._inductor.utils import run_and_get_code
-
-    from lrmoe.nn import LRMoE
-
-    torch.manual_seed(0)
-    T, D, F, E, K = 64, 64, 48, 4, 2
-    layer = LRMoE(dim=D, hidden_dim=F, num_experts=E, top_k=K, retain=0.5, selection="top").cuda().bfloat16()
-    x_TD = torch.randn(T, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    torch._dynamo.reset()
-    _, codes = run_and_get_code(lambda: torch.compile(layer, fullgraph=True)(x_TD).sum().backward())
-    assert len(codes) == 2  # forward, backward
-    assert "_row_sqnorm_kernel" in codes[0]
-    assert not re.search(r"def triton_\w*silu\w*sum", codes[1])  # no SwiGLU-and-reduce kernel in backward

@@ -100,3 +100,25 @@ def test_sqnorm_outputs_do_not_require_grad():
 def test_sqnorm_refuses_what_is_not_an_even_float_matrix(h):
     with pytest.raises(ValueError, match="lrmoe::swiglu_sqnorm: h_N2F must be a 2-D float tensor"):
         swiglu_sqnorm(h)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (the ops are inlined on CUDA only)")
+def test_compiled_layer_makes_phi_and_its_sqnorm_in_one_forward_kernel_on_cuda():
+    """The compiled layer's phi and ||phi||^2 come from swiglu_sqnorm's kernel in the forward graph, reading h once:
+    no SwiGLU of Inductor's own anywhere. (||phi||^2 in its PyTorch form was moved into the backward by the
+    partitioner once, which recomputed the SwiGLU from the saved h there: seen in the generated code on the H200.)"""
+    import re
+
+    from torch._inductor.utils import run_and_get_code
+
+    from lrmoe.nn import LRMoE
+
+    torch.manual_seed(0)
+    T, D, F, E, K = 64, 64, 48, 4, 2
+    layer = LRMoE(dim=D, hidden_dim=F, num_experts=E, top_k=K, retain=0.5, selection="top").cuda().bfloat16()
+    x_TD = torch.randn(T, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    torch._dynamo.reset()
+    _, codes = run_and_get_code(lambda: torch.compile(layer, fullgraph=True)(x_TD).sum().backward())
+    assert len(codes) == 2  # forward, backward
+    assert "_swiglu_sqnorm_kernel" in codes[0] and "_row_sqnorm_kernel" not in codes[0]
+    assert not any(re.search(r"def triton_\w*silu", code) for code in codes)  # no SwiGLU kernel of Inductor's
