@@ -29,8 +29,7 @@ from __future__ import annotations
 import torch
 
 from lrmoe.ops._kernels import forward_only, inline_when_compiled, kernel_module
-from lrmoe.ops.rows import row_sqnorm_reference
-from lrmoe.ops.swiglu import swiglu
+from lrmoe.ops.swiglu import swiglu_sqnorm_reference
 
 __all__ = ["gather_grouped_mm", "gather_grouped_swiglu", "grouped_outer"]
 
@@ -256,8 +255,7 @@ def _check_swiglu(gate_up_EFI: torch.Tensor) -> None:
 def _swiglu_reference(x_NI, gate_up_EFI, rows_R, offsets_E, store_h):
     """The unfused computation: h by gather_grouped_mm, phi = silu(gate) * up in x's dtype, ||phi||^2 in fp32."""
     h_R2F = gather_grouped_mm(x_NI, gate_up_EFI, rows_R, offsets_E)
-    phi_RF = swiglu(h_R2F)
-    phi_sq_R = row_sqnorm_reference(phi_RF)
+    phi_RF, phi_sq_R = swiglu_sqnorm_reference(h_R2F)
     return (h_R2F if store_h else h_R2F.new_empty(0, h_R2F.shape[1])), phi_RF, phi_sq_R
 
 
