@@ -13,6 +13,8 @@ Configurations, for R in (0, --max-replicas):
   dense R=..        retain 1, no backward capacity: the dense backward path (every pair returns to its instance).
   lrmoe r=.. R=..   retain r with the backward capacity --capacity-factor (LRMoE's per-rank limit); at r=1 this
                     runs the selective backward, which only the capacity trims. --capacity-factor 0: no capacity.
+                    --quota-align N (with --capacity-factor 0): LRMoE(quota_align=N), instance quotas in whole
+                    N-row tiles.
 
 Per configuration:
   * latency: median over --steps steps of forward and forward+backward, CUDA events on GPU (perf_counter on CPU,
@@ -244,7 +246,7 @@ def shutdown() -> None:
 
 def build_layer(shape: dict, cfg: Config, args, ranks: Ranks, dtype: torch.dtype) -> LRMoE:
     torch.manual_seed(args.seed)  # the same layer on every rank
-    layer = LRMoE(**shape, retain=cfg.retain, selection=args.selection)
+    layer = LRMoE(**shape, retain=cfg.retain, selection=args.selection, quota_align=args.quota_align)
     skew_router(layer, args.skew, args.seed, args.rank_skew, ranks.world)
     layer = layer.to(ranks.device, dtype)
     style = ExpertParallel(max_replicas=cfg.max_replicas, capacity_factor=cfg.capacity_factor, plan_on=cfg.plan_on)
@@ -456,6 +458,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
     p.add_argument("--dtype", choices=("bf16", "fp32"), default=None, help="default: bf16 on CUDA, fp32 on CPU")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quota-align", type=int, default=1,
+                   help="LRMoE's quota_align (backward quotas in whole tiles); > 1 needs --capacity-factor 0")
     p.add_argument("--json", default=None, help="write the numbers here (rank 0)")
     p.add_argument("--plan-on", nargs="+", default=["host"], choices=["device", "host"],
                    help="where each step's plan runs (ExpertParallel(plan_on=...)); several: every configuration "
@@ -482,6 +486,9 @@ def main() -> None:
         raise SystemExit(f"--shape {args.shape}: E={shape['num_experts']} is not divisible by W={ranks.world}")
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype or ("bf16" if ranks.cuda else "fp32")]
     capacity = args.capacity_factor if args.capacity_factor else None
+    if args.quota_align > 1 and capacity is not None:
+        raise SystemExit("--quota-align > 1 needs --capacity-factor 0: the EP layer refuses aligned quotas under a "
+                         "backward capacity")
     meta = {
         "shape_name": args.shape, "shape": shape, "tokens": args.tokens, "world": ranks.world,
         "backend": dist.get_backend(), "device_name": torch.cuda.get_device_name() if ranks.cuda else "cpu",
@@ -489,6 +496,7 @@ def main() -> None:
         "torch": torch.__version__, "compiled": args.compile, "skew": args.skew, "rank_skew": args.rank_skew,
         "selection": args.selection, "steps": args.steps,
         "profile_steps": args.profile_steps, "max_replicas": args.max_replicas, "capacity_factor": capacity,
+        "quota_align": args.quota_align,
         "timing": "CUDA events" if ranks.cuda else "perf_counter on CPU ranks: NOT MEANINGFUL as performance",
         "split_time": "device (kernel) time" if ranks.cuda else "CPU time",
     }
