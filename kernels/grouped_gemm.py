@@ -212,14 +212,21 @@ def _tile(offsets_ptr, R, E, n_cols, G_POW2: tl.constexpr, BLOCK_M: tl.constexpr
 
 
 @triton.jit
-def _gather_operands(x_ptr, w_ptr, rows_ptr, group, offs_m, m_mask, offs_n, n_cols,
-                     stride_xn, stride_xi, stride_we, stride_wo, stride_wi, BLOCK_K: tl.constexpr):
-    """(A pointers, B pointers, offs_k) for the first K block of a gather GEMM tile. The gather, fused: each row of
-    the A tile is read straight from x at rows[i]. Rows past the group's end read row 0 and columns past n_cols
-    wrap around, so the K loop masks only K; those rows and columns are never stored."""
+def _gather_a(x_ptr, rows_ptr, offs_m, m_mask, stride_xn, stride_xi, BLOCK_K: tl.constexpr):
+    """(A pointers, offs_k) for the first K block of a gather GEMM tile. The gather, fused: each row of the A tile
+    is read straight from x at rows[i]. Rows past the group's end read row 0 and are never stored."""
     src_m = tl.load(rows_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)
     offs_k = tl.arange(0, BLOCK_K)
-    a_ptrs = x_ptr + src_m[:, None] * stride_xn + offs_k[None, :] * stride_xi
+    return x_ptr + src_m[:, None] * stride_xn + offs_k[None, :] * stride_xi, offs_k
+
+
+@triton.jit
+def _gather_operands(x_ptr, w_ptr, rows_ptr, group, offs_m, m_mask, offs_n, n_cols,
+                     stride_xn, stride_xi, stride_we, stride_wo, stride_wi, BLOCK_K: tl.constexpr):
+    """(A pointers, B pointers, offs_k) for the first K block of a gather GEMM tile: A from _gather_a, B the
+    group's weight through pointers. Columns past n_cols wrap around, so the K loop masks only K; those columns
+    are never stored."""
+    a_ptrs, offs_k = _gather_a(x_ptr, rows_ptr, offs_m, m_mask, stride_xn, stride_xi, BLOCK_K)
     b_ptrs = (w_ptr + group.to(tl.int64) * stride_we
               + (offs_n % n_cols)[None, :].to(tl.int64) * stride_wo + offs_k[:, None] * stride_wi)  # fmt: skip
     return a_ptrs, b_ptrs, offs_k
@@ -251,9 +258,7 @@ def _gather_grouped_mm_kernel(
             a_ptrs, b_ptrs, offs_k = _gather_operands(x_ptr, w, rows_ptr, group, offs_m, m_mask, offs_n, O,
                                                       stride_xn, stride_xi, stride_we, stride_wo, stride_wi, BLOCK_K)
         else:
-            src_m = tl.load(rows_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)
-            offs_k = tl.arange(0, BLOCK_K)
-            a_ptrs = x_ptr + src_m[:, None] * stride_xn + offs_k[None, :] * stride_xi
+            a_ptrs, offs_k = _gather_a(x_ptr, rows_ptr, offs_m, m_mask, stride_xn, stride_xi, BLOCK_K)
             n0 = (tl.program_id(0) % tl.cdiv(O, BLOCK_N)) * BLOCK_N
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float64 if ACC_FP64 else tl.float32)
         for k in range(0, tl.cdiv(I, BLOCK_K)):
