@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from lrmoe.functional._checks import check_choice, check_tensor
+from lrmoe.ops.routing import topk_ids
 
 __all__ = ["Routing", "route_topk", "expert_loads"]
 
@@ -21,7 +22,8 @@ __all__ = ["Routing", "route_topk", "expert_loads"]
 class Routing:
     """Result of :func:`route_topk`.
 
-    expert_ids: [T, K] int64, the chosen experts of each token (descending by biased score).
+    expert_ids: [T, K] int64, the chosen experts of each token (descending by biased score; of equal scores the
+                lower expert id first, lrmoe::topk_ids).
     gates:      [T, K] fp32, combine weight of each chosen pair (after renormalisation and scaling).
     scores:     [T, E] fp32, router probabilities (softmax or sigmoid of the logits, no bias).
     """
@@ -88,7 +90,7 @@ def route_topk(
         keep_TG = torch.zeros_like(group_score_TG, dtype=torch.bool).scatter_(1, top_groups_TG, True)
         choice_TE = choice_TGS.masked_fill(~keep_TG.unsqueeze(-1), float("-inf")).flatten(1)
 
-    expert_ids_TK = choice_TE.topk(top_k, dim=-1).indices
+    expert_ids_TK = topk_ids(choice_TE, top_k)  # ties to the lower expert id, on every device
     gates_TK = scores_TE.gather(1, expert_ids_TK)
     if norm_topk_prob:
         gates_TK = gates_TK / gates_TK.sum(-1, keepdim=True)

@@ -12,6 +12,7 @@ from lrmoe.ops.grouped_gemm import (
     grouped_outer,
 )
 from lrmoe.ops.offload import gather_host_rows, offload_to_host, offload_wait
+from lrmoe.ops.routing import topk_ids
 from lrmoe.ops.rows import gather_scale_rows, row_sqnorm
 from lrmoe.ops.scoring import score_pairs
 from lrmoe.ops.selection import argsort_ids, select_within_quota
@@ -35,4 +36,5 @@ __all__ = [
     "swiglu",
     "swiglu_backward",
     "swiglu_sqnorm",
+    "topk_ids",
 ]

@@ -105,6 +105,10 @@ def run_launchers() -> None:
                                      torch.rand(16, 4), metric)
         score.row_sqnorm_triton(torch.randn(16, 768).to(dtype))  # lrmoe::row_sqnorm
 
+    rte = kernel_module("routing")
+    for dtype, experts, k in ((torch.float32, 128, 8), (torch.bfloat16, 60, 4), (torch.float32, 256, 8)):
+        rte.topk_ids_triton(torch.randn(4096, experts).to(dtype), k)  # lrmoe::topk_ids: the router's choice
+
     swi = kernel_module("swiglu")
     swi._blocks = _as_on_gpu(swi, swi._blocks)
     swi._sqnorm_blocks = _as_on_gpu(swi, swi._sqnorm_blocks)

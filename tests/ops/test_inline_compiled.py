@@ -58,6 +58,7 @@ def _cases(device: str, dtype: torch.dtype):
          "_gather_rows_kernel"),
         ("row_sqnorm", ops.row_sqnorm, (randn(N, C),), "_row_sqnorm_kernel"),
         ("swiglu_sqnorm", ops.swiglu_sqnorm, (randn(N, C),), "_swiglu_sqnorm_kernel"),
+        ("topk_ids", ops.topk_ids, (randn(T, 2 * E), K), "_topk_ids_kernel"),
     ]
 
 
@@ -67,7 +68,7 @@ def _compiled(fn, args):
     return out, "\n".join(code)
 
 
-N_CASES = 12
+N_CASES = 13
 
 
 @pytest.mark.parametrize("case", range(N_CASES))
@@ -125,6 +126,7 @@ KERNEL_WRITES = {
     "_gather_rows_kernel": ["out_ptr"],
     "_row_sqnorm_kernel": ["out_ptr"],
     "_swiglu_sqnorm_kernel": ["phi_ptr", "sq_ptr"],
+    "_topk_ids_kernel": ["ids_ptr"],
 }
 
 
