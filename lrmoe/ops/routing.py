@@ -24,7 +24,8 @@ __all__ = ["topk_ids"]
 
 
 def topk_ids_reference(x_TE: torch.Tensor, k: int) -> torch.Tensor:
-    return torch.sort(x_TE, dim=1, descending=True, stable=True).indices[:, :k].contiguous()
+    # A copy, not a view of the sort's [T, E] indices: the ids are saved for backward, and a view keeps all of them.
+    return torch.sort(x_TE, dim=1, descending=True, stable=True).indices[:, :k].clone()
 
 
 def _check(x_TE: torch.Tensor, k: int) -> None:

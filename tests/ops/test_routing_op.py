@@ -60,3 +60,11 @@ def test_route_topk_gives_ties_to_the_lower_expert():
     routing = route_topk(logits, 2, norm_topk_prob=False)
     assert routing.expert_ids.tolist() == [[1, 2], [0, 1]]
     torch.testing.assert_close(routing.gates, routing.scores.gather(1, routing.expert_ids))
+
+
+@pytest.mark.parametrize("T,E,k", [(1, 3, 1), (4, 6, 2), (2, 5, 5)])
+def test_ids_own_exactly_their_storage(T, E, k):
+    # A view of a sort's [T, E] indices would keep all of them alive wherever the ids are saved (autograd saves
+    # them for the gates' gather).
+    ids = topk_ids(torch.randn(T, E), k)
+    assert ids.is_contiguous() and ids.untyped_storage().nbytes() == T * k * 8
