@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from lrmoe.functional._checks import check_choice, check_retain, check_tensor
+from lrmoe.ops.quotas import one_hot, per_rank, waterfill, waterfill_reference
 
 __all__ = ["apportion", "plan_quotas"]
 
@@ -102,7 +103,7 @@ def plan_quotas(
         quotas_E = _plan_with_capacity(loads_E, floors_E, budget, capacity.long(), placement.long(), policy,
                                        floors=min_retain > 0)
     elif policy == "waterfill":
-        quotas_E = _waterfill(loads_E, floors_E, budget)
+        quotas_E = waterfill(loads_E, floors_E, budget)
     else:
         # Floors first, then what is left of the budget over the room above them, in proportion. (Raising the
         # proportional shares to the floors afterwards would overshoot the budget.)
@@ -144,17 +145,17 @@ def _plan_with_capacity(loads_G, floors_G, budget, capacity_W, rank_G, policy, f
     cap_W = capacity_W.clamp(min=0)
     if floors:
         # Capacity wins over min_retain: a rank whose floors exceed it keeps a waterfilled share of them.
-        floors_G = _waterfill(floors_G, torch.zeros_like(floors_G), cap_W, rank_G)
+        floors_G = waterfill_reference(floors_G, torch.zeros_like(floors_G), cap_W, rank_G)
     rest_G = loads_G - floors_G
-    over_W = _per_rank(loads_G, rank_G, n_ranks) > cap_W
+    over_W = per_rank(loads_G, rank_G, n_ranks) > cap_W
     if policy == "waterfill":
-        bound_G = _waterfill(loads_G, floors_G, cap_W, rank_G)
-        return _waterfill(bound_G, floors_G, torch.minimum(budget, bound_G.sum()))
+        bound_G = waterfill_reference(loads_G, floors_G, cap_W, rank_G)
+        return waterfill(bound_G, floors_G, torch.minimum(budget, bound_G.sum()))
 
     # Proportional. A rank over capacity spreads what its floors leave of it over its groups in proportion to
     # the load above the floors.
-    room_W = (cap_W - _per_rank(floors_G, rank_G, n_ranks)).clamp(min=0)
-    onehot_GW = _one_hot(rank_G, n_ranks) * over_W.long().unsqueeze(0)
+    room_W = (cap_W - per_rank(floors_G, rank_G, n_ranks)).clamp(min=0)
+    onehot_GW = one_hot(rank_G, n_ranks) * over_W.long().unsqueeze(0)
     shares_G = (apportion(room_W * over_W, rest_G.unsqueeze(1) * onehot_GW) * onehot_GW).sum(1)
     bound_G = torch.where(over_W.index_select(0, rank_G), floors_G + shares_G, loads_G)
     # Then one common fraction of the rest on every rank with room. A rank whose share would exceed its capacity
@@ -167,64 +168,10 @@ def _plan_with_capacity(loads_G, floors_G, budget, capacity_W, rank_G, policy, f
         left = (rest_budget - torch.where(held_G, bound_G - floors_G, 0).sum()).clamp(min=0)
         share_G = apportion(left.reshape(1), (rest_G * free_G).unsqueeze(1)).squeeze(1)
         trial_G = torch.where(free_G, floors_G + share_G, bound_G)
-        burst_W = over_W & (_per_rank(trial_G, rank_G, n_ranks) > cap_W)
+        burst_W = over_W & (per_rank(trial_G, rank_G, n_ranks) > cap_W)
         held_G = held_G | burst_W.index_select(0, rank_G)
     # Rounding (or a budget the capacities cannot hold) may leave a share above its bound: the bound wins.
     return torch.minimum(trial_G, bound_G)
-
-
-def _one_hot(ids_G: torch.Tensor, n: int) -> torch.Tensor:
-    """[G, n] int64 one-hot of ids in [0, n), by comparison: F.one_hot also checks its indices on the device (two
-    reductions and two asserts in a compiled graph)."""
-    return (ids_G.unsqueeze(1) == torch.arange(n, device=ids_G.device)).long()
-
-
-def _per_rank(values_G: torch.Tensor, rank_G: torch.Tensor, n_ranks: int) -> torch.Tensor:
-    if n_ranks == 1:  # one bin (no capacities): a plain sum, which a compiled graph fuses; no scatter
-        return values_G.sum(0, keepdim=True)
-    return torch.zeros(n_ranks, dtype=values_G.dtype, device=values_G.device).index_add_(0, rank_G, values_G)
-
-
-def _waterfill(
-    loads_G: torch.Tensor, floors_G: torch.Tensor, budget: torch.Tensor, bin_G: torch.Tensor | None = None
-) -> torch.Tensor:
-    """Largest integer level lambda with sum_g clamp(lambda, floor_g, load_g) <= budget, then +1 for the first
-    few groups still growing at lambda until the budget is met exactly.
-
-    kept(lambda) is piecewise linear with breakpoints at the floors and loads, so evaluate it at those 2G+1
-    points ([2G+1, G] work, no sort), take the last breakpoint under budget and step along its segment.
-
-    With ``bin_G`` ([G] in [0, B)) and ``budget`` [B], one independent waterfill per bin (a rank's groups under
-    its capacity), all evaluated at the same candidate levels (other bins' breakpoints are points on the line).
-    """
-    if bin_G is None:
-        bin_G = torch.zeros_like(loads_G)
-    budget_B = budget.reshape(-1)
-    n_bins = budget_B.shape[0]
-    cand_C = torch.cat([loads_G.new_zeros(1), floors_G, loads_G])
-    kept_CG = torch.clamp(cand_C.unsqueeze(1), floors_G.unsqueeze(0), loads_G.unsqueeze(0))
-    if n_bins == 1:
-        kept_CB = kept_CG.sum(1, keepdim=True)
-    else:
-        kept_CB = torch.zeros(cand_C.shape[0], n_bins, dtype=torch.int64, device=loads_G.device).index_add_(
-            1, bin_G, kept_CG
-        )
-    # Last breakpoint whose kept count fits; -1 when even the floors overflow the budget.
-    lo_B = torch.where(kept_CB <= budget_B.unsqueeze(0), cand_C.unsqueeze(1), -1).max(0).values
-    lo_G = lo_B.index_select(0, bin_G)
-    kept_lo_B = _per_rank(torch.clamp(lo_G, floors_G, loads_G), bin_G, n_bins)
-    growing_G = (floors_G <= lo_G) & (lo_G < loads_G)
-    slope_B = _per_rank(growing_G.long(), bin_G, n_bins).clamp(min=1)
-    level_B = (lo_B + torch.div(budget_B - kept_lo_B, slope_B, rounding_mode="floor")).clamp(min=0)
-
-    level_G = level_B.index_select(0, bin_G)
-    quotas_G = torch.clamp(level_G, floors_G, loads_G)
-    short_B = budget_B - _per_rank(quotas_G, bin_G, n_bins)  # < groups growing at `level`, by choice of level
-    growing_G = (floors_G <= level_G) & (level_G < loads_G)
-    # Rank of each growing group among its bin's growing groups, in group order: the first `short` get +1.
-    onehot_GB = _one_hot(bin_G, n_bins) * growing_G.long().unsqueeze(1)
-    rank_G = torch.cumsum(onehot_GB, 0).gather(1, bin_G.unsqueeze(1)).squeeze(1) - 1
-    return quotas_G + (growing_G & (rank_G < short_B.index_select(0, bin_G))).long()
 
 
 def apportion(total_G: torch.Tensor, weights_SG: torch.Tensor) -> torch.Tensor:

@@ -12,6 +12,7 @@ from lrmoe.ops.grouped_gemm import (
     grouped_outer,
 )
 from lrmoe.ops.offload import gather_host_rows, offload_to_host, offload_wait
+from lrmoe.ops.quotas import waterfill
 from lrmoe.ops.routing import topk_ids
 from lrmoe.ops.rows import gather_scale_rows, row_sqnorm
 from lrmoe.ops.scoring import score_pairs
@@ -37,4 +38,5 @@ __all__ = [
     "swiglu_backward",
     "swiglu_sqnorm",
     "topk_ids",
+    "waterfill",
 ]

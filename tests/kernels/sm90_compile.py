@@ -108,6 +108,10 @@ def run_launchers() -> None:
     rte = kernel_module("routing")
     for dtype, experts, k in ((torch.float32, 128, 8), (torch.bfloat16, 60, 4), (torch.float32, 256, 8)):
         rte.topk_ids_triton(torch.randn(4096, experts).to(dtype), k)  # lrmoe::topk_ids: the router's choice
+    qts = kernel_module("quotas")
+    for groups in (128, 2048):  # lrmoe::waterfill, 4 and 8 warps
+        loads = torch.randint(0, 900, (groups,), generator=gen)
+        qts.waterfill_triton(loads, loads // 4, loads.sum() // 2)
 
     swi = kernel_module("swiglu")
     swi._blocks = _as_on_gpu(swi, swi._blocks)

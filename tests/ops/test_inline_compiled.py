@@ -34,6 +34,7 @@ def _cases(device: str, dtype: torch.dtype):
     ends_E = torch.bincount(groups_P, minlength=E).cumsum(0)
     quotas_E = torch.randint(0, 40, (E,), generator=g).to(device)
     uniform_E = torch.rand(E, generator=g).to(device)
+    loads_E = torch.randint(0, 60, (E,), generator=g).to(device)
     scores_P = torch.rand(P, generator=g).to(device)
     sizes_E = torch.randint(0, 24, (E,), generator=g)
     offsets_E = torch.cumsum(sizes_E, 0).clamp(max=N).int().to(device)
@@ -59,6 +60,7 @@ def _cases(device: str, dtype: torch.dtype):
         ("row_sqnorm", ops.row_sqnorm, (randn(N, C),), "_row_sqnorm_kernel"),
         ("swiglu_sqnorm", ops.swiglu_sqnorm, (randn(N, C),), "_swiglu_sqnorm_kernel"),
         ("topk_ids", ops.topk_ids, (randn(T, 2 * E), K), "_topk_ids_kernel"),
+        ("waterfill", ops.waterfill, (loads_E, loads_E // 4, loads_E.sum() * 2 // 3), "_waterfill_kernel"),
     ]
 
 
@@ -68,7 +70,7 @@ def _compiled(fn, args):
     return out, "\n".join(code)
 
 
-N_CASES = 13
+N_CASES = 14
 
 
 @pytest.mark.parametrize("case", range(N_CASES))
@@ -127,6 +129,7 @@ KERNEL_WRITES = {
     "_row_sqnorm_kernel": ["out_ptr"],
     "_swiglu_sqnorm_kernel": ["phi_ptr", "sq_ptr"],
     "_topk_ids_kernel": ["ids_ptr"],
+    "_waterfill_kernel": ["quotas_ptr"],
 }
 
 
