@@ -18,6 +18,7 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 from lrmoe.functional import apportion, plan_quotas
+from lrmoe.ops import waterfill
 
 POLICIES = ["waterfill", "proportional"]
 
@@ -363,6 +364,16 @@ def _ref_waterfill(loads: list[int], floors: list[int], budget: int) -> list[int
             q[g] += 1
             short -= 1
     return q
+
+
+@given(data=st.data())
+def test_waterfill_op_is_the_rule(data):
+    # lrmoe::waterfill (every single-bin water-fill of plan_quotas) against the rule walked one level at a time.
+    loads = data.draw(st.lists(st.integers(0, 30), min_size=0, max_size=12))
+    floors = [data.draw(st.integers(0, load)) for load in loads]
+    budget = data.draw(st.integers(0, sum(loads) + 3))
+    got = waterfill(*(torch.tensor(v, dtype=torch.int64) for v in (loads, floors, budget)))
+    assert got.dtype == torch.int64 and got.tolist() == _ref_waterfill(loads, floors, budget)
 
 
 @st.composite
