@@ -37,8 +37,10 @@ What to try next on the H200:
 - registers: compiled for sm_90 with a launch's specialisations (`python tests/kernels/sm90_compile.py
   --resources`), every GPU config fits without spilling (bf16: 108-234 registers, no stack), so the gap to
   _grouped_mm is not spills;
-- a persistent grid (one program per SM looping over tiles) to save launch/tail cost when groups are small, and
-  for grouped_outer's short K loops (one group's rows) to overlap a tile's epilogue with the next tile's loads;
+- a persistent grid (one program per SM looping over tiles) to save launch/tail cost when groups are small. Tried
+  for grouped_outer in the twelfth session (tiles in expert order, static round-robin, output by pointers or a TMA
+  store): 1-3 % faster on balanced groups, 2-20 % slower on skewed ones, where the programs holding a hot expert's
+  tiles run long; not kept. A dynamic tile queue (an atomic counter) would be the next form of it;
 - the weight through TMA in gather_grouped_swiglu (two B tiles per K step);
 - grouped_outer under skew: a hot expert's programs loop over many more rows than the rest; split-K over the
   rows of big groups, or launching the biggest groups first (a device-side argsort of the group sizes, no host
