@@ -46,7 +46,8 @@ transients: ``forward_phases`` and ``backward_phases`` follow the code line by l
 alive until its function returns (nothing in these functions frees a buffer early), a line's temporaries live
 only on that line, and a phase is a point where a line allocates, with everything live there. The transient is
 the largest phase. Forward: the grouped GEMMs, the SwiGLU with ||phi||^2 (lrmoe::swiglu_sqnorm: phi N*F*b and
-N*4, no SiLU temporary) and the combine.
+N*4, no SiLU temporary) and the combine, with the router's fp32 gates P*4 (16-bit weights: the experts take a cast
+copy) and the plan's loads E*8 live throughout.
 Backward (one device; W > 1 adds the payloads and the received and returned rows):
     dy           alpha * g / p per retained row, R*D*b (lrmoe::gather_scale_rows: no gathered or fp32 copy)
     h_rows       "recompute" and "offload": h of the retained rows, M*2F*b (recomputed from x or read back from the
@@ -423,9 +424,10 @@ class _Timeline:
 
 
 def _gathers(config: MemoryConfig, *dims: int) -> bool:
-    """Whether a grouped GEMM with these operand dimensions first gathers its rows into a contiguous buffer: the
-    CUDA torch._grouped_mm path (bf16, every dimension a multiple of 8). The Triton kernels (other dtypes) fuse
-    the gather, and the CPU reference gathers one expert's rows at a time."""
+    """Whether a grouped GEMM with these feature dimensions first gathers its rows into a contiguous buffer: the
+    CUDA torch._grouped_mm path (bf16, each feature dimension a multiple of 8; row counts are free, as in
+    lrmoe.ops.grouped_gemm._grouped_mm_ok, so the model stays monotone in the token count). The Triton kernels
+    (other dtypes) fuse the gather, and the CPU reference gathers one expert's rows at a time."""
     return (config.device_type == "cuda" and config.param_dtype == torch.bfloat16
             and all(d % 8 == 0 for d in dims))
 
@@ -441,16 +443,17 @@ def _forward_phases(config: MemoryConfig, rows: Rows, b: int, policy: str,
     after_gemm = -(saved["phi_sq"] + P * _INT64) if one_device else 0  # made after the down projection
     before_gemm = after_gemm - (saved["y"] if one_device else 0)
     t = _Timeline()
+    # The router's fp32 gates stay referenced until the layer's forward returns when the experts take a cast copy
+    # (16-bit weights), and so do the plan's loads.
+    t.alloc(router_gates_fp32=P * _FP32 if b != _FP32 else 0, plan_loads=config.num_experts * _INT64)
     t.alloc(token_index=P * _INT64)
     if config.world_size > 1:
         t.mark("dispatch", dispatch_send=P * D * b)  # received rows are saved (x_recv)
         t.alloc(recv_permutation_tmp=N * _INT64)
     t.alloc(row_index=N * _INT64)
-    src_rows = T if config.world_size == 1 else N
     # h: saved under "save"; otherwise a forward transient (offloaded: and, on a GPU, until its copy to the host is
     # done, which the copy overlaps with the rest of the forward).
-    t.mark("gate_up_gemm", x_rows=N * D * b if _gathers(config, src_rows, D, 2 * F) else 0,
-           saved_later=before_gemm)
+    t.mark("gate_up_gemm", x_rows=N * D * b if _gathers(config, D, 2 * F) else 0, saved_later=before_gemm)
     t.alloc(h=N * 2 * F * b if policy != "save" else 0)
     # lrmoe::swiglu_sqnorm: phi and its rows' ||phi||^2, both locals until the forward returns; no SiLU temporary.
     t.mark("swiglu", phi=N * F * b, phi_sq_rows=N * _FP32, saved_later=before_gemm)
@@ -488,9 +491,7 @@ def _backward_phases(config: MemoryConfig, rows: Rows, retain: float, b: int, po
     t.alloc(row_index=2 * R * _INT64, row_coef=R * _FP32)  # safe pair ids, token ids; alpha / p
     t.mark("dy", dy=R * D * b)  # retained_dy: lrmoe::gather_scale_rows, one pass, no temporary (eager)
     t.alloc(dy=R * D * b)
-    if config.world_size == 1:
-        src_rows = T
-    else:
+    if config.world_size > 1:
         if dense:  # the payload is dy itself
             t.alloc(backward_recv=M * D * b, recv_row_index=M * _INT64)
         else:
@@ -500,9 +501,8 @@ def _backward_phases(config: MemoryConfig, rows: Rows, retain: float, b: int, po
         t.alloc(expert_major_index=2 * M * _INT64)  # perm_M, rows_M
         t.mark("dy_expert_major", dy_expert_major=M * D * b)
         t.alloc(dy_expert_major=M * D * b)
-        src_rows = rows.recv
     if policy == "recompute":  # from x (one device: by token; W > 1: the received rows), gathered
-        t.mark("h_rows", x_rows=M * D * b if _gathers(config, src_rows, D, 2 * F) else 0, h_rows=M * 2 * F * b)
+        t.mark("h_rows", x_rows=M * D * b if _gathers(config, D, 2 * F) else 0, h_rows=M * 2 * F * b)
         t.alloc(h_rows=M * 2 * F * b)
     else:  # the rows' index into the saved h (or its host copy), an argument of expert_rows_backward
         t.alloc(h_row_index=M * _INT64)
@@ -522,7 +522,7 @@ def _backward_phases(config: MemoryConfig, rows: Rows, retain: float, b: int, po
     t.alloc(grad_down=n_inst * D * F * b)
     # expert_rows_backward (both layers) releases each row buffer after its last use.
     t.free("dy" if config.world_size == 1 else "dy_expert_major", "phi_rows")
-    t.mark("grad_gate_up_gemm", x_gathered=M * D * b if _gathers(config, M, 2 * F, src_rows, D) else 0,
+    t.mark("grad_gate_up_gemm", x_gathered=M * D * b if _gathers(config, 2 * F, D) else 0,
            grad_gate_up=n_inst * 2 * F * D * b)
     t.alloc(grad_gate_up=n_inst * 2 * F * D * b)
     t.mark("dx_gemm", dx_rows=M * D * b)
