@@ -13,9 +13,11 @@ Weight gradient (w[e] = sum outer(a[i], b[rows[i]])): the Triton kernel against 
 "swiglu", FLOP of the 2f-wide GEMM): (a) the Triton kernel with the gather and the SwiGLU + ||phi||^2 in its
 epilogue, writing h, phi and ||phi||^2; (b) index_select + torch._grouped_mm + the SwiGLU and ||phi||^2 compiled
 (Inductor fuses them into one pass); (c) torch._grouped_mm alone on pre-gathered rows (h only).
-Group sizes: balanced (R/E each) and skewed (a multinomial draw with log-normal expert popularity, sigma 1, fixed
-seed: at 65,536 rows the hottest expert gets 8,150 rows, 16x the mean, the coldest 23). The "groups" column shows
-the largest group.
+Group sizes (--groups): balanced ("bal", R/E each), "jitter" (what a router with random logits gives: each of
+R / 8 tokens picks 8 distinct experts; at 65,536 rows 512 +- ~22 a group, the spread the layer benchmarks see, which
+costs 128-row tiles a mostly empty last tile per group) and skewed ("skew", a multinomial draw with log-normal expert
+popularity, sigma 1, fixed seed: at 65,536 rows the hottest expert gets 8,150 rows, 16x the mean, the coldest 23).
+The "groups" column shows the largest group.
 
 Prints one table: median time (triton.testing.do_bench's median, then the median over --rounds rounds that
 time every row of a problem in turn, so that a drift in clocks or power during the run hits all rows alike; one
@@ -38,6 +40,7 @@ import triton
 from lrmoe_kernels.grouped_gemm import (
     _gpu_configs,
     _outer_gpu_configs,
+    _swiglu_gpu_configs,
     gather_grouped_mm_triton,
     gather_grouped_swiglu_triton,
     grouped_outer_triton,
@@ -76,18 +79,24 @@ def config_rows(current: list) -> list[tuple[str, triton.Config]]:
                                                    num_stages=k[4])) for k in old]
 
 
-def group_sizes(R: int, E: int, skewed: bool, gen: torch.Generator) -> torch.Tensor:
-    if not skewed:
+GROUPS = ("bal", "jitter", "skew")
+
+
+def group_sizes(R: int, E: int, groups: str, gen: torch.Generator) -> torch.Tensor:
+    if groups == "bal":
         return torch.full((E,), R // E, dtype=torch.long) + (torch.arange(E) < R % E)
+    if groups == "jitter":  # a router with random logits: each of R / top_k tokens picks top_k distinct experts
+        ids = torch.randn(R // TOP_K, E, generator=gen).topk(TOP_K, dim=1).indices
+        return torch.bincount(ids.reshape(-1), minlength=E)
     popularity = torch.exp(torch.randn(E, generator=gen))
     return torch.bincount(torch.multinomial(popularity, R, replacement=True, generator=gen), minlength=E)
 
 
-def make_inputs(R: int, I: int, O: int, skewed: bool, device: str = "cuda"):
+def make_inputs(R: int, I: int, O: int, groups: str, device: str = "cuda"):
     """MoE-like layout: N = R / top_k tokens, each buffer row a token id, sorted by expert then token."""
     gen = torch.Generator().manual_seed(0)
     E, N = EXPERTS, R // TOP_K
-    sizes_E = group_sizes(R, E, skewed, gen)
+    sizes_E = group_sizes(R, E, groups, gen)
     expert_R = torch.repeat_interleave(torch.arange(E), sizes_E)
     token_R = torch.randint(0, N, (R,), generator=gen)
     rows_R = (expert_R * N + token_R).sort().values % N
@@ -102,8 +111,9 @@ def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got.float() - want.float()).abs().max() / want.float().abs().max().clamp(min=1e-30)).item()
 
 
-def swiglu_fns(x_NI, x_RI, rows_R, offsets_E, F) -> dict:
-    """The three ways to the gate/up projection (2F wide) and phi; each returns phi, except (c): h."""
+def swiglu_fns(x_NI, x_RI, rows_R, offsets_E, F, configs: bool = False) -> dict:
+    """The three ways to the gate/up projection (2F wide) and phi; each returns phi, except (c): h. ``configs``:
+    also the fused kernel at each launch config (rows "cfg BLOCK_M x gate columns x BLOCK_K")."""
     E, I = offsets_E.shape[0], x_NI.shape[1]
     gen = torch.Generator().manual_seed(1)
     gate_up_EFI = (torch.randn(E, 2 * F, I, generator=gen) / I**0.5).bfloat16().to(x_NI.device)
@@ -116,12 +126,24 @@ def swiglu_fns(x_NI, x_RI, rows_R, offsets_E, F) -> dict:
         phi = torch.nn.functional.silu(gate) * up
         return h, phi, phi.float().square().sum(-1)
 
-    return {
+    fns = {
         "(a) triton gather+SwiGLU fused": lambda: gather_grouped_swiglu_triton(x_NI, gate_up_EFI, rows_R,
                                                                                offsets_E)[1],
+        "(a) weight by pointers": lambda: gather_grouped_swiglu_triton(x_NI, gate_up_EFI, rows_R, offsets_E,
+                                                                       b_desc=False)[1],
         "(b) index_select+_grouped_mm": lambda: unfused(x_NI, rows_R)[1],
         "(c) _grouped_mm pre-gathered": lambda: torch._grouped_mm(x_RI, w_t, offs=offsets_E),
     }
+    if configs:  # each candidate of the autotuner's list, at 64 and 128 gate columns a program
+        for c in _swiglu_gpu_configs():
+            for bn in (64, 128):
+                bm, bk = c.kwargs["BLOCK_M"], c.kwargs["BLOCK_K"]
+                if (bm + 2 * bn) * bk * 2 * c.num_stages > 227 * 1024:  # past an H200 block's shared memory
+                    continue
+                label = f"cfg {bm}x{bn}x{bk} w{c.num_warps} s{c.num_stages}"
+                fns[label] = lambda c=c, bn=bn: gather_grouped_swiglu_triton(x_NI, gate_up_EFI, rows_R, offsets_E,
+                                                                             config=c, block_n=bn)[1]
+    return fns
 
 
 def main() -> None:
@@ -133,6 +155,8 @@ def main() -> None:
     parser.add_argument("--rep", type=int, default=100, help="do_bench rep (ms)")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds; the median of their medians")
     parser.add_argument("--configs", action="store_true", help="also time each launch config (see the docstring)")
+    parser.add_argument("--groups", nargs="+", default=["bal", "skew"], choices=GROUPS,
+                        help="group sizes (see the docstring)")
     args = parser.parse_args()
 
     def bench(fn) -> float:
@@ -143,8 +167,8 @@ def main() -> None:
     print(head)
     for name in args.shapes:
         I, O = SHAPES[name]
-        for skewed in (False, True):
-            (x_NI, weight_EOI, a_RO, rows_R, offsets_E), sizes_E = make_inputs(args.rows, I, O, skewed)
+        for groups in args.groups:
+            (x_NI, weight_EOI, a_RO, rows_R, offsets_E), sizes_E = make_inputs(args.rows, I, O, groups)
             x_RI = x_NI.index_select(0, rows_R)
             w_t = weight_EOI.transpose(-2, -1)
             w_cm = weight_EOI.transpose(1, 2).contiguous().transpose(1, 2)  # same values, O contiguous
@@ -174,8 +198,8 @@ def main() -> None:
                     wgrad[label] = lambda cfg=cfg: grouped_outer_triton(a_RO, x_NI, rows_R, offsets_E, cfg)
             ops = [("fwd", fwd), ("wgrad", wgrad)]
             if name.endswith("-up"):
-                ops.append(("swiglu", swiglu_fns(x_NI, x_RI, rows_R, offsets_E, O)))
-            groups = f"{'skew' if skewed else 'bal'} {int(sizes_E.max())}"
+                ops.append(("swiglu", swiglu_fns(x_NI, x_RI, rows_R, offsets_E, O, args.configs)))
+            groups = f"{groups} {int(sizes_E.max())}"
             for op, fns in ops:
                 flop = 2 * args.rows * O * I * (2 if op == "swiglu" else 1)
                 want = fns["(b) index_select+_grouped_mm"]()

@@ -1,7 +1,7 @@
 """Where the LRMoE layer's forward+backward time goes on one GPU (bf16): torch.profiler, top kernels by GPU time.
 
     python benchmarks/profile_layer.py --shape qwen3-30b-a3b --retain 0.75 [--compiled] [--forward-only]
-        [--quota-align 128]
+        [--quota-align 128] [--gather-gemm triton]
 
 Prints the wall time per step (unprofiled) next to the GPU time, so a host-bound step shows as a gap, then one
 table per run: the operators (eager) or generated kernels (--compiled) with the largest self GPU time
@@ -19,6 +19,7 @@ from layer_fwd_bwd import SHAPES
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
+import lrmoe.ops.grouped_gemm as grouped_gemm_module
 from lrmoe.nn import LRMoE
 
 
@@ -33,10 +34,15 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--rows", type=int, default=25)
     parser.add_argument("--quota-align", type=int, default=1, help="LRMoE's quota_align")
+    parser.add_argument("--gather-gemm", default=None, choices=["grouped_mm", "triton"],
+                        help="the kernel of the bf16 GEMMs with a row gather (lrmoe.ops.grouped_gemm._GATHER_KERNEL); "
+                             "default: the library's")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/profile_layer.py needs a CUDA GPU")
 
+    if args.gather_gemm is not None:
+        grouped_gemm_module._GATHER_KERNEL = args.gather_gemm
     shape = SHAPES[args.shape]
     torch.manual_seed(0)
     layer = LRMoE(**shape, retain=args.retain, selection=args.selection,
@@ -69,7 +75,8 @@ def main() -> None:
     averages = prof.key_averages()
     events = [e for e in averages if e.device_type == DeviceType.CUDA and e.self_device_time_total > 0]  # kernels
     total = sum(e.self_device_time_total for e in events)
-    mode = ("compiled" if args.compiled else "eager") + (", forward only" if args.forward_only else "")
+    mode = (("compiled" if args.compiled else "eager") + (", forward only" if args.forward_only else "")
+            + f", gathered GEMMs: {grouped_gemm_module._GATHER_KERNEL}")
     print(f"# {args.shape}, tokens={args.tokens}, retain={args.retain:g}, {mode}: "
           f"{total / args.steps / 1e3:.3f} ms GPU time per step, {wall_ms:.3f} ms wall per step (unprofiled)")
     print(f"{'share':>6} {'ms/step':>8} {'calls/step':>10}  kernel")
