@@ -29,19 +29,24 @@ Operands: gathered rows come through pointer loads, software-pipelined by Triton
 cannot gather rows; Blackwell's gather4 can). gather_grouped_mm reads a 16-bit weight through a 3-D TMA
 descriptor (either layout: the forward's [E, O, I] and the input gradient's transposed view), which on one H200
 took it from 0.84-0.95 to 0.90-1.01 of torch._grouped_mm on pre-gathered rows (eleventh session,
-docs/performance.md). Tried and not kept: grouped_outer reading a_RO's whole K blocks and writing its output
+docs/performance.md). gather_grouped_swiglu reads it the same way, a gate and an up block per K step, 128 gate
+columns a program: 1.00-1.14x of index_select + torch._grouped_mm + a compiled SwiGLU on its own, at the Qwen3
+and GLM-4.5-Air shapes (thirteenth session), but more GPU time than the unfused kernels inside the compiled layer,
+which therefore does not call it. Descriptors only on a GPU with TMA (compute capability 9.0 on); elsewhere the
+pointer path. Tried and not kept: grouped_outer reading a_RO's whole K blocks and writing its output
 through descriptors (the partial last block by masked pointer loads) was 1-7 % slower at 7 of the 8 benchmark
-problems and 2 % faster at the eighth.
+problems and 2 % faster at the eighth; gather_grouped_mm with 64-row tiles (less padding past a group's end on
+router-like group sizes, 512 +- 22 rows) ran at 0.62-0.88 of the best 128-row config (thirteenth session).
 
 What to try next on the H200:
 - registers: compiled for sm_90 with a launch's specialisations (`python tests/kernels/sm90_compile.py
-  --resources`), every GPU config fits without spilling (bf16: 108-234 registers, no stack), so the gap to
-  _grouped_mm is not spills;
+  --resources`), every GPU config of gather_grouped_mm and grouped_outer fits without spilling (bf16: 108-234
+  registers, no stack), so the gap to _grouped_mm is not spills (gather_grouped_swiglu at 128 gate columns: 248-255
+  registers, and 16 bytes of stack on its pointer path);
 - a persistent grid (one program per SM looping over tiles) to save launch/tail cost when groups are small. Tried
   for grouped_outer in the twelfth session (tiles in expert order, static round-robin, output by pointers or a TMA
   store): 1-3 % faster on balanced groups, 2-20 % slower on skewed ones, where the programs holding a hot expert's
   tiles run long; not kept. A dynamic tile queue (an atomic counter) would be the next form of it;
-- the weight through TMA in gather_grouped_swiglu (two B tiles per K step);
 - grouped_outer under skew: a hot expert's programs loop over many more rows than the rest; split-K over the
   rows of big groups, or launching the biggest groups first (a device-side argsort of the group sizes, no host
   read), shortens the tail;
@@ -50,6 +55,7 @@ What to try next on the H200:
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -139,17 +145,16 @@ def _set_desc_blocks(nargs: dict) -> None:
         w.block_shape = [1, bn, bk] if nargs["B_DESC"] == 1 else [1, bk, bn]
 
 
-def _with_config(kernel, configs):
+def _with_config(kernel, configs, key=("O", "I"), prune=_prune_small):
     """The interpreter runs the bare kernel with _interpreter_config(); a GPU autotunes over ``configs``, keyed on
-    (O, I) plus the argument dtypes (Triton's autotuner appends those), never on R, which changes per step. Each
-    config sets the TMA descriptor's blocks before its launch (_set_desc_blocks; a no-op for grouped_outer)."""
+    ``key`` (the problem's widths) plus the argument dtypes (Triton's autotuner appends those), never on R, which
+    changes per step. Each config sets the TMA descriptor's blocks before its launch (_set_desc_blocks; a no-op for
+    grouped_outer)."""
     if _INTERPRET:
         return kernel
     configs = [triton.Config(c.kwargs, num_warps=c.num_warps, num_stages=c.num_stages, pre_hook=_set_desc_blocks)
                for c in configs]
-    return triton.autotune(
-        configs=configs, key=["O", "I"], prune_configs_by=dict(early_config_prune=_prune_small)
-    )(kernel)
+    return triton.autotune(configs=configs, key=list(key), prune_configs_by=dict(early_config_prune=prune))(kernel)
 
 
 def _kernel_and_blocks(tuned, bare, config: triton.Config | None) -> tuple:
@@ -286,13 +291,25 @@ def _gather_grouped_mm_kernel(
         tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=y_mask)
 
 
+@functools.cache
+def _tma_capable(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
+def _has_tma(device: torch.device) -> bool:
+    """Whether a CUDA device has the Tensor Memory Accelerator (compute capability 9.0 on: Hopper)."""
+    return device.type == "cuda" and _tma_capable(device.index if device.index is not None
+                                                  else torch.cuda.current_device())
+
+
 def _weight_operand(weight_EOI: torch.Tensor, b_desc: bool | None) -> tuple:
-    """(w argument, B_DESC) for _gather_grouped_mm_kernel: a TMA descriptor over the weight when ``b_desc`` is
-    True, or None (the default) and it can be one: 16-bit dtype (the interpreter: any), a nonempty weight with one
-    of its last two dims contiguous, the other strides and the base 16-byte aligned (TMA's rules), and not traced
-    (the launch then goes into a compiled graph through wrap_triton, which this descriptor path is not tested
-    with). The block shape is a placeholder: _set_desc_blocks sets it from the launch's config. b_desc=False, or a
-    weight that cannot be one, gives the pointer path."""
+    """(w argument, B_DESC) for _gather_grouped_mm_kernel and _gather_grouped_swiglu_kernel: a TMA descriptor over
+    the weight when ``b_desc`` is True, or None (the default) and it can be one: 16-bit dtype on a GPU with TMA
+    (the interpreter: any), a nonempty weight with one of its last two dims contiguous, the other strides and the
+    base 16-byte aligned (TMA's rules), and not traced (the launch then goes into a compiled graph through
+    wrap_triton, which this descriptor path is not tested with). The block shape is a placeholder:
+    _set_desc_blocks sets it from the launch's config. b_desc=False, or a weight that cannot be one, gives the
+    pointer path."""
     E, O, I = weight_EOI.shape
     s_e, s_o, s_i = weight_EOI.stride()
     size = weight_EOI.element_size()
@@ -301,7 +318,7 @@ def _weight_operand(weight_EOI: torch.Tensor, b_desc: bool | None) -> tuple:
     can = (
         mode > 0
         and min(E, O, I) > 0
-        and (_INTERPRET or size == 2)
+        and (_INTERPRET or (size == 2 and _has_tma(weight_EOI.device)))
         and weight_EOI.data_ptr() % 16 == 0
         and all(s * size % 16 == 0 for s in other)
         and not tracing()
@@ -352,19 +369,27 @@ def gather_grouped_mm_triton(
 
 def _swiglu_gpu_configs() -> list[triton.Config]:
     """Blocks for the fused gate/up + SwiGLU GEMM: each program holds two BLOCK_M x BLOCK_N accumulators (gate and
-    up columns), so BLOCK_N = 64 gives the 128-wide tile of _gpu_configs' first entry. BLOCK_N is not tuned: the
-    launcher sizes the per-tile ||phi||^2 partial sums by it."""
+    up columns), BLOCK_N from _swiglu_block_n (not tuned: the launcher sizes the per-tile ||phi||^2 partial sums by
+    it). Measured (thirteenth session, one H200, 65,536 rows, E = 128, bf16, the weight through TMA, router-like
+    and balanced groups; benchmarks/grouped_gemm.py --configs): with 128 gate columns (the 128 x 256 tile of
+    _gpu_configs' first entry) 128 x 64 deep with 4 stages led at the Qwen3 shape, 3 stages and 32 deep with 5
+    at GLM-4.5-Air's; the fastest 64-column config was 26-33 % slower, the fastest 64-row one 19-27 %. The last
+    entry is the smallest, for narrow problems and wide dtypes (_prune_small_swiglu)."""
     return [
         triton.Config(dict(BLOCK_M=128, BLOCK_K=64), num_warps=8, num_stages=4),
-        triton.Config(dict(BLOCK_M=64, BLOCK_K=64), num_warps=4, num_stages=4),
-        triton.Config(dict(BLOCK_M=128, BLOCK_K=128), num_warps=8, num_stages=3),
+        triton.Config(dict(BLOCK_M=128, BLOCK_K=64), num_warps=8, num_stages=3),
+        triton.Config(dict(BLOCK_M=128, BLOCK_K=32), num_warps=8, num_stages=5),
         triton.Config(dict(BLOCK_M=64, BLOCK_K=32), num_warps=4, num_stages=3),
     ]
 
 
-def _swiglu_block_n() -> int:
-    """Gate (and up) columns per program: 64 on a GPU, 16 in the interpreter so test widths cross tiles."""
-    return 16 if _INTERPRET else 64
+def _swiglu_block_n(dtype_bytes: int, F: int) -> int:
+    """Gate (and up) columns per program: 16 in the interpreter so test widths cross tiles; on a GPU 128 for 16-bit
+    inputs at least that wide (two 128 x 128 fp32 accumulators over 8 warps: 128 registers a thread), else 64 (an
+    fp32 problem at 128 would spill)."""
+    if _INTERPRET:
+        return 16
+    return 128 if dtype_bytes == 2 and F >= 128 else 64
 
 
 def _prune_small_swiglu(configs, named_args, **kwargs):
@@ -377,17 +402,19 @@ def _prune_small_swiglu(configs, named_args, **kwargs):
 @triton.heuristics(dict(EVEN_K=lambda args: args["I"] % args["BLOCK_K"] == 0))
 @triton.jit
 def _gather_grouped_swiglu_kernel(
-    x_ptr, w_ptr, rows_ptr, offsets_ptr, h_ptr, phi_ptr, part_ptr,
+    x_ptr, w, rows_ptr, offsets_ptr, h_ptr, phi_ptr, part_ptr,
     R, F, I, E, dtype_bytes,
     stride_xn, stride_xi, stride_we, stride_wo, stride_wi, stride_hr, stride_hf, stride_pr, stride_pf, stride_qr,
     G_POW2: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     UPCAST: tl.constexpr, ACC_FP64: tl.constexpr, INPUT_PRECISION: tl.constexpr, STORE_H: tl.constexpr,
+    B_DESC: tl.constexpr = 0,
 ):  # fmt: skip
     # gather_grouped_mm's loop with two accumulators: columns n of the gate half (weight rows n) and of the up half
     # (weight rows F + n), so the epilogue has both halves of its phi columns. Each value is rounded to the output
     # dtype where the unfused path rounds it (h, then silu(gate), then the product), so phi matches
-    # silu(h[:, :F]) * h[:, F:] computed by PyTorch in that dtype.
+    # silu(h[:, :F]) * h[:, F:] computed by PyTorch in that dtype. ``w`` and B_DESC as in _gather_grouped_mm_kernel
+    # (a descriptor's gate block past F reads up rows: only into columns that are never stored or summed).
     group, offs_m, m_mask, offs_n = _tile(offsets_ptr, R, E, F, G_POW2, BLOCK_M, BLOCK_N)
     mask = m_mask[:, None] & (offs_n[None, :] < F)
     rows64 = offs_m[:, None].to(tl.int64)
@@ -404,20 +431,32 @@ def _gather_grouped_swiglu_kernel(
         tl.store(phi_ptrs, zeros, mask=mask)
         tl.store(part_ptrs, tl.zeros((BLOCK_M,), dtype=tl.float32), mask=m_mask)
     elif group < E:
-        a_ptrs, g_ptrs, offs_k = _gather_operands(x_ptr, w_ptr, rows_ptr, group, offs_m, m_mask, offs_n, F,
-                                                  stride_xn, stride_xi, stride_we, stride_wo, stride_wi, BLOCK_K)
-        u_ptrs = g_ptrs + F * stride_wo
+        if B_DESC == 0:
+            a_ptrs, g_ptrs, offs_k = _gather_operands(x_ptr, w, rows_ptr, group, offs_m, m_mask, offs_n, F,
+                                                      stride_xn, stride_xi, stride_we, stride_wo, stride_wi, BLOCK_K)
+            u_ptrs = g_ptrs + F * stride_wo
+        else:
+            a_ptrs, offs_k = _gather_a(x_ptr, rows_ptr, offs_m, m_mask, stride_xn, stride_xi, BLOCK_K)
+            n0 = (tl.program_id(0) % tl.cdiv(F, BLOCK_N)) * BLOCK_N
         acc_dtype = tl.float64 if ACC_FP64 else tl.float32
         acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=acc_dtype)
         acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=acc_dtype)
         for k in range(0, tl.cdiv(I, BLOCK_K)):
             if EVEN_K:
                 a = tl.load(a_ptrs)
-                bg = tl.load(g_ptrs)
-                bu = tl.load(u_ptrs)
             else:
                 k_mask = offs_k < I - k * BLOCK_K
                 a = tl.load(a_ptrs, mask=k_mask[None, :], other=0.0)
+            if B_DESC == 1:
+                bg = tl.trans(w.load([group, n0, k * BLOCK_K]).reshape(BLOCK_N, BLOCK_K))
+                bu = tl.trans(w.load([group, F + n0, k * BLOCK_K]).reshape(BLOCK_N, BLOCK_K))
+            elif B_DESC == 2:
+                bg = w.load([group, k * BLOCK_K, n0]).reshape(BLOCK_K, BLOCK_N)
+                bu = w.load([group, k * BLOCK_K, F + n0]).reshape(BLOCK_K, BLOCK_N)
+            elif EVEN_K:
+                bg = tl.load(g_ptrs)
+                bu = tl.load(u_ptrs)
+            else:
                 bg = tl.load(g_ptrs, mask=k_mask[:, None], other=0.0)
                 bu = tl.load(u_ptrs, mask=k_mask[:, None], other=0.0)
             if UPCAST:
@@ -427,8 +466,9 @@ def _gather_grouped_swiglu_kernel(
             acc_g = tl.dot(a, bg, acc_g, input_precision=INPUT_PRECISION, out_dtype=acc_dtype)
             acc_u = tl.dot(a, bu, acc_u, input_precision=INPUT_PRECISION, out_dtype=acc_dtype)
             a_ptrs += BLOCK_K * stride_xi
-            g_ptrs += BLOCK_K * stride_wi
-            u_ptrs += BLOCK_K * stride_wi
+            if B_DESC == 0:
+                g_ptrs += BLOCK_K * stride_wi
+                u_ptrs += BLOCK_K * stride_wi
         h_gate = acc_g.to(dtype)
         h_up = acc_u.to(dtype)
         if STORE_H:
@@ -443,24 +483,23 @@ def _gather_grouped_swiglu_kernel(
         tl.store(part_ptrs, tl.sum(phi32 * phi32, 1), mask=m_mask)
 
 
-if _INTERPRET:
-    _gather_grouped_swiglu = _gather_grouped_swiglu_kernel
-else:
-    _gather_grouped_swiglu = triton.autotune(
-        configs=_swiglu_gpu_configs(), key=["F", "I"], prune_configs_by=dict(early_config_prune=_prune_small_swiglu)
-    )(_gather_grouped_swiglu_kernel)
+_gather_grouped_swiglu = _with_config(_gather_grouped_swiglu_kernel, _swiglu_gpu_configs(), key=("F", "I"),
+                                     prune=_prune_small_swiglu)
 
 
 def gather_grouped_swiglu_triton(
     x_NI: torch.Tensor, gate_up_EFI: torch.Tensor, rows_R: torch.Tensor, offsets_E: torch.Tensor,
-    store_h: bool = True,
+    store_h: bool = True, config: triton.Config | None = None, b_desc: bool | None = None,
+    block_n: int | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
     """The gate/up GEMM with the SwiGLU in its epilogue: (h_R2F, phi_RF, phi_sq_R) where h = gather_grouped_mm(x,
     gate_up, rows, offsets) (None unless ``store_h``), phi = silu(h[:, :F]) * h[:, F:] in x's dtype, and
     phi_sq = ||phi||^2 per row in fp32 (from the rounded phi). Rows past offsets_E[-1]: zeros. No host sync.
 
     ||phi||^2 is summed in two steps: every program writes the sum over its BLOCK_N columns, and PyTorch adds the
-    cdiv(F, BLOCK_N) partial sums of a row (deterministic, no atomics).
+    cdiv(F, BLOCK_N) partial sums of a row (deterministic, no atomics). ``config`` (BLOCK_M, BLOCK_K, warps,
+    stages), ``b_desc`` and ``block_n`` (gate columns a program, default _swiglu_block_n) as in
+    gather_grouped_mm_triton, for benchmarks/grouped_gemm.py --configs.
     """
     _check_device(x_NI, gate_up_EFI, rows_R, offsets_E)
     R, (E, F2, I) = rows_R.shape[0], gate_up_EFI.shape
@@ -469,19 +508,27 @@ def gather_grouped_swiglu_triton(
     F = F2 // 2
     phi_RF = torch.empty((R, F), dtype=x_NI.dtype, device=x_NI.device)
     h_R2F = torch.empty((R, F2), dtype=x_NI.dtype, device=x_NI.device) if store_h else None
-    block_n = _swiglu_block_n()
+    block_n = block_n or _swiglu_block_n(x_NI.element_size(), F)
     part_RT = torch.empty((R, triton.cdiv(F, block_n)), dtype=torch.float32, device=x_NI.device)
     if known_empty(R, F):
         return h_R2F, phi_RF, part_RT.sum(1)
     h_out = phi_RF if h_R2F is None else h_R2F  # an unused stand-in pointer when h is not stored
-    fixed = _interpreter_config() if _INTERPRET else {}
+    kernel, fixed = _kernel_and_blocks(_gather_grouped_swiglu, _gather_grouped_swiglu_kernel, config)
     fixed.pop("BLOCK_N", None)
+    w, mode = _weight_operand(gate_up_EFI, b_desc)
+    if mode == 2 and F * gate_up_EFI.element_size() % 16:  # the up blocks would start off TMA's 16-byte grid
+        if b_desc:
+            raise ValueError("b_desc=True needs 16-byte aligned up columns in a transposed gate_up_EFI")
+        w, mode = gate_up_EFI, 0
+    if fixed:  # no autotuner to run the configs' pre_hook
+        _set_desc_blocks({"w": w, "B_DESC": mode, "BLOCK_N": block_n, **fixed})
     grid = lambda meta: ((triton.cdiv(R, meta["BLOCK_M"]) + E) * triton.cdiv(F, block_n),)  # noqa: E731
-    launch(_gather_grouped_swiglu, grid)(
-        x_NI, gate_up_EFI, rows_R, offsets_E, h_out, phi_RF, part_RT,
+    launch(kernel, grid)(
+        x_NI, w, rows_R, offsets_E, h_out, phi_RF, part_RT,
         R, F, I, E, x_NI.element_size(),
         *x_NI.stride(), *gate_up_EFI.stride(), *h_out.stride(), *phi_RF.stride(), part_RT.stride(0),
         G_POW2=triton.next_power_of_2(E + 1), BLOCK_N=block_n, STORE_H=store_h, **_dot_flags(x_NI.dtype), **fixed,
+        B_DESC=mode,
     )  # fmt: skip
     return h_R2F, phi_RF, part_RT.sum(1)
 

@@ -142,6 +142,7 @@ def run_launchers() -> None:
     gg._gather_grouped_swiglu = gg._gather_grouped_swiglu_kernel
     gg._swiglu_block_n = _as_on_gpu(gg, gg._swiglu_block_n)
     gg._weight_operand = _as_on_gpu(gg, gg._weight_operand)  # TMA descriptors for 16-bit weights only
+    gg._has_tma = lambda device: True  # the sm_90 target has TMA (the CPU tensors' device does not)
     for dtype in (torch.bfloat16, torch.float32):
         # The configs the autotuner would try on this problem (fp32 and narrow problems: the smallest only).
         shape = dict(O=128, I=256, dtype_bytes=torch.empty((), dtype=dtype).element_size())
@@ -160,8 +161,10 @@ def run_launchers() -> None:
             gg._interpreter_config = lambda c=config: dict(c.kwargs, num_warps=c.num_warps, num_stages=c.num_stages)
             x, w = torch.randn(64, 256).to(dtype), torch.randn(4, 256, 256).to(dtype)
             rows, offsets = torch.randint(0, 64, (48,), generator=gen), torch.tensor([10, 20, 30, 40]).int()
-            for store_h in (True, False):
+            for store_h in (True, False):  # bf16: the weight through a TMA descriptor
                 gg.gather_grouped_swiglu_triton(x, w, rows, offsets, store_h=store_h)
+            gg.gather_grouped_swiglu_triton(x, w.transpose(1, 2).contiguous().transpose(1, 2), rows, offsets)
+            gg.gather_grouped_swiglu_triton(x, w, rows, offsets, b_desc=False)  # its transpose's descriptor; pointers
 
 
 def _as_on_gpu(module, fn):

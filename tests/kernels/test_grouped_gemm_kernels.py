@@ -202,13 +202,14 @@ def test_values_outside_the_groups_never_leak():
 
 
 @settings()  # the profile's count (tests/conftest.py): 40 in CI, ~1 s in the interpreter
-def check_swiglu(x_NI, gate_up_EOI, rows_R, offsets_E):
+def check_swiglu(x_NI, gate_up_EOI, rows_R, offsets_E, b_desc=None):
     """The fused gate/up + SwiGLU kernel: h as gather_grouped_mm gives it, phi as PyTorch computes it from that h
     in the same dtype (within the rounding the interpreter's truncating casts allow), ||phi||^2 of the rounded
-    phi, zeros past the last group, and the same phi and ||phi||^2 without storing h."""
+    phi, zeros past the last group, and the same phi and ||phi||^2 without storing h. ``b_desc`` as in
+    gather_grouped_swiglu_triton (the weight through a TMA descriptor or through pointers)."""
     dtype, n_f = x_NI.dtype, gate_up_EOI.shape[1] // 2
     args = on_device(x_NI, gate_up_EOI, rows_R, offsets_E)
-    h, phi, phi_sq = gather_grouped_swiglu_triton(*args)
+    h, phi, phi_sq = gather_grouped_swiglu_triton(*args, b_desc=b_desc)
     assert_close(h, torch.ops.lrmoe.gather_grouped_mm(x_NI, gate_up_EOI, rows_R, offsets_E), dtype, x_NI.shape[1])
     h = h.cpu()
     want_phi = F.silu(h[:, :n_f]) * h[:, n_f:]
@@ -219,7 +220,7 @@ def check_swiglu(x_NI, gate_up_EOI, rows_R, offsets_E):
     torch.testing.assert_close(phi_sq.cpu(), phi.cpu().float().square().sum(-1), rtol=1e-5, atol=1e-6)
     end = min(int(offsets_E[-1]), rows_R.shape[0]) if offsets_E.numel() else 0
     assert (h[end:] == 0).all() and (phi[end:] == 0).all() and (phi_sq[end:] == 0).all()
-    no_h, phi2, phi_sq2 = gather_grouped_swiglu_triton(*args, store_h=False)
+    no_h, phi2, phi_sq2 = gather_grouped_swiglu_triton(*args, store_h=False, b_desc=b_desc)
     assert no_h is None and torch.equal(phi2, phi) and torch.equal(phi_sq2, phi_sq)
 
 
@@ -228,6 +229,18 @@ def check_swiglu(x_NI, gate_up_EOI, rows_R, offsets_E):
 def test_gather_grouped_swiglu_equals_unfused(case, dtype):
     x_NI, weight_EOI, _, rows_R, offsets_E = make_case(*case, dtype=dtype)
     check_swiglu(x_NI, weight_EOI, rows_R, offsets_E)
+
+
+@pytest.mark.parametrize("case", CASES[2:5])
+@pytest.mark.parametrize(("transposed", "b_desc"), [(False, None), (True, False), (False, False)])
+def test_gather_grouped_swiglu_weight_paths(case, transposed, b_desc):
+    """The weight read through a descriptor over [E, 2F, I] (the layers' layout: the gate block of the last
+    column tile runs into the up rows when F is not a multiple of BLOCK_N) and through pointers, either layout
+    (test_gather_grouped_swiglu_equals_unfused: the descriptor over the transposed view)."""
+    x_NI, weight_EOI, _, rows_R, offsets_E = make_case(*case, dtype=torch.bfloat16, transposed=transposed)
+    mode = _weight_operand(on_device(weight_EOI)[0], b_desc)[1]
+    assert mode == (0 if b_desc is False else 1 if not transposed else 2)
+    check_swiglu(x_NI, weight_EOI, rows_R, offsets_E, b_desc=b_desc)
 
 
 def test_gather_grouped_swiglu_rejects_an_odd_width():
