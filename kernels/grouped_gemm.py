@@ -30,7 +30,7 @@ cannot gather rows; Blackwell's gather4 can). gather_grouped_mm reads a 16-bit w
 descriptor (either layout: the forward's [E, O, I] and the input gradient's transposed view), which on one H200
 took it from 0.84-0.95 to 0.90-1.01 of torch._grouped_mm on pre-gathered rows (eleventh session,
 docs/performance.md). gather_grouped_swiglu reads it the same way, a gate and an up block per K step, 128 gate
-columns a program: 1.00-1.14x of index_select + torch._grouped_mm + a compiled SwiGLU on its own, at the Qwen3
+columns a program: 0.95-1.14x of index_select + torch._grouped_mm + a compiled SwiGLU on its own, at the Qwen3
 and GLM-4.5-Air shapes (thirteenth session), but more GPU time than the unfused kernels inside the compiled layer,
 which therefore does not call it. Descriptors only on a GPU with TMA (compute capability 9.0 on); elsewhere the
 pointer path. Tried and not kept: grouped_outer reading a_RO's whole K blocks and writing its output
