@@ -19,6 +19,8 @@ import argparse
 import warnings
 
 import torch
+import torch._functorch.config as functorch_config
+import torch._inductor.config as inductor_config
 import torch.nn.functional as F
 from torch import nn
 
@@ -151,6 +153,10 @@ def main() -> None:
         print(f"# LRMoE's gathered bf16 GEMMs: {gathers[0]}")
     else:
         print("# LRMoE rows tagged 'tri': gathered bf16 GEMMs by the Triton gather-fused kernel; others _grouped_mm")
+        # The kernel switch is a Python global that the traced graph depends on but no compile cache keys on: an
+        # AOTAutograd cache entry made with one kernel must not serve the other's rows.
+        functorch_config.enable_autograd_cache = False
+        inductor_config.fx_graph_cache = False
     for name, make, gather in layers:
         grouped_gemm_module._GATHER_KERNEL = gather  # read when an op call runs or is traced
         torch.manual_seed(0)
