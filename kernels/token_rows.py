@@ -7,6 +7,9 @@ Shapes: N source rows, C columns, T tokens, K rows per token (top-k).
     out[t] = sum_k w[t, k] * src[rows[t, k]], accumulated in fp32, written in src's dtype; rows < 0 add nothing.
 ``gather_dot_rows_triton(src_NC, rows_TK, g_TC) -> out_TK``
     out[t, k] = <g[t], src[rows[t, k]]> in fp32; 0 where rows[t, k] < 0.
+``gather_dot_scores_triton(src_NC, rows_TK, g_TC, gates_TK, phi_sq_TK, metric) -> (out_TK, scores_TK)``
+    the same, plus each pair's backward score (lrmoe_kernels.scoring) from the norms of g[t] taken in the same
+    pass: the router gradient and the pair scores read g once between them.
 
 These are the three places where the MoE layer meets its token order: the forward's combine (src = the expert
 outputs y in expert order, rows = where each (t, k) pair sits there, w = the gates), the router gradient (the same
@@ -29,8 +32,9 @@ import triton
 import triton.language as tl
 
 from .launch import known_empty, launch
+from .scoring import METRIC_IDS, _is_finite
 
-__all__ = ["gather_dot_rows_triton", "gather_sum_rows_triton"]
+__all__ = ["gather_dot_rows_triton", "gather_dot_scores_triton", "gather_sum_rows_triton"]
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -59,6 +63,32 @@ def _gather_sum_rows_kernel(
 
 
 @triton.jit
+def _dots_and_norms(src_ptr, rows_ptr, g_ptr, t, C, K, stride_sn, stride_gt,
+                    NORMS: tl.constexpr, KP: tl.constexpr, BLOCK_C: tl.constexpr):
+    """One token's sweep over the columns: (<g[t], src[rows[t, k]]> for k < KP, ||g[t]||^2, ||g[t]||_1), fp32;
+    the norms only for NORMS 1 (squares) or 2 (both), else zeros that compile away. Values only: no store address
+    is built from what this returns (tests/ops/kernel_writes.py says why that matters)."""
+    k_K = tl.arange(0, KP)
+    row_K = tl.load(rows_ptr + t * K + k_K, mask=k_K < K, other=-1).to(tl.int64)
+    valid_K = row_K >= 0
+    acc_KC = tl.zeros((KP, BLOCK_C), dtype=tl.float32)
+    sq_C = tl.zeros((BLOCK_C,), dtype=tl.float32)
+    abs_C = tl.zeros((BLOCK_C,), dtype=tl.float32)
+    for c0 in range(0, C, BLOCK_C):
+        c_C = c0 + tl.arange(0, BLOCK_C)
+        c_ok_C = c_C < C
+        g_C = tl.load(g_ptr + t * stride_gt + c_C, mask=c_ok_C, other=0.0).to(tl.float32)
+        tile_KC = tl.load(src_ptr + row_K[:, None] * stride_sn + c_C[None, :],
+                          mask=valid_K[:, None] & c_ok_C[None, :], other=0.0).to(tl.float32)
+        acc_KC += tile_KC * g_C[None, :]
+        if NORMS >= 1:
+            sq_C += g_C * g_C
+        if NORMS == 2:
+            abs_C += tl.abs(g_C)
+    return tl.sum(acc_KC, axis=1), tl.sum(sq_C, axis=0), tl.sum(abs_C, axis=0)
+
+
+@triton.jit
 def _gather_dot_rows_kernel(
     src_ptr, rows_ptr, g_ptr, out_ptr,
     C, K,
@@ -67,18 +97,38 @@ def _gather_dot_rows_kernel(
 ):  # fmt: skip
     t = tl.program_id(0).to(tl.int64)
     k_K = tl.arange(0, KP)
+    dots_K, _, _ = _dots_and_norms(src_ptr, rows_ptr, g_ptr, t, C, K, stride_sn, stride_gt, 0, KP, BLOCK_C)
+    tl.store(out_ptr + t * K + k_K, dots_K, mask=k_K < K)
+
+
+@triton.jit
+def _gather_dot_scores_kernel(
+    src_ptr, rows_ptr, g_ptr, gates_ptr, phi_ptr, out_ptr, score_ptr,
+    C, K,
+    stride_sn, stride_gt,
+    METRIC: tl.constexpr, NORMS: tl.constexpr, KP: tl.constexpr, BLOCK_C: tl.constexpr,
+):  # fmt: skip
+    """_gather_dot_rows_kernel plus each pair's score from the same pass over g (lrmoe_kernels.scoring's rules:
+    METRIC 0 "lrm", 1 "grad_l2", 2 "grad_abs", NORMS 2 for "grad_abs" else 1; a non-finite gate, phi_sq, norm or
+    product gives +inf). gates and phi_sq are [T, K] and contiguous."""
+    t = tl.program_id(0).to(tl.int64)
+    k_K = tl.arange(0, KP)
     k_ok_K = k_K < K
-    row_K = tl.load(rows_ptr + t * K + k_K, mask=k_ok_K, other=-1).to(tl.int64)
-    valid_K = row_K >= 0
-    acc_KC = tl.zeros((KP, BLOCK_C), dtype=tl.float32)
-    for c0 in range(0, C, BLOCK_C):
-        c_C = c0 + tl.arange(0, BLOCK_C)
-        c_ok_C = c_C < C
-        g_C = tl.load(g_ptr + t * stride_gt + c_C, mask=c_ok_C, other=0.0).to(tl.float32)
-        tile_KC = tl.load(src_ptr + row_K[:, None] * stride_sn + c_C[None, :],
-                          mask=valid_K[:, None] & c_ok_C[None, :], other=0.0).to(tl.float32)
-        acc_KC += tile_KC * g_C[None, :]
-    tl.store(out_ptr + t * K + k_K, tl.sum(acc_KC, axis=1), mask=k_ok_K)
+    dots_K, g_sq, g_abs = _dots_and_norms(src_ptr, rows_ptr, g_ptr, t, C, K, stride_sn, stride_gt, NORMS, KP,
+                                          BLOCK_C)
+    tl.store(out_ptr + t * K + k_K, dots_K, mask=k_ok_K)
+    a_K = tl.load(gates_ptr + t * K + k_K, mask=k_ok_K, other=0.0).to(tl.float32)
+    phi_K = tl.load(phi_ptr + t * K + k_K, mask=k_ok_K, other=0.0).to(tl.float32)
+    g_sq_K = tl.zeros((KP,), dtype=tl.float32) + g_sq  # the token's norms, one per pair
+    # The scoring kernel's operation order, so the products round alike given the same norms.
+    if METRIC == 0:
+        s_K = a_K * a_K * g_sq_K * phi_K
+    elif METRIC == 1:
+        s_K = a_K * a_K * g_sq_K
+    else:
+        s_K = tl.abs(a_K) * (tl.zeros((KP,), dtype=tl.float32) + g_abs)
+    ok_K = _is_finite(s_K) & _is_finite(a_K) & _is_finite(phi_K) & _is_finite(g_sq_K)
+    tl.store(score_ptr + t * K + k_K, tl.where(ok_K, s_K, float("inf")), mask=k_ok_K)
 
 
 def _check(src_NC: torch.Tensor, rows_TK: torch.Tensor) -> None:
@@ -147,3 +197,32 @@ def gather_dot_rows_triton(src_NC: torch.Tensor, rows_TK: torch.Tensor, g_TC: to
         KP=kp, BLOCK_C=block_c, num_warps=num_warps or (1 if _INTERPRET else 2),
     )  # fmt: skip
     return out_TK
+
+
+def gather_dot_scores_triton(src_NC: torch.Tensor, rows_TK: torch.Tensor, g_TC: torch.Tensor, gates_TK: torch.Tensor,
+                             phi_sq_TK: torch.Tensor, metric: str, *, block_c: int | None = None,
+                             num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(gather_dot_rows_triton's out_TK, the pairs' fp32 scores as lrmoe_kernels.scoring computes them for a
+    deterministic ``metric``) from one pass over g: the router gradient and the scores of the selective backward,
+    which both read all of g. Same blocks as gather_dot_rows_triton."""
+    if metric not in METRIC_IDS:
+        raise ValueError(f"metric must be one of {', '.join(map(repr, METRIC_IDS))}; got {metric!r}")
+    _check(src_NC, rows_TK)
+    n_tok, top_k = rows_TK.shape
+    out_TK = torch.empty(n_tok, top_k, dtype=torch.float32, device=src_NC.device)
+    scores_TK = torch.empty(n_tok, top_k, dtype=torch.float32, device=src_NC.device)
+    if known_empty(n_tok, top_k):
+        return out_TK, scores_TK
+    src_NC = src_NC if src_NC.stride(1) == 1 else src_NC.contiguous()
+    g_TC = g_TC if g_TC.stride(1) == 1 else g_TC.contiguous()
+    rows_TK, gates_TK, phi_sq_TK = rows_TK.contiguous(), gates_TK.contiguous(), phi_sq_TK.contiguous()
+    kp = triton.next_power_of_2(max(top_k, 1))
+    block_c = block_c or _block_c(src_NC.shape[1], src_NC.element_size(), kp, 16384)
+    launch(_gather_dot_scores_kernel, (n_tok,))(
+        src_NC, rows_TK, g_TC, gates_TK, phi_sq_TK, out_TK, scores_TK,
+        src_NC.shape[1], top_k,
+        src_NC.stride(0), g_TC.stride(0),
+        METRIC=METRIC_IDS[metric], NORMS=2 if metric == "grad_abs" else 1, KP=kp, BLOCK_C=block_c,
+        num_warps=num_warps or (1 if _INTERPRET else 2),
+    )  # fmt: skip
+    return out_TK, scores_TK

@@ -27,6 +27,7 @@ from lrmoe.functional.selection import MODES, select_within_quota
 from lrmoe.ops import (
     argsort_ids,
     gather_dot_rows,
+    gather_dot_scores,
     gather_grouped_mm,
     gather_host_rows,
     gather_scale_rows,
@@ -37,6 +38,7 @@ from lrmoe.ops import (
     swiglu_backward,
     swiglu_sqnorm,
 )
+from lrmoe.ops.scoring import DETERMINISTIC_METRICS
 
 __all__ = ["ACTIVATION_POLICIES", "ExpertPlan", "plan_experts", "retained_rows_bound", "selective_swiglu_experts"]
 
@@ -258,6 +260,20 @@ def router_gradient(g_TD: torch.Tensor, y_ND: torch.Tensor, rows_TK: torch.Tenso
     return gather_dot_rows(y_ND, rows_TK, g_TD)
 
 
+def router_gradient_and_scores(
+    g_TD: torch.Tensor, y_ND: torch.Tensor, rows_TK: torch.Tensor, gates_TK: torch.Tensor, phi_sq_TK: torch.Tensor,
+    *, metric: str, selects: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(router_gradient, the pairs' scores [P] or None), both layers. When the backward ``selects`` pairs by a
+    deterministic metric, the scores come from the router gradient's own pass over g (lrmoe::gather_dot_scores:
+    on CUDA one kernel, where score_pairs would read all of g a second time); otherwise None, and
+    select_retained scores the pairs itself ("random" draws them)."""
+    if not selects or metric not in DETERMINISTIC_METRICS:
+        return router_gradient(g_TD, y_ND, rows_TK), None
+    grad_TK, scores_TK = gather_dot_scores(y_ND, rows_TK, g_TD, gates_TK.detach(), phi_sq_TK, metric)
+    return grad_TK, scores_TK.reshape(-1)
+
+
 def combine(y_ND: torch.Tensor, rows_TK: torch.Tensor, gates_TK: torch.Tensor) -> torch.Tensor:
     """out_t = sum_k gates[t, k] * y[rows[t, k]] (fp32 accumulation, y's dtype; the gates rounded to y's dtype
     first, as the product in that dtype would): the forward's combine, reading y where the experts wrote it."""
@@ -278,12 +294,15 @@ def select_retained(
     uniform_G: torch.Tensor | None,
     group_order_P: torch.Tensor | None = None,
     group_ends_G: torch.Tensor | None = None,
+    scores_P: torch.Tensor | None = None,
 ):
     """Score the pairs and keep each group's quota (the source side of the selective backward, both layers).
     ``group_order_P`` and ``group_ends_G``: the stable argsort of ``groups_P`` and the cumulative group sizes, when
     the layer has them from its forward dispatch, so the selection need neither sort nor search for the groups
-    again. Returns (Selection, fraction of the finite score mass the kept pairs carry)."""
-    scores_P = score_pairs(gates_TK.detach(), g_TD, phi_sq_TK, metric=metric, generator=generator).reshape(-1)
+    again. ``scores_P``: the scores, when router_gradient_and_scores made them. Returns (Selection, fraction of the
+    finite score mass the kept pairs carry)."""
+    if scores_P is None:
+        scores_P = score_pairs(gates_TK.detach(), g_TD, phi_sq_TK, metric=metric, generator=generator).reshape(-1)
     # Each token picks an expert at most once, so no group (expert, instance, or (source, expert)) holds more
     # than T pairs: the bound CUDA "sample" needs to sort per group.
     sel = select_within_quota(scores_P, groups_P, quotas_G, max_rows=max_rows, mode=selection, generator=generator,
@@ -424,7 +443,10 @@ class _SelectiveSwiGLU(torch.autograd.Function):
         n_exp = gate_up_EFD.shape[0]
         g_TD = grad_out_TD
 
-        grad_gates_TK = router_gradient(g_TD, y_PD, inv_P.view(n_tok, top_k)).to(gates_TK.dtype)
+        grad_gates_TK, scores_P = router_gradient_and_scores(
+            g_TD, y_PD, inv_P.view(n_tok, top_k), gates_TK, phi_sq_TK, metric=cfg.metric, selects=cfg.retain < 1.0
+        )
+        grad_gates_TK = grad_gates_TK.to(gates_TK.dtype)
 
         if cfg.retain >= 1.0:
             # Keep everything, in the forward's expert-sorted order: the dense backward.
@@ -441,7 +463,7 @@ class _SelectiveSwiGLU(torch.autograd.Function):
             sel, mass_kept = select_retained(
                 gates_TK, g_TD, phi_sq_TK, groups_P, quotas_G, retained_rows_bound(n_pairs, n_exp, cfg.retain),
                 metric=cfg.metric, selection=cfg.selection, generator=cfg.generator, uniform_G=uniform_G,
-                group_order_P=group_order_P, group_ends_G=group_ends_G,
+                group_order_P=group_order_P, group_ends_G=group_ends_G, scores_P=scores_P,
             )
             pair_R, weight_R = sel.pair_ids, sel.weights
             off_E = sel.offsets.view(n_exp, -1)[:, -1]

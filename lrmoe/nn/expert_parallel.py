@@ -72,7 +72,7 @@ from lrmoe.functional.experts import (
     expert_rows_backward,
     release_h,
     retained_dy,
-    router_gradient,
+    router_gradient_and_scores,
     saved_h,
     select_retained,
     sum_rows_per_token,
@@ -514,7 +514,11 @@ class _ExpertParallelSwiGLU(torch.autograd.Function):
         g_TD = grad_out_TD
 
         # Exact router gradient, local: dL/d alpha_u = <g_t, y_u>.
-        grad_gates_TK = router_gradient(g_TD, y_PD, inv_order_P.view(gates_TK.shape)).to(gates_TK.dtype)
+        grad_gates_TK, scores_P = router_gradient_and_scores(
+            g_TD, y_PD, inv_order_P.view(gates_TK.shape), gates_TK, phi_sq_TK, metric=cfg.metric,
+            selects=not cfg.dense,
+        )
+        grad_gates_TK = grad_gates_TK.to(gates_TK.dtype)
 
         # --- source side: score and select own pairs within quotas[rank, w, i], before any communication.
         if cfg.dense:
@@ -530,6 +534,7 @@ class _ExpertParallelSwiGLU(torch.autograd.Function):
                 gates_TK, g_TD, phi_sq_TK, group_P, quotas_SWI[ep.rank].reshape(-1), sum(splits.bwd_send),
                 metric=cfg.metric, selection=cfg.selection, generator=cfg.generator, uniform_G=uniform_G,
                 group_order_P=order_P,  # the dispatch order: instances ascending, pair id within
+                scores_P=scores_P,
             )
             pair_R, weight_R = sel.pair_ids, sel.weights
 

@@ -18,11 +18,12 @@ from lrmoe.ops.rows import gather_scale_rows, row_sqnorm
 from lrmoe.ops.scoring import score_pairs
 from lrmoe.ops.selection import argsort_ids, select_within_quota
 from lrmoe.ops.swiglu import swiglu, swiglu_backward, swiglu_sqnorm
-from lrmoe.ops.token_rows import gather_dot_rows, gather_sum_rows
+from lrmoe.ops.token_rows import gather_dot_rows, gather_dot_scores, gather_sum_rows
 
 __all__ = [
     "argsort_ids",
     "gather_dot_rows",
+    "gather_dot_scores",
     "gather_grouped_mm",
     "gather_grouped_swiglu",
     "gather_host_rows",

@@ -22,16 +22,15 @@ import torch
 
 from lrmoe.ops._kernels import inline_when_compiled, kernel_module
 
-__all__ = ["DETERMINISTIC_METRICS", "non_finite_mask", "score_pairs", "score_pairs_reference"]
+__all__ = ["DETERMINISTIC_METRICS", "check_metric", "non_finite_mask", "score_pairs", "score_pairs_reference"]
 
 DETERMINISTIC_METRICS = ("lrm", "grad_l2", "grad_abs")
 
 
-def _check_metric(metric: str) -> None:
+def check_metric(metric: str, op: str = "lrmoe::score_pairs") -> None:
     if metric not in DETERMINISTIC_METRICS:
         raise ValueError(
-            f"metric must be one of {', '.join(map(repr, DETERMINISTIC_METRICS))} for lrmoe::score_pairs; "
-            f"got {metric!r}"
+            f"metric must be one of {', '.join(map(repr, DETERMINISTIC_METRICS))} for {op}; got {metric!r}"
         )
 
 
@@ -51,7 +50,7 @@ def score_pairs_reference(
     gates_TK: torch.Tensor, grad_out_TD: torch.Tensor, phi_sqnorm_TK: torch.Tensor, metric: str
 ) -> torch.Tensor:
     """The op's contract in plain PyTorch, in fp32 whatever the input dtype."""
-    _check_metric(metric)
+    check_metric(metric)
     gates_TK = gates_TK.float()
     phi_sqnorm_TK = phi_sqnorm_TK.float()
     g_TD = grad_out_TD.float()
@@ -78,13 +77,13 @@ def _score_pairs_cuda(gates_TK, grad_out_TD, phi_sqnorm_TK, metric):
     kernels = kernel_module("scoring")
     if kernels is None:  # no Triton on this machine
         return score_pairs_reference(gates_TK, grad_out_TD, phi_sqnorm_TK, metric)
-    _check_metric(metric)
+    check_metric(metric)
     return kernels.score_pairs_triton(gates_TK, grad_out_TD, phi_sqnorm_TK, metric)
 
 
 @score_pairs.register_fake
 def _(gates_TK, grad_out_TD, phi_sqnorm_TK, metric):
-    _check_metric(metric)
+    check_metric(metric)
     return gates_TK.new_empty(gates_TK.shape, dtype=torch.float32)
 
 

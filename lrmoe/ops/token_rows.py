@@ -9,6 +9,9 @@ Shapes: N source rows, C columns, T tokens, K rows per token.
     the retained buffer, -1 for a dropped pair).
 ``lrmoe::gather_dot_rows(src_NC, rows_TK, g_TC) -> out_TK``
     out[t, k] = <g[t], src[rows[t, k]]> in fp32, 0 where rows[t, k] < 0. The router gradient <g_t, y_tk>.
+``lrmoe::gather_dot_scores(src_NC, rows_TK, g_TC, gates_TK, phi_sq_TK, metric) -> (out_TK, scores_TK)``
+    gather_dot_rows' out and lrmoe::score_pairs(gates, g, phi_sq, metric) for a deterministic metric, from one pass
+    over g on CUDA (one Triton kernel): the selective backward's router gradient and pair scores. Forward only.
 fp64 inputs accumulate (and gather_dot_rows returns) in fp64, on the reference path on every device.
 
 Rows must be < N (not checked: that would need a host sync). The CPU kernel is the reference (gathers into pair
@@ -21,10 +24,11 @@ from __future__ import annotations
 
 import torch
 
-from lrmoe.ops._kernels import inline_when_compiled, kernel_module
+from lrmoe.ops._kernels import forward_only, inline_when_compiled, kernel_module
 from lrmoe.ops.rows import check_float_matrix
+from lrmoe.ops.scoring import check_metric, score_pairs_reference
 
-__all__ = ["gather_dot_rows", "gather_sum_rows"]
+__all__ = ["gather_dot_rows", "gather_dot_scores", "gather_sum_rows"]
 
 
 def _check(name: str, src_NC: torch.Tensor, rows_TK: torch.Tensor, other_TX: torch.Tensor | None, other: str,
@@ -165,3 +169,45 @@ def _dot_backward(ctx, grad_TK):
 
 gather_dot_rows.register_autograd(_dot_backward, setup_context=_dot_setup)
 inline_when_compiled(gather_dot_rows, _gather_dot_rows_cuda)
+
+
+# ---------------------------------------------------------------------------------------------- gather_dot_scores
+
+
+def _check_scores(src_NC, rows_TK, g_TC, gates_TK, phi_sq_TK, metric) -> None:
+    _check("gather_dot_scores", src_NC, rows_TK, g_TC, "g_TC", src_NC.shape[1])
+    _check("gather_dot_scores", src_NC, rows_TK, gates_TK, "gates_TK", None)
+    _check("gather_dot_scores", src_NC, rows_TK, phi_sq_TK, "phi_sq_TK", None)
+    check_metric(metric, "lrmoe::gather_dot_scores")
+
+
+def gather_dot_scores_reference(src_NC, rows_TK, g_TC, gates_TK, phi_sq_TK, metric):
+    return gather_dot_rows_reference(src_NC, rows_TK, g_TC), score_pairs_reference(gates_TK, g_TC, phi_sq_TK, metric)
+
+
+@torch.library.custom_op("lrmoe::gather_dot_scores", mutates_args=())
+def gather_dot_scores(src_NC: torch.Tensor, rows_TK: torch.Tensor, g_TC: torch.Tensor, gates_TK: torch.Tensor,
+                      phi_sq_TK: torch.Tensor, metric: str) -> tuple[torch.Tensor, torch.Tensor]:
+    _check_scores(src_NC, rows_TK, g_TC, gates_TK, phi_sq_TK, metric)
+    return gather_dot_scores_reference(src_NC, rows_TK, g_TC, gates_TK, phi_sq_TK, metric)
+
+
+@gather_dot_scores.register_kernel("cuda")
+def _gather_dot_scores_cuda(src_NC, rows_TK, g_TC, gates_TK, phi_sq_TK, metric):
+    _check_scores(src_NC, rows_TK, g_TC, gates_TK, phi_sq_TK, metric)
+    kernels = kernel_module("token_rows")
+    if kernels is None or _acc_dtype(src_NC, g_TC) == torch.float64:
+        return gather_dot_scores_reference(src_NC, rows_TK, g_TC, gates_TK, phi_sq_TK, metric)
+    return kernels.gather_dot_scores_triton(src_NC, rows_TK, g_TC, gates_TK, phi_sq_TK, metric)
+
+
+@gather_dot_scores.register_fake
+def _(src_NC, rows_TK, g_TC, gates_TK, phi_sq_TK, metric):
+    _check_scores(src_NC, rows_TK, g_TC, gates_TK, phi_sq_TK, metric)
+    return (src_NC.new_empty(rows_TK.shape, dtype=_acc_dtype(src_NC, g_TC)),
+            src_NC.new_empty(rows_TK.shape, dtype=torch.float32))
+
+
+# Forward only: the selective layers call it in their backward, where neither output is differentiated.
+forward_only(gather_dot_scores, 6)
+inline_when_compiled(gather_dot_scores, _gather_dot_scores_cuda)

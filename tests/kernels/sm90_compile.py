@@ -97,6 +97,9 @@ def run_launchers() -> None:
         tok.gather_sum_rows_triton(src, rows, torch.rand(8, 4).to(dtype))
         tok.gather_sum_rows_triton(src, rows, None)
         tok.gather_dot_rows_triton(src, rows, torch.randn(8, 96).to(dtype))
+        for metric in ("lrm", "grad_l2", "grad_abs"):  # lrmoe::gather_dot_scores
+            tok.gather_dot_scores_triton(src, rows, torch.randn(8, 96).to(dtype), torch.rand(8, 4).to(dtype),
+                                         torch.rand(8, 4), metric)
 
     score = kernel_module("scoring")
     for dtype in (torch.bfloat16, torch.float32):

@@ -1,6 +1,8 @@
 """lrmoe_kernels.token_rows: the Triton launchers equal the reference ops lrmoe::gather_sum_rows and
 lrmoe::gather_dot_rows (their CPU kernels) on tiny odd shapes: K = 1, 3 (padded to 4) and 8, skipped rows (-1),
-repeated rows, column counts that cross several blocks with a masked edge, a strided source, fp32 and bf16.
+repeated rows, column counts that cross several blocks with a masked edge, a strided source, fp32 and bf16; the
+router gradient with the pair scores (gather_dot_scores_triton) equals gather_dot_rows and lrmoe::score_pairs'
+reference for every deterministic metric, non-finite inputs included.
 
 Without a GPU the kernels run in Triton's interpreter (tests/conftest.py switches it on) on CPU tensors."""
 
@@ -12,8 +14,9 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from lrmoe_kernels.token_rows import gather_dot_rows_triton, gather_sum_rows_triton
+from lrmoe_kernels.token_rows import gather_dot_rows_triton, gather_dot_scores_triton, gather_sum_rows_triton
 
+from lrmoe.ops.scoring import score_pairs_reference
 from lrmoe.ops.token_rows import gather_dot_rows_reference, gather_sum_rows_reference
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -75,3 +78,45 @@ def test_property_equal_to_reference(n_src, n_tok, top_k, cols, seed):
     src, rows, w, gt = _case(n_src, n_tok, top_k, cols, torch.float32, seed)
     torch.testing.assert_close(gather_sum_rows_triton(src, rows, w), gather_sum_rows_reference(src, rows, w))
     torch.testing.assert_close(gather_dot_rows_triton(src, rows, gt), gather_dot_rows_reference(src, rows, gt))
+
+
+def _check_scores(src, rows, gt, gates, phi_sq, metric):
+    dot, scores = gather_dot_scores_triton(src, rows, gt, gates, phi_sq, metric)
+    assert dot.dtype == scores.dtype == torch.float32 and dot.shape == scores.shape == rows.shape
+    torch.testing.assert_close(dot, gather_dot_rows_reference(src, rows, gt), rtol=1e-5, atol=1e-5, equal_nan=True)
+    want = score_pairs_reference(gates, gt, phi_sq, metric)
+    assert torch.equal(torch.isinf(scores), torch.isinf(want))  # +inf exactly where the reference puts it
+    torch.testing.assert_close(scores, want, rtol=1e-5, atol=1e-6)  # fp32 norms summed in another order
+
+
+@pytest.mark.parametrize("metric", ["lrm", "grad_l2", "grad_abs"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_scores_from_the_router_gradients_pass(metric, dtype):
+    src, rows, w, gt = _case(7, 6, 3, 21, dtype, seed=5)
+    gates = torch.rand(6, 3, device=DEVICE).to(dtype)
+    phi_sq = torch.rand(6, 3, device=DEVICE) * 4
+    _check_scores(src, rows, gt, gates, phi_sq, metric)
+    # Non-finite: a gate, a phi_sq, an entry of g (its whole token) and a gradient whose square overflows fp32.
+    gates[0, 1], phi_sq[1, 2] = float("inf"), float("nan")
+    gt[2, 3] = float("nan")
+    gt[3] = 3e38 if dtype == torch.float32 else gt[3]
+    _check_scores(src, rows, gt, gates, phi_sq, metric)
+    _, scores = gather_dot_scores_triton(src, rows, gt, gates, phi_sq, metric)
+    # A non-finite phi_sq or ||g||^2 counts for every metric, as in score_pairs; the overflow happens in fp32 only.
+    assert scores[0, 1] == scores[1, 2] == float("inf") and scores[2].isinf().all()
+    assert scores[3].isinf().all() == (dtype == torch.float32)
+    assert not scores[4:].isinf().any()
+
+
+def test_scores_reject_an_unknown_metric():
+    src, rows, w, gt = _case(3, 2, 2, 5, torch.float32, seed=2)
+    with pytest.raises(ValueError, match="metric must be one of"):
+        gather_dot_scores_triton(src, rows, gt, w, w, "random")
+
+
+@given(n_src=st.integers(1, 9), n_tok=st.integers(1, 6), top_k=st.integers(1, 5), cols=st.integers(1, 20),
+       seed=st.integers(0, 2**16), metric=st.sampled_from(["lrm", "grad_l2", "grad_abs"]))
+def test_property_scores_equal_to_reference(n_src, n_tok, top_k, cols, seed, metric):
+    src, rows, w, gt = _case(n_src, n_tok, top_k, cols, torch.float32, seed)
+    phi_sq = w.abs() * 3
+    _check_scores(src, rows, gt, w, phi_sq, metric)

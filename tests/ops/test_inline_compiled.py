@@ -42,6 +42,9 @@ def _cases(device: str, dtype: torch.dtype):
     return [
         ("gather_sum_rows", ops.gather_sum_rows, (randn(N, C), rows_TK, gates_TK.to(dtype)), "_gather_sum_rows_kernel"),
         ("gather_dot_rows", ops.gather_dot_rows, (randn(N, C), rows_TK, randn(T, C)), "_gather_dot_rows_kernel"),
+        ("gather_dot_scores", ops.gather_dot_scores,
+         (randn(N, C), rows_TK, randn(T, C), gates_TK.to(dtype), torch.rand(T, K, generator=g).to(device), "lrm"),
+         "_gather_dot_scores_kernel"),
         ("score_pairs", ops.score_pairs, (gates_TK, randn(T, C), torch.rand(T, K, generator=g).to(device), "lrm"),
          "_score_pairs_kernel"),
         ("select top", ops.select_within_quota, (scores_P, groups_P, quotas_E, 160, "top", None, order_P, T),
@@ -70,7 +73,7 @@ def _compiled(fn, args):
     return out, "\n".join(code)
 
 
-N_CASES = 14
+N_CASES = 15
 
 
 @pytest.mark.parametrize("case", range(N_CASES))
@@ -116,6 +119,7 @@ def test_cuda_backward_formulas_are_inlined_too():
 KERNEL_WRITES = {
     "_gather_sum_rows_kernel": ["out_ptr"],
     "_gather_dot_rows_kernel": ["out_ptr"],
+    "_gather_dot_scores_kernel": ["out_ptr", "score_ptr"],
     "_score_pairs_kernel": ["out_ptr"],
     "_plan_kernel": ["starts_ptr", "sizes_ptr", "takes_ptr", "bases_ptr", "counts_ptr", "offsets_ptr"],
     "_top_kernel": ["pair_ids_ptr", "weights_ptr"],

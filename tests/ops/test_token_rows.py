@@ -1,12 +1,13 @@
 """lrmoe::gather_sum_rows and lrmoe::gather_dot_rows: torch.library.opcheck, values against a loop written from
-the definition, gradients (gradcheck in fp64), and argument errors."""
+the definition, gradients (gradcheck in fp64), and argument errors; lrmoe::gather_dot_scores (the router
+gradient with the pair scores) against the two ops it stands for."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from lrmoe.ops import gather_dot_rows, gather_sum_rows
+from lrmoe.ops import gather_dot_rows, gather_dot_scores, gather_sum_rows, score_pairs
 
 # (N source rows, C columns, rows [T, K]): repeats, skipped rows (-1), a token with every row skipped, K = 1 and 3.
 CASES = [
@@ -95,3 +96,33 @@ def test_bad_arguments_are_named():
         gather_sum_rows(src, rows, w[:, :1])
     with pytest.raises(ValueError, match="g_TC"):
         gather_dot_rows(src, rows, g[:, :2])
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("metric", ["lrm", "grad_l2", "grad_abs"])
+def test_gather_dot_scores_is_the_router_gradient_and_the_scores(case, metric):
+    src, rows, w, g = _case(*case, dtype=torch.float32)
+    phi_sq = w.abs() * 2
+    if rows.shape[0]:
+        w[0, 0] = float("nan")  # a non-finite gate: that pair's score is +inf, as score_pairs gives it
+    torch.library.opcheck(gather_dot_scores, (src, rows, g, w, phi_sq, metric))
+    dot, scores = gather_dot_scores(src, rows, g, w, phi_sq, metric)
+    assert torch.equal(dot, gather_dot_rows(src, rows, g))
+    assert torch.equal(scores, score_pairs(w, g, phi_sq, metric))
+    assert rows.shape[0] == 0 or scores[0, 0] == float("inf")
+    assert not dot.requires_grad and not scores.requires_grad
+    # Forward only: inputs that require grad give outputs that do not (the layers call it in their backward).
+    dot, _ = gather_dot_scores(src.requires_grad_(), rows, g, w, phi_sq, metric)
+    assert not dot.requires_grad
+
+
+def test_gather_dot_scores_bad_arguments_are_named():
+    src, rows, w, g = _case(*CASES[0])
+    with pytest.raises(ValueError, match="metric must be one of .* for lrmoe::gather_dot_scores; got 'random'"):
+        gather_dot_scores(src, rows, g, w, w, "random")
+    with pytest.raises(ValueError, match="gates_TK"):
+        gather_dot_scores(src, rows, g, w[:, :1], w, "lrm")
+    with pytest.raises(ValueError, match="phi_sq_TK"):
+        gather_dot_scores(src, rows, g, w, w.long(), "lrm")
+    with pytest.raises(ValueError, match="g_TC"):
+        gather_dot_scores(src, rows, g[:, :2], w, w, "lrm")
