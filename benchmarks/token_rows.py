@@ -4,7 +4,9 @@ gradient (GPU, bf16).
     PYTHONPATH=. python3 benchmarks/token_rows.py [--tokens 8192] [--top-k 8] [--dims 2048 4096] [--sweep]
 
 "sum" is gather_sum_rows with weights (the forward's combine: out[t] = sum_k w[t, k] * y[rows[t, k]]), "dot" is
-gather_dot_rows (the router gradient: out[t, k] = <g[t], y[rows[t, k]]>), with y [T*K, D] in expert order and
+gather_dot_rows (the router gradient: out[t, k] = <g[t], y[rows[t, k]]>), "dot + scores" gather_dot_scores (the
+same plus the pairs' "lrm" scores from that pass over g) against "dot, then scores" (gather_dot_rows, then
+score_pairs reading g again; bytes counted once for both), with y [T*K, D] in expert order and
 rows each pair's place there (random top-k routing over 128 experts, pairs sorted by expert, as the layers lay
 them out). Prints do_bench medians, the bandwidth over the bytes each must move (y once, plus out for "sum" and g
 for "dot"), the ratio to a clone of y timed in the same run (read + write: the reference for a streaming kernel)
@@ -31,7 +33,8 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true")
     args = parser.parse_args()
 
-    from lrmoe_kernels.token_rows import gather_dot_rows_triton, gather_sum_rows_triton
+    from lrmoe_kernels.scoring import score_pairs_triton
+    from lrmoe_kernels.token_rows import gather_dot_rows_triton, gather_dot_scores_triton, gather_sum_rows_triton
     from triton.testing import do_bench
 
     T, K = args.tokens, args.top_k
@@ -47,8 +50,15 @@ def main() -> None:
         w = torch.rand(T, K, generator=gen, device="cuda").to(torch.bfloat16)
         clone_ms = do_bench(lambda: y.clone(), return_mode="median")
         clone_bw = 2 * y.numel() * 2 / clone_ms / 1e9
+        phi_sq = torch.rand(T, K, generator=gen, device="cuda") * 4
         kernels = {"sum": (lambda **kw: gather_sum_rows_triton(y, rows_TK, w, **kw), (T * K + T) * D * 2),
-                   "dot": (lambda **kw: gather_dot_rows_triton(y, rows_TK, g, **kw), (T * K + T) * D * 2 + T * K * 4)}
+                   "dot": (lambda **kw: gather_dot_rows_triton(y, rows_TK, g, **kw), (T * K + T) * D * 2 + T * K * 4),
+                   "dot + scores": (lambda **kw: torch.cat(gather_dot_scores_triton(y, rows_TK, g, w, phi_sq, "lrm",
+                                                                                    **kw)),
+                                    (T * K + T) * D * 2 + T * K * (4 + 2 + 4 + 4)),
+                   "dot, then scores": (lambda **kw: torch.cat([gather_dot_rows_triton(y, rows_TK, g, **kw),
+                                                               score_pairs_triton(w, g, phi_sq, "lrm")]),
+                                        (T * K + T) * D * 2 + T * K * (4 + 2 + 4 + 4))}
         for name, (fn, nbytes) in kernels.items():
             want = fn()
             for blocks in [None] + (SWEEP if args.sweep else []):
