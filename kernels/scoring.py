@@ -34,6 +34,21 @@ def _is_finite(x):
 
 
 @triton.jit
+def _pair_scores(a, phi, g_sq, g_abs, METRIC: tl.constexpr):
+    """Pair scores from gates ``a``, phi_sq ``phi`` and their tokens' ||g||^2, ||g||_1 (fp32 blocks that broadcast
+    together), +inf where a gate, phi_sq, ||g||^2 or the product is not finite; the reference's operation order,
+    so the products round alike given the same norms. Both kernels that score pairs use it."""
+    if METRIC == 0:
+        s = a * a * g_sq * phi
+    elif METRIC == 1:
+        s = a * a * g_sq
+    else:
+        s = tl.abs(a) * g_abs
+    ok = _is_finite(s) & _is_finite(a) & _is_finite(phi) & _is_finite(g_sq)
+    return tl.where(ok, s, float("inf"))
+
+
+@triton.jit
 def _row_norms(row_T, ok_T, D, stride_d, METRIC: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
     """(sum of squares, sum of absolute values for METRIC 2 ("grad_abs") or 0) over the D columns of BLOCK_T rows
     starting at the pointers row_T, in fp32, in one pass: elementwise fp32 accumulators, reduced once after the loop
@@ -91,16 +106,7 @@ def _score_pairs_kernel(
         phi_ptr + t64_T[:, None] * stride_phi_t + k_K[None, :] * stride_phi_k, mask=mask_TK, other=0.0
     ).to(tl.float32)
 
-    # Same operation order as the reference, so the products round the same way given the same norms.
-    if METRIC == 0:
-        s_TK = a_TK * a_TK * g_sq_T[:, None] * phi_TK
-    elif METRIC == 1:
-        s_TK = a_TK * a_TK * g_sq_T[:, None]
-    else:
-        s_TK = tl.abs(a_TK) * g_abs_T[:, None]
-
-    ok_TK = _is_finite(s_TK) & _is_finite(a_TK) & _is_finite(phi_TK) & _is_finite(g_sq_T)[:, None]
-    s_TK = tl.where(ok_TK, s_TK, float("inf"))
+    s_TK = _pair_scores(a_TK, phi_TK, g_sq_T[:, None], g_abs_T[:, None], METRIC)
     tl.store(out_ptr + t64_T[:, None] * K + k_K[None, :], s_TK, mask=mask_TK)
 
 

@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from .launch import known_empty, launch
-from .scoring import METRIC_IDS, _is_finite
+from .scoring import METRIC_IDS, _pair_scores
 
 __all__ = ["gather_dot_rows_triton", "gather_dot_scores_triton", "gather_sum_rows_triton"]
 
@@ -119,16 +119,9 @@ def _gather_dot_scores_kernel(
     tl.store(out_ptr + t * K + k_K, dots_K, mask=k_ok_K)
     a_K = tl.load(gates_ptr + t * K + k_K, mask=k_ok_K, other=0.0).to(tl.float32)
     phi_K = tl.load(phi_ptr + t * K + k_K, mask=k_ok_K, other=0.0).to(tl.float32)
-    g_sq_K = tl.zeros((KP,), dtype=tl.float32) + g_sq  # the token's norms, one per pair
-    # The scoring kernel's operation order, so the products round alike given the same norms.
-    if METRIC == 0:
-        s_K = a_K * a_K * g_sq_K * phi_K
-    elif METRIC == 1:
-        s_K = a_K * a_K * g_sq_K
-    else:
-        s_K = tl.abs(a_K) * (tl.zeros((KP,), dtype=tl.float32) + g_abs)
-    ok_K = _is_finite(s_K) & _is_finite(a_K) & _is_finite(phi_K) & _is_finite(g_sq_K)
-    tl.store(score_ptr + t * K + k_K, tl.where(ok_K, s_K, float("inf")), mask=k_ok_K)
+    zeros_K = tl.zeros((KP,), dtype=tl.float32)  # the token's norms as blocks, one per pair
+    s_K = _pair_scores(a_K, phi_K, zeros_K + g_sq, zeros_K + g_abs, METRIC)
+    tl.store(score_ptr + t * K + k_K, s_K, mask=k_ok_K)
 
 
 def _check(src_NC: torch.Tensor, rows_TK: torch.Tensor) -> None:
