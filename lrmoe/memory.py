@@ -62,7 +62,7 @@ Backward (one device; W > 1 adds the payloads and the received and returned rows
                  gradient T*D*b, with every buffer above still live: the peak wherever the gradients dominate
     router_backward  after the expert function returns: gradients, router gradient, two T*D*b input gradients
                  (autograd adds the second into the first in place)
-On CUDA, a bf16 grouped GEMM with 8-aligned shapes first gathers its input rows into a buffer (``device_type``):
+On CUDA, a bf16 grouped GEMM with 8-aligned feature widths first gathers its input rows into a buffer (``device_type``):
 the phase of that GEMM counts it. Not modelled: other buffers inside one custom op (the selection's sort, GEMM
 workspaces), the allocator's rounding and fragmentation, the compiled path (Inductor plans its own buffers) and,
 with replicas, the buffers of the replica-gradient path back to the owners.
@@ -123,7 +123,7 @@ class MemoryConfig:
         gradients are held all step and the weight-gradient outputs are transients added into them. Gradients in
         a dtype other than ``param_dtype`` exist only outside autograd, so they need True.
     device_type: "cuda" (default) or "cpu", the grouped-GEMM kernels modelled: on CUDA, bf16 grouped GEMMs with
-        8-aligned shapes (torch._grouped_mm) first gather their input rows into a buffer; the Triton kernels
+        8-aligned feature widths (torch._grouped_mm) first gather their input rows into a buffer; the Triton kernels
         (other dtypes) and the CPU reference do not.
     """
 
