@@ -13,7 +13,7 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 from lrmoe_kernels.grouped_gemm import (
     _gpu_configs,
@@ -201,7 +201,6 @@ def test_values_outside_the_groups_never_leak():
     check_outer(a_RO, x_NI, rows_R, offsets_E)
 
 
-@settings()  # the profile's count (tests/conftest.py): 40 in CI, ~1 s in the interpreter
 def check_swiglu(x_NI, gate_up_EOI, rows_R, offsets_E, b_desc=None):
     """The fused gate/up + SwiGLU kernel: h as gather_grouped_mm gives it, phi as PyTorch computes it from that h
     in the same dtype (within the rounding the interpreter's truncating casts allow), ||phi||^2 of the rounded
@@ -240,6 +239,26 @@ def test_gather_grouped_swiglu_weight_paths(case, transposed, b_desc):
     x_NI, weight_EOI, _, rows_R, offsets_E = make_case(*case, dtype=torch.bfloat16, transposed=transposed)
     mode = _weight_operand(on_device(weight_EOI)[0], b_desc)[1]
     assert mode == (0 if b_desc is False else 1 if not transposed else 2)
+    check_swiglu(x_NI, weight_EOI, rows_R, offsets_E, b_desc=b_desc)
+
+
+@given(
+    sizes=st.sampled_from([1, 3]).flatmap(lambda E: st.lists(st.integers(0, 20), min_size=E, max_size=E)),
+    pad=st.integers(0, 3),
+    cut=st.integers(0, 4),
+    I=st.sampled_from([8, 24, 40]),
+    F=st.sampled_from([4, 8, 12, 20]),
+    N=st.integers(1, 9),
+    transposed=st.booleans(),
+    b_desc=st.sampled_from([None, False]),
+    seed=st.integers(0, 2**16),
+)
+def test_property_swiglu_equals_unfused(sizes, pad, cut, I, F, N, transposed, b_desc, seed):
+    """Either weight path, either layout (a transposed weight whose up columns start off TMA's 16-byte grid takes
+    the pointers), widths that cross tiles or not, empty and clipped groups, padding rows."""
+    cut = min(cut, sum(sizes) + pad)
+    x_NI, weight_EOI, _, rows_R, offsets_E = make_case(N, I, 2 * F, sizes, pad, cut, dtype=torch.bfloat16,
+                                                       transposed=transposed, seed=seed)
     check_swiglu(x_NI, weight_EOI, rows_R, offsets_E, b_desc=b_desc)
 
 
