@@ -8,7 +8,9 @@ them too (both per step). When host ≈ wall the step waits on the host (Python,
 token count the GPU work is negligible and host is the layer's pure launch cost. "GPU activities" counts the
 kernels and copies of one step (torch.profiler), i.e. the launches the host pays for.
 
---per-call adds where one custom op's host time goes: host microseconds per call of lrmoe::gather_sum_rows on a
+--cpu-table prints, per (tokens, retain), torch.profiler's host-side table over 5 steps: the ops with the most
+self CPU time (each lrmoe op's row includes its Python, the launcher's included). --per-call adds where one custom
+op's host time goes: host microseconds per call of lrmoe::gather_sum_rows on a
 tiny problem (256 tokens, K = 8, C = 2,048, bf16; the GPU work is negligible) through the op, the op with an input
 that requires grad, its CUDA kernel function called directly (no dispatcher), the Triton launcher, the bare
 ``kernel[grid]`` launch, and an aten index_select and empty for scale (300 calls a round, median of 5 rounds).
@@ -100,6 +102,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, nargs="+", default=[256, 8192])
     parser.add_argument("--retain", type=float, nargs="+", default=[1.0, 0.75, 0.5])
     parser.add_argument("--per-call", action="store_true", help="also one op's host time per call, by layer")
+    parser.add_argument("--cpu-table", action="store_true", help="also the ops with the most self CPU time")
     args = parser.parse_args()
     print(f"# eager LRMoE, {args.shape}, bf16, top selection, {torch.cuda.get_device_name()}, "
           f"torch {torch.__version__}")
@@ -113,6 +116,13 @@ def main() -> None:
                 torch.cuda.synchronize()
             launches = sum(e.count for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA)
             print(f"{tokens:>7} {retain:>6g} {host:>13.3f} {wall:>13.3f} {launches:>15}")
+            if args.cpu_table:
+                with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                    for _ in range(5):
+                        step()
+                    torch.cuda.synchronize()
+                print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30,
+                                                max_name_column_width=50))
     if args.per_call:
         per_call()
 
