@@ -10,10 +10,10 @@ kernels and copies of one step (torch.profiler), i.e. the launches the host pays
 
 --cpu-table prints, per (tokens, retain), torch.profiler's host-side table over 5 steps: the ops with the most
 self CPU time (each lrmoe op's row includes its Python, the launcher's included). --per-call adds where one custom
-op's host time goes: host microseconds per call of lrmoe::gather_sum_rows on a
-tiny problem (256 tokens, K = 8, C = 2,048, bf16; the GPU work is negligible) through the op, the op with an input
-that requires grad, its CUDA kernel function called directly (no dispatcher), the Triton launcher, the bare
-``kernel[grid]`` launch, and an aten index_select and empty for scale (300 calls a round, median of 5 rounds).
+op's host time goes: host microseconds per call of lrmoe::gather_sum_rows on a tiny problem (256 tokens, K = 8,
+C = 2,048, bf16; the GPU work is negligible) through the op, the op with an input that requires grad, its CUDA
+kernel function called directly (no dispatcher), the Triton launcher, the bare ``kernel[grid]`` launch, and an
+aten index_select and empty for scale (300 calls a round, median of 5 rounds).
 """
 
 from __future__ import annotations
