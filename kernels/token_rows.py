@@ -114,11 +114,12 @@ def _gather_dot_scores_kernel(
     t = tl.program_id(0).to(tl.int64)
     k_K = tl.arange(0, KP)
     k_ok_K = k_K < K
+    # Loaded before the sweep over g, so their latency hides behind it rather than adding to every program's tail.
+    a_K = tl.load(gates_ptr + t * K + k_K, mask=k_ok_K, other=0.0).to(tl.float32)
+    phi_K = tl.load(phi_ptr + t * K + k_K, mask=k_ok_K, other=0.0).to(tl.float32)
     dots_K, g_sq, g_abs = _dots_and_norms(src_ptr, rows_ptr, g_ptr, t, C, K, stride_sn, stride_gt, NORMS, KP,
                                           BLOCK_C)
     tl.store(out_ptr + t * K + k_K, dots_K, mask=k_ok_K)
-    a_K = tl.load(gates_ptr + t * K + k_K, mask=k_ok_K, other=0.0).to(tl.float32)
-    phi_K = tl.load(phi_ptr + t * K + k_K, mask=k_ok_K, other=0.0).to(tl.float32)
     zeros_K = tl.zeros((KP,), dtype=tl.float32)  # the token's norms as blocks, one per pair
     s_K = _pair_scores(a_K, phi_K, zeros_K + g_sq, zeros_K + g_abs, METRIC)
     tl.store(score_ptr + t * K + k_K, s_K, mask=k_ok_K)
@@ -197,7 +198,7 @@ def gather_dot_scores_triton(src_NC: torch.Tensor, rows_TK: torch.Tensor, g_TC: 
                              num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(gather_dot_rows_triton's out_TK, the pairs' fp32 scores as lrmoe_kernels.scoring computes them for a
     deterministic ``metric``) from one pass over g: the router gradient and the scores of the selective backward,
-    which both read all of g. Same blocks as gather_dot_rows_triton."""
+    which both read all of g. ``block_c``, ``num_warps`` as in gather_dot_rows_triton (other defaults, below)."""
     if metric not in METRIC_IDS:
         raise ValueError(f"metric must be one of {', '.join(map(repr, METRIC_IDS))}; got {metric!r}")
     _check(src_NC, rows_TK)
@@ -210,7 +211,11 @@ def gather_dot_scores_triton(src_NC: torch.Tensor, rows_TK: torch.Tensor, g_TC: 
     g_TC = g_TC if g_TC.stride(1) == 1 else g_TC.contiguous()
     rows_TK, gates_TK, phi_sq_TK = rows_TK.contiguous(), gates_TK.contiguous(), phi_sq_TK.contiguous()
     kp = triton.next_power_of_2(max(top_k, 1))
-    block_c = block_c or _block_c(src_NC.shape[1], src_NC.element_size(), kp, 16384)
+    # GPU: 8 KiB tiles (512 columns at K 8 in bf16), 2 warps, half of gather_dot_rows' tile. Measured (fourteenth
+    # session, benchmarks/token_rows.py --sweep, 12 shapes): 0.90 / 0.99 of a clone's bandwidth at D = 2,048 /
+    # 4,096 against 0.83 / 0.95 with 16 KiB; the next best, 16 KiB with 4 warps, 0.88 / 0.98 (gather_dot_rows
+    # itself is best at 16 KiB, 2 warps). sm_90 registers at the Qwen3 shape: 120 a thread here, 234 with 16 KiB.
+    block_c = block_c or _block_c(src_NC.shape[1], src_NC.element_size(), kp, 8192)
     launch(_gather_dot_scores_kernel, (n_tok,))(
         src_NC, rows_TK, g_TC, gates_TK, phi_sq_TK, out_TK, scores_TK,
         src_NC.shape[1], top_k,
