@@ -15,6 +15,7 @@ the backward equals plain autograd.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -40,7 +41,8 @@ from lrmoe.ops import (
 )
 from lrmoe.ops.scoring import DETERMINISTIC_METRICS
 
-__all__ = ["ACTIVATION_POLICIES", "ExpertPlan", "plan_experts", "retained_rows_bound", "selective_swiglu_experts"]
+__all__ = ["ACTIVATION_POLICIES", "ExpertPlan", "backward_capacity_rows", "plan_experts", "retained_rows_bound",
+           "selective_swiglu_experts"]
 
 ACTIVATION_POLICIES = ("save", "recompute", "offload")  # what forward keeps for backward (selective_swiglu_experts)
 
@@ -85,6 +87,34 @@ def retained_rows_bound(n_pairs: int, n_experts: int, retain: float) -> int:
     return min(n_pairs, int(retain * n_pairs) + n_experts)
 
 
+def backward_capacity_rows(n_tokens: int, top_k: int, n_experts: int, retain: float, factor: float) -> int:
+    """Rows per expert of the padded backward buffer that ``backward_capacity=factor`` gives: C = ceil(factor *
+    floor(retain * P) / E), the balanced quota times ``factor``, rounded up to a multiple of 8 (16-byte rows for the
+    batched GEMMs), and at most T (no expert is routed more than T pairs). Every expert keeps at most C pairs."""
+    budget = math.floor(retain * n_tokens * top_k)
+    rows = -(-math.ceil(factor * budget / n_experts) // 8) * 8
+    return max(1, min(n_tokens, rows))
+
+
+def _check_backward_capacity(backward_capacity: float | None, retain: float, quota_align: int,
+                             grouped_by_source: bool) -> None:
+    if backward_capacity is None:
+        return
+    if (isinstance(backward_capacity, bool) or not isinstance(backward_capacity, (int, float))
+            or not math.isfinite(backward_capacity) or backward_capacity <= 0):
+        raise ValueError(f"backward_capacity must be a positive finite float (times the balanced quota) or None, "
+                         f"got {backward_capacity!r}")
+    if retain >= 1.0:
+        raise ValueError("backward_capacity needs retain < 1: at retain 1 the backward keeps every pair, in groups "
+                         "of the routed loads")
+    if quota_align != 1:
+        raise ValueError(f"backward_capacity cannot be combined with quota_align={quota_align}: the capacity "
+                         "already gives every expert a whole block of rows; use quota_align=1")
+    if grouped_by_source:
+        raise ValueError("backward_capacity is per expert on one device: not with pairs grouped by (source, expert) "
+                         "(source_ids_T, or a plan with group_ids); expert parallelism has its own capacity_factor")
+
+
 def plan_experts(
     expert_ids_TK: torch.Tensor,
     num_experts: int,
@@ -98,6 +128,7 @@ def plan_experts(
     source_ids_T: torch.Tensor | None = None,
     num_sources: int = 1,
     quota_align: int = 1,
+    backward_capacity: float | None = None,
 ) -> ExpertPlan:
     """Loads, quotas and sampling uniforms for one single-device MoE layer step.
 
@@ -111,7 +142,13 @@ def plan_experts(
     expert parallelism uses when source s is EP rank s.
 
     ``quota_align``: plan_quotas' ``align`` (trimmed experts' quotas in multiples of it, same total).
+
+    ``backward_capacity``: every expert keeps at most C = ``backward_capacity_rows(T, K, E, retain,
+    backward_capacity)`` pairs (the plan's quotas clamped to C; what a clamped expert gives up is not handed to
+    the others, so fewer than floor(retain * P) pairs may be kept). Needs retain < 1, ``quota_align`` 1 and pairs
+    grouped by expert.
     """
+    _check_backward_capacity(backward_capacity, retain, quota_align, source_ids_T is not None)
     uniform = None
     if source_ids_T is None:
         loads = expert_loads(expert_ids_TK, num_experts)
@@ -130,6 +167,9 @@ def plan_experts(
         loads = loads.view(num_sources, num_experts)
         group_ids_TK = expert_ids_TK.long() * num_sources + src_T1
     quotas = plan_quotas(loads, retain, min_retain=min_retain, policy=policy, align=quota_align)
+    if backward_capacity is not None:
+        n_tok, top_k = expert_ids_TK.shape
+        quotas = quotas.clamp(max=backward_capacity_rows(n_tok, top_k, num_experts, retain, backward_capacity))
     if draw_uniform and selection == "sample" and retain < 1.0:
         uniform = torch.rand(loads.shape, generator=generator, device=expert_ids_TK.device)
     return ExpertPlan(loads=loads, quotas=quotas, uniform=uniform, group_ids=group_ids_TK)
@@ -154,6 +194,7 @@ def selective_swiglu_experts(
     num_sources: int = 1,
     activations: str = "save",
     quota_align: int = 1,
+    backward_capacity: float | None = None,
 ) -> torch.Tensor:
     """out_TD = sum_k gates[t, k] * SwiGLU_{expert_ids[t, k]}(x_t), with the selective backward.
 
@@ -180,6 +221,14 @@ def selective_swiglu_experts(
             "recompute" without its GEMM, for P*2F elements over PCIe in forward and M*2F in backward. The same
             gradients for all three; "offload" reads back the very values "save" keeps, so its gradients are
             bit-identical to those of "save".
+        backward_capacity: None (default), or a positive factor: the backward's rows are laid out as E blocks of
+            C = ``backward_capacity_rows(T, K, E, retain, backward_capacity)`` rows (each expert's kept pairs, then
+            zero padding), and its four GEMMs run as batched GEMMs (torch.bmm) over E instead of grouped GEMMs. Each
+            expert keeps at most C pairs (the quotas, planned here or given, are clamped to C). Pays where every
+            expert's quota is near C (a balanced router): padding costs GEMM work and memory, clamping costs kept
+            pairs. Needs retain < 1, ``quota_align`` 1 and pairs grouped by expert. A padding row reads the output
+            gradient of one real token times 0: an inf or NaN there makes the padded experts' weight gradients NaN
+            (the gradients are not finite in that step anyway).
 
     Returns: out_TD, dtype of x.
     """
@@ -193,6 +242,8 @@ def selective_swiglu_experts(
     check_choice("selection", selection, MODES)
     check_choice("policy", policy, POLICIES)
     check_choice("activations", activations, ACTIVATION_POLICIES)
+    _check_backward_capacity(backward_capacity, retain, quota_align,
+                             source_ids_T is not None or (plan is not None and plan.group_ids is not None))
     n_exp, two_f, dim = gate_up_EFD.shape
     if dim != x_TD.shape[1] or two_f % 2:
         raise ValueError(f"gate_up_EFD must be [E, 2F, D={x_TD.shape[1]}], got {tuple(gate_up_EFD.shape)}")
@@ -214,11 +265,17 @@ def selective_swiglu_experts(
             generator=generator, source_ids_T=source_ids_T, num_sources=num_sources, quota_align=quota_align,
         )
     quotas_G, uniform_G, group_ids_P = _flat_groups(plan, n_exp, expert_ids_TK.shape)
+    capacity = None
+    if backward_capacity is not None:
+        n_tok, top_k = expert_ids_TK.shape
+        capacity = backward_capacity_rows(n_tok, top_k, n_exp, retain, backward_capacity)
+        quotas_G = quotas_G.clamp(max=capacity)  # a given plan may keep more than a block holds
     differentiable = (x_TD, gate_up_EFD, down_EDF, gates_TK, stats_probe)
     if activations == "offload" and not (torch.is_grad_enabled() and any(t is not None and t.requires_grad
                                                                          for t in differentiable)):
         activations = "recompute"  # no backward will run: nothing to keep, so no copy to the host either
-    cfg = _Config(retain=retain, metric=metric, selection=selection, generator=generator, activations=activations)
+    cfg = _Config(retain=retain, metric=metric, selection=selection, generator=generator, activations=activations,
+                  capacity=capacity)
     return _SelectiveSwiGLU.apply(
         x_TD, gate_up_EFD, down_EDF, gates_TK, expert_ids_TK, quotas_G, uniform_G, stats_probe, cfg, group_ids_P
     )
@@ -251,6 +308,7 @@ class _Config:
     selection: str
     generator: torch.Generator | None
     activations: str = "save"
+    capacity: int | None = None  # rows per expert of the padded backward layout (backward_capacity), or None
 
 
 def router_gradient(g_TD: torch.Tensor, y_ND: torch.Tensor, rows_TK: torch.Tensor) -> torch.Tensor:
@@ -328,6 +386,28 @@ def retained_dy(
     return gather_scale_rows(g_TD, tok_R, coef_R), tok_R, safe_R
 
 
+def pad_to_blocks(pair_R: torch.Tensor, weight_R: torch.Tensor, offsets_E: torch.Tensor,
+                  capacity: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The selection's compact rows (grouped by expert, group e ending at offsets_E[e]) laid out as E blocks of
+    ``capacity`` rows: block e holds expert e's rows in their order, then padding (pair -1, weight 0). Returns
+    (pair_ids [E * C], weights [E * C], offsets (e + 1) * C as int32). Every group must hold at most C rows (the
+    caller clamps the quotas); rows past the last offset are padding already. Index arithmetic on the device,
+    no sync."""
+    n_exp, n_rows = offsets_E.shape[0], pair_R.shape[0]
+    ends_E = offsets_E.long()
+    starts_E = ends_E - torch.diff(ends_E, prepend=ends_E.new_zeros(1))
+    row_R = torch.arange(n_rows, device=pair_R.device)
+    expert_R = torch.searchsorted(ends_E, row_R, right=True)  # E for rows past the last offset
+    in_group_R = expert_R < n_exp
+    safe_R = expert_R.clamp(max=n_exp - 1)
+    dest_R = torch.where(in_group_R, safe_R * capacity + row_R - starts_E.index_select(0, safe_R), n_exp * capacity)
+    n_pad = n_exp * capacity
+    pair_pad = pair_R.new_full((n_pad + 1,), -1).index_copy_(0, dest_R, torch.where(in_group_R, pair_R, -1))
+    weight_pad = weight_R.new_zeros(n_pad + 1).index_copy_(0, dest_R, torch.where(in_group_R, weight_R, 0.0))
+    offsets_pad = torch.arange(1, n_exp + 1, device=pair_R.device, dtype=torch.int32) * capacity
+    return pair_pad[:n_pad], weight_pad[:n_pad], offsets_pad
+
+
 def saved_h(h_NF2: torch.Tensor, activations: str) -> torch.Tensor | None:
     """What forward keeps of the gate/up projection (both layers): h itself ("save"), nothing ("recompute"), or
     its pinned host copy ("offload"). Called as soon as h exists, so the copy to the host overlaps the rest of the
@@ -360,6 +440,7 @@ def expert_rows_backward(
     h_index_R: torch.Tensor | None,
     needs: tuple[bool, bool, bool] = (True, True, True),
     h_on_host: bool = False,
+    group_rows: int | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """The compact expert backward over retained rows, grouped by expert (``offsets_E``): shared by the
     single-device and the expert-parallel layer.
@@ -371,7 +452,12 @@ def expert_rows_backward(
     these rows crossing the link), or recomputed from that input when ``h_saved`` is None ("recompute": one
     grouped GEMM over the kept rows). dphi comes first, so that phi and dh come out of one pass over h. ``needs`` = (dx,
     gate/up grad, down grad). Returns (dx_RD, grad_gate_up_EFD, grad_down_EDF), None where not needed.
+
+    ``group_rows`` = C: the rows are E blocks of C (``pad_to_blocks``), and the GEMMs run as torch.bmm over E.
     """
+    if group_rows is not None:
+        return _blocked_rows_backward(dy, x_ND, src_rows_R, gate_up_EFD, down_EDF, h_saved, h_index_R, needs,
+                                      h_on_host, group_rows)
     dy_RD = dy.pop()
     # The rows' h: the saved h read in place through the row index ("save"), or a buffer of just these rows.
     h_rows_R = None
@@ -390,6 +476,36 @@ def expert_rows_backward(
     del dy_RD, phi_RF
     grad_gu = grouped_outer(dh_RF2, x_ND, src_rows_R, offsets_E) if need_gu else None
     dx_RD = gather_grouped_mm(dh_RF2, gate_up_EFD.transpose(1, 2), None, offsets_E) if need_x else None
+    return dx_RD, grad_gu, grad_down
+
+
+def _blocked_rows_backward(dy, x_ND, src_rows_R, gate_up_EFD, down_EDF, h_saved, h_index_R, needs, h_on_host,
+                           n_rows):
+    """expert_rows_backward over E blocks of ``n_rows`` rows: the same steps, each GEMM a torch.bmm on [E, C, .]
+    views (the row buffers are contiguous), the inputs' rows gathered once for the weight gradient (and the
+    recomputed h)."""
+    n_exp, dim = gate_up_EFD.shape[0], x_ND.shape[1]
+    dy_ECD = dy.pop().view(n_exp, n_rows, dim)
+    need_x, need_gu, need_down = needs
+    x_rows_ECD = None
+    if h_saved is None or need_gu:
+        x_rows_ECD = x_ND.index_select(0, src_rows_R).view(n_exp, n_rows, dim)
+    h_rows_R = None
+    if h_saved is None:
+        h_src = torch.bmm(x_rows_ECD, gate_up_EFD.transpose(1, 2)).view(n_exp * n_rows, -1)
+    elif h_on_host:
+        h_src = gather_host_rows(h_saved, h_index_R)
+    else:
+        h_src, h_rows_R = h_saved, h_index_R
+    dphi_RF = torch.bmm(dy_ECD, down_EDF).view(n_exp * n_rows, -1)
+    dh_RF2, phi_RF = swiglu_backward(h_src, h_rows_R, dphi_RF)
+    del h_src, dphi_RF
+    grad_down = torch.bmm(dy_ECD.transpose(1, 2), phi_RF.view(n_exp, n_rows, -1)) if need_down else None
+    del dy_ECD, phi_RF
+    dh_ECF2 = dh_RF2.view(n_exp, n_rows, -1)
+    grad_gu = torch.bmm(dh_ECF2.transpose(1, 2), x_rows_ECD) if need_gu else None
+    del x_rows_ECD
+    dx_RD = torch.bmm(dh_ECF2, gate_up_EFD).view(n_exp * n_rows, dim) if need_x else None
     return dx_RD, grad_gu, grad_down
 
 
@@ -460,13 +576,19 @@ class _SelectiveSwiGLU(torch.autograd.Function):
                 groups_P, group_order_P, group_ends_G = expert_ids_TK.reshape(-1), order_P, offsets_E
             else:
                 groups_P, group_order_P, group_ends_G = group_ids_P, None, None
+            max_rows = retained_rows_bound(n_pairs, n_exp, cfg.retain)
+            if cfg.capacity is not None:  # every quota is at most C, so the E blocks hold every kept pair
+                max_rows = min(n_pairs, n_exp * cfg.capacity)
             sel, mass_kept = select_retained(
-                gates_TK, g_TD, phi_sq_TK, groups_P, quotas_G, retained_rows_bound(n_pairs, n_exp, cfg.retain),
+                gates_TK, g_TD, phi_sq_TK, groups_P, quotas_G, max_rows,
                 metric=cfg.metric, selection=cfg.selection, generator=cfg.generator, uniform_G=uniform_G,
                 group_order_P=group_order_P, group_ends_G=group_ends_G, scores_P=scores_P,
             )
             pair_R, weight_R = sel.pair_ids, sel.weights
             off_E = sel.offsets.view(n_exp, -1)[:, -1]
+        n_kept = off_E[-1]
+        if cfg.capacity is not None:
+            pair_R, weight_R, off_E = pad_to_blocks(pair_R, weight_R, off_E, cfg.capacity)
 
         dy_RD, tok_R, safe_R = retained_dy(g_TD, gates_TK, pair_R, weight_R, x_TD.dtype)
         dy = [dy_RD]
@@ -475,10 +597,11 @@ class _SelectiveSwiGLU(torch.autograd.Function):
             dy, x_TD, tok_R, off_E, gate_up_EFD, down_EDF, h_saved=h_saved,
             h_index_R=None if h_saved is None else inv_P.index_select(0, safe_R),
             needs=tuple(ctx.needs_input_grad[:3]), h_on_host=cfg.activations == "offload",
+            group_rows=cfg.capacity,
         )
         grad_x = None if dx_RD is None else sum_rows_per_token(dx_RD, pair_R, n_tok, top_k)
 
         grad_probe = None
         if ctx.has_probe:
-            grad_probe = torch.stack([mass_kept.float(), off_E[-1].float(), torch.ones_like(mass_kept)])
+            grad_probe = torch.stack([mass_kept.float(), n_kept.float(), torch.ones_like(mass_kept)])
         return grad_x, grad_gu, grad_down, grad_gates_TK, None, None, None, grad_probe, None, None

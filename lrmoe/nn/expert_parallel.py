@@ -731,6 +731,11 @@ class ExpertParallel(ParallelStyle):
             raise TypeError(f"ExpertParallel applies to lrmoe.nn.LRMoE layers, got {type(module).__name__}")
         if isinstance(module, _ExpertParallelMixin):
             raise ValueError("this LRMoE layer is already expert-parallel")
+        if module.backward_capacity is not None:
+            raise ValueError(
+                f"backward_capacity={module.backward_capacity} is the single-device layer's per-expert capacity; "
+                "expert parallelism bounds each rank's backward rows with ExpertParallel(capacity_factor=...)"
+            )
         if module.quota_align != 1 and self.replication.capacity_factor is not None:
             raise ValueError(
                 f"quota_align={module.quota_align} with capacity_factor={self.replication.capacity_factor}: aligned "

@@ -13,7 +13,13 @@ import torch
 from torch import nn
 
 from lrmoe.functional._checks import check_choice, check_retain
-from lrmoe.functional.experts import ACTIVATION_POLICIES, N_BACKWARD_STATS, plan_experts, selective_swiglu_experts
+from lrmoe.functional.experts import (
+    ACTIVATION_POLICIES,
+    N_BACKWARD_STATS,
+    _check_backward_capacity,
+    plan_experts,
+    selective_swiglu_experts,
+)
 from lrmoe.functional.quotas import POLICIES
 from lrmoe.functional.routing import route_topk
 from lrmoe.functional.scoring import METRICS
@@ -79,6 +85,10 @@ class LRMoE(nn.Module):
         quota_align: backward quotas of trimmed experts in multiples of this many pairs, the same total
             (plan_quotas' ``align``); 128 fills torch._grouped_mm's row tiles on an H200. 1: the plain plan.
             Expert parallelism aligns each instance's quota (not with its capacity_factor).
+        backward_capacity: None, or a positive factor: every expert keeps at most C = the balanced quota
+            floor(retain * P) / E times this factor (rounded up to 8 rows) in backward, and the backward runs on E
+            blocks of C rows, zero-padded, with batched GEMMs (selective_swiglu_experts says more). For balanced
+            routers; needs retain < 1 and quota_align 1; one device only (expert parallelism has capacity_factor).
 
     Input [..., dim] -> output of the same shape and dtype.
     """
@@ -100,6 +110,7 @@ class LRMoE(nn.Module):
         generator: torch.Generator | None = None,
         activations: str = "save",
         quota_align: int = 1,
+        backward_capacity: float | None = None,
     ):
         super().__init__()
         for name, value in (("dim", dim), ("hidden_dim", hidden_dim), ("num_experts", num_experts),
@@ -118,6 +129,8 @@ class LRMoE(nn.Module):
         self.retain, self.metric, self.selection, self.policy = retain, metric, selection, policy
         self.min_retain, self.score_func, self.norm_topk_prob = min_retain, score_func, norm_topk_prob
         self.generator, self.activations, self.quota_align = generator, activations, quota_align
+        _check_backward_capacity(backward_capacity, retain, quota_align, grouped_by_source=False)
+        self.backward_capacity = backward_capacity
 
         self.gate = nn.Linear(dim, num_experts, bias=False)
         self.experts = SwiGLUExperts(num_experts, dim, hidden_dim)
@@ -157,7 +170,7 @@ class LRMoE(nn.Module):
         plan = plan_experts(
             routing.expert_ids, self.num_experts, retain=self.retain, min_retain=self.min_retain,
             policy=self.policy, selection=self.selection, generator=self.generator, draw_uniform=probe is not None,
-            quota_align=self.quota_align,
+            quota_align=self.quota_align, backward_capacity=self.backward_capacity,
         )
         with torch.no_grad():
             self.last_loads.copy_(plan.loads)
@@ -166,7 +179,7 @@ class LRMoE(nn.Module):
             x_TD, self.experts.gate_up_proj, self.experts.down_proj, routing.expert_ids,
             routing.gates.to(x.dtype), retain=self.retain, metric=self.metric, selection=self.selection,
             policy=self.policy, min_retain=self.min_retain, plan=plan, generator=self.generator,
-            stats_probe=probe, activations=self.activations,
+            stats_probe=probe, activations=self.activations, backward_capacity=self.backward_capacity,
         )
         return out_TD.view(x.shape)
 

@@ -8,14 +8,15 @@ import torch
 from lrmoe.nn import LRMoE
 
 
-@pytest.mark.parametrize("selection, activations, quota_align",
-                         [("top", "save", 1), ("sample", "save", 1), ("top", "recompute", 1), ("top", "offload", 1),
-                          ("top", "save", 8)])
-def test_compiled_equals_eager_at_retain_075(selection, activations, quota_align, fwd_bwd):
+@pytest.mark.parametrize("selection, activations, quota_align, backward_capacity",
+                         [("top", "save", 1, None), ("sample", "save", 1, None), ("top", "recompute", 1, None),
+                          ("top", "offload", 1, None), ("top", "save", 8, None), ("top", "save", 1, 2.0),
+                          ("sample", "recompute", 1, 2.0)])
+def test_compiled_equals_eager_at_retain_075(selection, activations, quota_align, backward_capacity, fwd_bwd):
     torch._dynamo.reset()
     torch.manual_seed(0)
     layer = LRMoE(32, 24, 8, 2, retain=0.75, selection=selection, activations=activations,
-                  quota_align=quota_align)
+                  quota_align=quota_align, backward_capacity=backward_capacity)
     x, c = torch.randn(4, 16, 32), torch.randn(4, 16, 32)
     compiled = torch.compile(layer, fullgraph=True)
     # Inductor draws random numbers its own way; fallback_random makes it use eager's RNG, so "sample" draws

@@ -11,11 +11,12 @@ from lrmoe.nn import LRMoE
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
-@pytest.mark.parametrize("retain, selection", [(1.0, "top"), (0.75, "top")])
-def test_cuda_fp32_equals_cpu(retain, selection, fwd_bwd):
+@pytest.mark.parametrize("retain, selection, backward_capacity", [(1.0, "top", None), (0.75, "top", None),
+                                                                   (0.75, "top", 1.5)])
+def test_cuda_fp32_equals_cpu(retain, selection, backward_capacity, fwd_bwd):
     torch.manual_seed(0)
-    cpu = LRMoE(32, 24, 8, 2, retain=retain, selection=selection)
-    gpu = LRMoE(32, 24, 8, 2, retain=retain, selection=selection).cuda()
+    cpu = LRMoE(32, 24, 8, 2, retain=retain, selection=selection, backward_capacity=backward_capacity)
+    gpu = LRMoE(32, 24, 8, 2, retain=retain, selection=selection, backward_capacity=backward_capacity).cuda()
     gpu.load_state_dict(cpu.state_dict())
     x, c = torch.randn(96, 32), torch.randn(96, 32)
     for a, b in zip(fwd_bwd(gpu, x.cuda(), c.cuda()), fwd_bwd(cpu, x, c)):
@@ -75,11 +76,13 @@ def test_cuda_compile_fullgraph_matches_eager(dtype, retain, tol, fwd_bwd):
 
 @pytest.mark.parametrize("compiled", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("retain, selection", [(1.0, "sample"), (0.75, "sample"), (0.5, "top")])
-def test_no_host_sync_in_forward_backward(dtype, retain, selection, compiled):
+@pytest.mark.parametrize("retain, selection, backward_capacity",
+                         [(1.0, "sample", None), (0.75, "sample", None), (0.5, "top", None), (0.75, "top", 1.25)])
+def test_no_host_sync_in_forward_backward(dtype, retain, selection, backward_capacity, compiled):
     torch._dynamo.reset()
     torch.manual_seed(0)
-    layer = LRMoE(128, 64, 16, 4, retain=retain, selection=selection).cuda().to(dtype)
+    layer = LRMoE(128, 64, 16, 4, retain=retain, selection=selection,
+                  backward_capacity=backward_capacity).cuda().to(dtype)
     fn = torch.compile(layer, fullgraph=True) if compiled else layer  # compiled: the kernels inlined in the graph
     x = torch.randn(512, 128, device="cuda", dtype=dtype, requires_grad=True)
     fn(x).sum().backward()  # first call: lazy initialisation and kernel compilation may synchronise

@@ -175,6 +175,8 @@ def _configurations(rank, world):
         parallelize_module(torch.nn.Linear(D, D), mesh, ExpertParallel())
     with pytest.raises(ValueError, match="quota_align"):  # aligned steps and capacities do not mix
         parallelize_module(LRMoE(D, FF, E, K, quota_align=8), mesh, ExpertParallel(capacity_factor=1.5))
+    with pytest.raises(ValueError, match="backward_capacity"):  # one device's per-expert blocks: not under EP
+        parallelize_module(LRMoE(D, FF, E, K, retain=0.5, backward_capacity=1.0), mesh, ExpertParallel())
     # activations="recompute" (h not saved, recomputed for the kept rows) gives the gradients of "save";
     # "offload" (h kept in host memory, the kept rows read back) gives them bit for bit.
     torch.manual_seed(0)

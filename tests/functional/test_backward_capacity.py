@@ -1,0 +1,135 @@
+"""``backward_capacity``: the selective backward on E zero-padded blocks of C rows with batched GEMMs gives the
+gradients of the grouped backward with the same kept pairs (every quota clamped to C)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from lrmoe.functional.experts import (
+    ExpertPlan,
+    backward_capacity_rows,
+    pad_to_blocks,
+    plan_experts,
+    selective_swiglu_experts,
+)
+from lrmoe.nn import LRMoE
+
+
+def _problem(T, D, F, E, K, skew, seed, dtype=torch.float64):
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(T, E, generator=gen) + skew * torch.linspace(0, 3, E)  # skew > 0: hot last experts
+    gates, ids = logits.softmax(-1).topk(K, dim=-1)
+    x = torch.randn(T, D, generator=gen, dtype=dtype)
+    w_gu = torch.randn(E, 2 * F, D, generator=gen, dtype=dtype) / D**0.5
+    w_d = torch.randn(E, D, F, generator=gen, dtype=dtype) / F**0.5
+    return x, w_gu, w_d, ids, gates.to(dtype)
+
+
+def _grads(x, w_gu, w_d, ids, gates, g, **kw):
+    leaves = [t.detach().clone().requires_grad_(True) for t in (x, w_gu, w_d, gates)]
+    out = selective_swiglu_experts(leaves[0], leaves[1], leaves[2], ids, leaves[3], **kw)
+    out.backward(g)
+    return [out.detach()] + [t.grad for t in leaves]
+
+
+@pytest.mark.parametrize("selection", ["top", "sample"])
+@pytest.mark.parametrize("activations", ["save", "recompute", "offload"])
+@pytest.mark.parametrize("skew, factor", [(0.0, 3.0), (2.0, 1.0)])
+def test_blocked_backward_equals_the_grouped_one_with_the_clamped_plan(selection, activations, skew, factor):
+    # skew 0 with a roomy factor: no quota reaches C, the plans are the same. skew 2 with factor 1: the hot
+    # experts' quotas are clamped to C, and the grouped backward is given the same clamped plan.
+    T, D, F, E, K, retain = 48, 16, 12, 6, 2, 0.5
+    x, w_gu, w_d, ids, gates = _problem(T, D, F, E, K, skew, seed=3)
+    g = torch.randn(T, D, dtype=x.dtype, generator=torch.Generator().manual_seed(4))
+    plan = plan_experts(ids, E, retain=retain, selection=selection, generator=torch.Generator().manual_seed(5))
+    cap = backward_capacity_rows(T, K, E, retain, factor)
+    clamped = ExpertPlan(loads=plan.loads, quotas=plan.quotas.clamp(max=cap), uniform=plan.uniform)
+    assert bool((plan.quotas > cap).any()) == (skew > 0)  # the two cases are the ones the comment names
+    kw = dict(retain=retain, selection=selection, activations=activations)
+    want = _grads(x, w_gu, w_d, ids, gates, g, plan=clamped, **kw)
+    got = _grads(x, w_gu, w_d, ids, gates, g, plan=plan, backward_capacity=factor, **kw)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+def test_layer_plans_clamped_quotas_and_counts_the_kept_pairs():
+    torch.manual_seed(0)
+    T, D, F, E, K, retain, factor = 64, 16, 12, 8, 2, 0.75, 1.0
+    layer = LRMoE(D, F, E, K, retain=retain, selection="top", backward_capacity=factor)
+    with torch.no_grad():  # route most tokens to expert 0, so that its quota would pass C
+        layer.gate.weight[0] = 0.0
+        layer.gate.weight[0, 0] = 20.0
+    x = torch.randn(T, D)
+    x[:, 0] = x[:, 0].abs() + 1.0
+    layer(x).sum().backward()
+    stats = layer.stats()
+    cap = backward_capacity_rows(T, K, E, retain, factor)
+    assert int(stats.loads[0]) > cap and int(stats.quotas.max()) == cap  # clamped where the plan wanted more
+    assert bool((stats.quotas <= stats.loads).all())
+    # The probe counts the pairs kept, not the padded rows: the plan's (clamped) total, below floor(retain * P).
+    kept = layer._stats_probe.grad[1]
+    assert int(kept) == int(stats.quotas.sum()) < math.floor(retain * T * K)
+
+
+@given(counts=st.lists(st.integers(0, 5), min_size=1, max_size=6), tail=st.integers(0, 4), extra=st.integers(0, 3))
+def test_pad_to_blocks_puts_each_group_first_in_its_block(counts, tail, extra):
+    cap = max(counts) + extra
+    if cap == 0:
+        cap = 1
+    n_rows = sum(counts) + tail
+    pair_R = torch.cat([torch.randperm(100)[: sum(counts)], torch.full((tail,), -1)])
+    weight_R = torch.cat([torch.rand(sum(counts)) + 0.5, torch.zeros(tail)])
+    offsets_E = torch.tensor(counts).cumsum(0).int()
+    pair_B, weight_B, off_B = pad_to_blocks(pair_R, weight_R, offsets_E, cap)
+    assert pair_B.shape == weight_B.shape == (len(counts) * cap,) and n_rows == pair_R.shape[0]
+    assert off_B.tolist() == [cap * (e + 1) for e in range(len(counts))] and off_B.dtype == torch.int32
+    start = 0
+    for e, n in enumerate(counts):
+        block = slice(e * cap, (e + 1) * cap)
+        assert pair_B[block][:n].tolist() == pair_R[start:start + n].tolist()
+        assert torch.equal(weight_B[block][:n], weight_R[start:start + n])
+        assert (pair_B[block][n:] == -1).all() and (weight_B[block][n:] == 0).all()
+        start += n
+
+
+@given(T=st.integers(1, 300), K=st.integers(1, 8), E=st.integers(1, 64), retain=st.floats(0.01, 0.99),
+       factor=st.floats(0.1, 4.0))
+def test_capacity_rows_hold_the_scaled_balanced_quota_in_whole_steps_of_8(T, K, E, retain, factor):
+    K = min(K, E)
+    rows = backward_capacity_rows(T, K, E, retain, factor)
+    balanced = factor * math.floor(retain * T * K) / E
+    assert 1 <= rows <= T and rows >= min(T, balanced) - 1e-9
+    if rows < T and balanced > 0:  # a whole number of 8-row steps, less than one step above the balanced quota
+        assert rows % 8 == 0 and rows < balanced + 8
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(backward_capacity=0.0), "backward_capacity must be a positive"),
+    (dict(backward_capacity=float("nan")), "backward_capacity must be a positive"),
+    (dict(backward_capacity=True), "backward_capacity must be a positive"),
+    (dict(backward_capacity=1.0, retain=1.0), "needs retain < 1"),
+    (dict(backward_capacity=1.0, quota_align=8), "quota_align"),
+])
+def test_bad_backward_capacity_is_refused_by_the_layer_and_the_function(kwargs, match):
+    kwargs = {"retain": 0.5, **kwargs}
+    with pytest.raises(ValueError, match=match):
+        LRMoE(16, 12, 6, 2, **kwargs)
+    x, w_gu, w_d, ids, gates = _problem(8, 16, 12, 6, 2, 0.0, seed=0)
+    with pytest.raises(ValueError, match=match):
+        selective_swiglu_experts(x, w_gu, w_d, ids, gates, **kwargs)
+
+
+def test_backward_capacity_is_refused_with_pairs_grouped_by_source():
+    x, w_gu, w_d, ids, gates = _problem(8, 16, 12, 6, 2, 0.0, seed=0)
+    sources = torch.arange(8) % 2
+    with pytest.raises(ValueError, match="per expert on one device"):
+        selective_swiglu_experts(x, w_gu, w_d, ids, gates, retain=0.5, backward_capacity=1.0, source_ids_T=sources,
+                                 num_sources=2)
+    plan = plan_experts(ids, 6, retain=0.5, source_ids_T=sources, num_sources=2)
+    with pytest.raises(ValueError, match="per expert on one device"):
+        selective_swiglu_experts(x, w_gu, w_d, ids, gates, retain=0.5, backward_capacity=1.0, plan=plan)
