@@ -79,7 +79,7 @@ from dataclasses import dataclass
 import torch
 
 from lrmoe.functional._checks import check_choice, check_retain
-from lrmoe.functional.experts import retained_rows_bound
+from lrmoe.functional.experts import backward_capacity_rows, retained_rows_bound
 
 __all__ = [
     "ACTIVATION_POLICIES",
@@ -203,16 +203,24 @@ class Rows:
             raise ValueError(f"retained rows cannot exceed routed rows: {self}")
 
 
-def balanced_rows(config: MemoryConfig, retain: float, recv: int | None = None) -> Rows:
+def balanced_rows(config: MemoryConfig, retain: float, recv: int | None = None,
+                  backward_capacity: float | None = None) -> Rows:
     """Rows under the static bounds the code uses: N = ``recv`` (default P, a balanced dispatch),
     R = min(P, floor(retain P) + E) and M = min(N, floor(retain N) + L) (``retained_rows_bound``; on one device
-    R = M is exactly the backward buffer's size)."""
+    R = M is exactly the backward buffer's size). ``backward_capacity`` (one device, LRMoE's): R = M = E * C,
+    the padded blocks (``backward_capacity_rows``)."""
     check_retain(retain)
     n_pairs = config.pairs
     if config.world_size == 1:
         if recv is not None and recv != n_pairs:
             raise ValueError(f"on one device the forward rows are the pairs P={n_pairs}, got recv={recv}")
         rows = retained_rows_bound(n_pairs, config.num_experts, retain)
+        if backward_capacity is not None:
+            rows = config.num_experts * backward_capacity_rows(config.tokens, config.top_k, config.num_experts,
+                                                               retain, backward_capacity)
+            if rows > n_pairs:
+                raise ValueError(f"backward_capacity={backward_capacity} gives E * C = {rows} backward rows, more "
+                                 f"than the P = {n_pairs} pairs; the model does not cover blocks larger than P")
         return Rows(pairs=n_pairs, recv=n_pairs, sent_retained=rows, recv_retained=rows)
     recv = n_pairs if recv is None else recv
     return Rows(
@@ -321,6 +329,7 @@ def layer_memory(
     replicas: int = 0,
     policy: str = "save",
     rows: Rows | None = None,
+    backward_capacity: float | None = None,
 ) -> LayerMemory:
     """Model the bytes of one layer step on one rank.
 
@@ -330,6 +339,8 @@ def layer_memory(
         replicas: extra expert instances this rank holds (W > 1 only).
         policy: activation policy, "save", "recompute" or "offload" (LRMoE's ``activations``).
         rows: row counts, e.g. from :func:`rows_from_plan`; default :func:`balanced_rows`.
+        backward_capacity: LRMoE's (one device): the backward on E blocks of C rows with batched GEMMs; the
+            default rows are then E * C.
     """
     check_retain(retain)
     check_choice("policy", policy, ACTIVATION_POLICIES)
@@ -337,7 +348,9 @@ def layer_memory(
         raise ValueError(f"replicas must be a non-negative int, got {replicas!r}")
     if replicas and config.world_size == 1:
         raise ValueError("replicas need expert parallelism (world_size > 1): on one device every expert is local")
-    rows = balanced_rows(config, retain) if rows is None else rows
+    if backward_capacity is not None and config.world_size > 1:
+        raise ValueError("backward_capacity is the single-device layer's (world_size 1)")
+    rows = balanced_rows(config, retain, backward_capacity=backward_capacity) if rows is None else rows
     if rows.pairs != config.pairs:
         raise ValueError(f"rows.pairs={rows.pairs} must equal tokens * top_k = {config.pairs}")
     if config.world_size == 1 and not (rows.recv == rows.pairs and rows.sent_retained == rows.recv_retained):
@@ -362,7 +375,8 @@ def layer_memory(
         saved=saved,
         offloaded=offloaded,
         forward_phases=_forward_phases(config, rows, b, policy, saved),
-        backward_phases=_backward_phases(config, rows, retain, b, policy, replicas),
+        backward_phases=_backward_phases(config, rows, retain, b, policy, replicas,
+                                         blocked=backward_capacity is not None),
         rows=rows,
         replicas=replicas,
         retain=retain,
@@ -471,7 +485,7 @@ def _forward_phases(config: MemoryConfig, rows: Rows, b: int, policy: str,
 
 
 def _backward_phases(config: MemoryConfig, rows: Rows, retain: float, b: int, policy: str,
-                     replicas: int) -> dict[str, dict[str, int]]:
+                     replicas: int, blocked: bool = False) -> dict[str, dict[str, int]]:
     """The backward of ``selective_swiglu_experts`` (W = 1) or of ``ExpertParallel``'s expert function (W > 1),
     line by line. Every local stays referenced until the function returns, so nothing it allocates is freed
     before the end; the weight-gradient outputs are live from their GEMM on (they become the gradients, or are
@@ -488,6 +502,9 @@ def _backward_phases(config: MemoryConfig, rows: Rows, retain: float, b: int, po
         t.alloc(row_weights=R * _FP32)  # ones; the rows are the forward's order
     else:
         t.alloc(scores=P * _FP32, pair_ids=R * _INT64, row_weights=R * _FP32, finite_scores=P * _FP32)
+    if blocked:  # pad_to_blocks: its index temporaries on one line, then the padded pair ids and weights
+        t.mark("pad_to_blocks", pad_index=5 * R * _INT64 + R * _FP32 + R)
+        t.alloc(padded_pair_ids=(R + 1) * _INT64, padded_row_weights=(R + 1) * _FP32)
     t.alloc(row_index=2 * R * _INT64, row_coef=R * _FP32)  # safe pair ids, token ids; alpha / p
     t.mark("dy", dy=R * D * b)  # retained_dy: lrmoe::gather_scale_rows, one pass, no temporary (eager)
     t.alloc(dy=R * D * b)
@@ -501,8 +518,11 @@ def _backward_phases(config: MemoryConfig, rows: Rows, retain: float, b: int, po
         t.alloc(expert_major_index=2 * M * _INT64)  # perm_M, rows_M
         t.mark("dy_expert_major", dy_expert_major=M * D * b)
         t.alloc(dy_expert_major=M * D * b)
+    if blocked:  # the rows of x, gathered once for the recomputed h and the gate/up weight gradient
+        t.alloc(x_rows=M * D * b)
     if policy == "recompute":  # from x (one device: by token; W > 1: the received rows), gathered
-        t.mark("h_rows", x_rows=M * D * b if _gathers(config, D, 2 * F) else 0, h_rows=M * 2 * F * b)
+        t.mark("h_rows", x_rows=M * D * b if _gathers(config, D, 2 * F) and not blocked else 0,
+               h_rows=M * 2 * F * b)
         t.alloc(h_rows=M * 2 * F * b)
     else:  # the rows' index into the saved h (or its host copy), an argument of expert_rows_backward
         t.alloc(h_row_index=M * _INT64)
@@ -522,9 +542,11 @@ def _backward_phases(config: MemoryConfig, rows: Rows, retain: float, b: int, po
     t.alloc(grad_down=n_inst * D * F * b)
     # expert_rows_backward (both layers) releases each row buffer after its last use.
     t.free("dy" if config.world_size == 1 else "dy_expert_major", "phi_rows")
-    t.mark("grad_gate_up_gemm", x_gathered=M * D * b if _gathers(config, 2 * F, D) else 0,
+    t.mark("grad_gate_up_gemm", x_gathered=M * D * b if _gathers(config, 2 * F, D) and not blocked else 0,
            grad_gate_up=n_inst * 2 * F * D * b)
     t.alloc(grad_gate_up=n_inst * 2 * F * D * b)
+    if blocked:
+        t.free("x_rows")
     t.mark("dx_gemm", dx_rows=M * D * b)
     t.alloc(dx_rows=M * D * b)
     t.free("dh_rows", *(["h_row_index"] if policy != "recompute" else []))  # gone when expert_rows_backward returns

@@ -235,26 +235,31 @@ class _LiveStorages(TorchDispatchMode):
 # SwiGLU backward's working set) in the others, as at the Qwen3 shape with 8,192 tokens.
 PEAK_SHAPES = [(64, 64, 32, 8, 2), (40, 128, 96, 4, 1), (100, 48, 80, 6, 3), (256, 64, 48, 4, 4)]
 PEAK_CASES = [
-    *((shape, dtype, retain, "save", False) for shape in PEAK_SHAPES for dtype in (torch.float32, torch.bfloat16)
-      for retain in (1.0, 0.5)),
-    (PEAK_SHAPES[0], torch.bfloat16, 0.5, "recompute", False),
-    (PEAK_SHAPES[3], torch.bfloat16, 1.0, "recompute", False),
-    (PEAK_SHAPES[3], torch.float32, 0.5, "recompute", True),
-    (PEAK_SHAPES[0], torch.bfloat16, 0.5, "offload", False),
-    (PEAK_SHAPES[3], torch.float32, 1.0, "offload", False),
-    (PEAK_SHAPES[1], torch.bfloat16, 1.0, "save", True),
-    (PEAK_SHAPES[3], torch.bfloat16, 0.5, "save", True),
+    *((shape, dtype, retain, "save", False, None) for shape in PEAK_SHAPES
+      for dtype in (torch.float32, torch.bfloat16) for retain in (1.0, 0.5)),
+    (PEAK_SHAPES[0], torch.bfloat16, 0.5, "recompute", False, None),
+    (PEAK_SHAPES[3], torch.bfloat16, 1.0, "recompute", False, None),
+    (PEAK_SHAPES[3], torch.float32, 0.5, "recompute", True, None),
+    (PEAK_SHAPES[0], torch.bfloat16, 0.5, "offload", False, None),
+    (PEAK_SHAPES[3], torch.float32, 1.0, "offload", False, None),
+    (PEAK_SHAPES[1], torch.bfloat16, 1.0, "save", True, None),
+    (PEAK_SHAPES[3], torch.bfloat16, 0.5, "save", True, None),
+    # backward_capacity: the padded blocks and the batched backward
+    (PEAK_SHAPES[2], torch.float32, 0.5, "save", False, 1.0),
+    (PEAK_SHAPES[3], torch.bfloat16, 0.5, "recompute", False, 1.5),
+    (PEAK_SHAPES[3], torch.float32, 0.5, "offload", True, 1.0),
 ]
 
 
-@pytest.mark.parametrize("shape,dtype,retain,policy,preallocated", PEAK_CASES)
-def test_modelled_forward_and_backward_peaks_track_a_cpu_measurement(shape, dtype, retain, policy, preallocated):
+@pytest.mark.parametrize("shape,dtype,retain,policy,preallocated,capacity", PEAK_CASES)
+def test_modelled_forward_and_backward_peaks_track_a_cpu_measurement(shape, dtype, retain, policy, preallocated,
+                                                                     capacity):
     # The most bytes of storages live at once in forward and in backward, against saved + the largest transient,
     # the way the GPU benchmark measures the peak: gradients that start as None are allocated during backward and
     # counted; preallocated ones are held before the step and excluded, their GEMM outputs counted as transients.
     # Parameters and the caller's x and g are excluded while the model counts x (saved) and g (backward input).
     T, D, F, E, K = shape
-    layer, x = _layer(T, D, F, E, K, dtype, retain=retain, activations=policy)
+    layer, x = _layer(T, D, F, E, K, dtype, retain=retain, activations=policy, backward_capacity=capacity)
     g = torch.randn(T, D, dtype=dtype)
     grads = [torch.zeros_like(p) for p in layer.parameters()] if preallocated else []
     for p, grad in zip(layer.parameters(), grads):
@@ -266,7 +271,7 @@ def test_modelled_forward_and_backward_peaks_track_a_cpu_measurement(shape, dtyp
         out.backward(g)
     fwd, bwd = mode.peaks(set())
     cfg = MemoryConfig(D, F, E, K, T, param_dtype=dtype, grads_preallocated=preallocated, device_type="cpu")
-    mem = layer_memory(cfg, retain=retain, policy=policy)
+    mem = layer_memory(cfg, retain=retain, policy=policy, backward_capacity=capacity)
     # x is saved (counted by the model) but was allocated before; the test, not the layer, keeps out alive; the
     # host copy of "offload" is CPU memory here, live from forward to the end of backward.
     measured_fwd = fwd + x.nbytes - mem.offloaded
