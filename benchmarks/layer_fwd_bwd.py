@@ -9,7 +9,8 @@ the host synchronisations torch.cuda.set_sync_debug_mode("warn") reported in one
 measured, CUDA graphs). --modes adds compiled-cg (torch.compile mode="reduce-overhead": CUDA graphs, no launch
 cost); --compiled-sample reference makes compiled "sample" selection trace the reference's PyTorch inline instead of
 calling the custom op (the library's default). --quota-align 1 128 runs every LRMoE row at retain < 1 with the
-plain backward quotas and with quotas in multiples of 128 pairs (LRMoE's quota_align), tagged "a1" / "a128".
+plain backward quotas and with quotas in multiples of 128 pairs (LRMoE's quota_align), tagged "a1" / "a128";
+--backward-capacity none 1.0 the same with LRMoE's backward_capacity (E padded blocks, batched GEMMs), tagged "c".
 The GEMM floor is 6·T·k·3·d·f FLOP forward+backward (2× for forward alone) at the measured matmul rate.
 """
 
@@ -121,6 +122,9 @@ def main() -> None:
     parser.add_argument("--quota-align", type=int, nargs="+", default=[1],
                         help="LRMoE's quota_align (backward quotas in multiples of it); several: each LRMoE row at "
                              "retain < 1 once per value, tagged 'a<value>'")
+    parser.add_argument("--backward-capacity", nargs="+", default=["none"],
+                        help="LRMoE's backward_capacity, a factor or 'none'; several: each LRMoE row at retain < 1 "
+                             "once per value, tagged 'c<value>'")
     args = parser.parse_args()
     if args.compiled_sample == "reference":
         selection_module._COMPILED_SAMPLE = select_within_quota_reference
@@ -138,13 +142,15 @@ def main() -> None:
     both = len(args.selection) > 1
     gathers = list(dict.fromkeys(args.gather_gemm))
     aligns = list(dict.fromkeys(args.quota_align))
+    caps = [None if c == "none" else float(c) for c in dict.fromkeys(args.backward_capacity)]
     layers = [
         (f"lrmoe r={r:g}" + (f" {sel}" if both and r < 1 else "") + (" tri" if gather == "triton" and len(gathers) > 1
                                                                      else "")
-         + (f" a{align}" if len(aligns) > 1 and r < 1 else ""),
-         lambda r=r, sel=sel, align=align: LRMoE(**shape, retain=r, selection=sel, quota_align=align), gather)
+         + (f" a{align}" if len(aligns) > 1 and r < 1 else "") + (f" c{cap or '-'}" if len(caps) > 1 and r < 1 else ""),
+         lambda r=r, sel=sel, align=align, cap=cap: LRMoE(**shape, retain=r, selection=sel, quota_align=align,
+                                                          backward_capacity=cap), gather)
         for gather in gathers for r in args.retain for sel in (args.selection if r < 1 else args.selection[:1])
-        for align in (aligns if r < 1 else aligns[:1])
+        for align in (aligns if r < 1 else aligns[:1]) for cap in (caps if r < 1 else [None])
     ]
     if not args.skip_baselines:
         layers += [("grouped_mm layer", lambda: GroupedMMLayer(**shape), "grouped_mm"),

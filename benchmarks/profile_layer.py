@@ -1,7 +1,7 @@
 """Where the LRMoE layer's forward+backward time goes on one GPU (bf16): torch.profiler, top kernels by GPU time.
 
     python benchmarks/profile_layer.py --shape qwen3-30b-a3b --retain 0.75 [--compiled] [--forward-only]
-        [--quota-align 128] [--gather-gemm triton]
+        [--quota-align 128] [--gather-gemm triton] [--backward-capacity 1.0]
 
 Prints the wall time per step (unprofiled) next to the GPU time, so a host-bound step shows as a gap, then one
 table per run: the operators (eager) or generated kernels (--compiled) with the largest self GPU time
@@ -34,6 +34,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--rows", type=int, default=25)
     parser.add_argument("--quota-align", type=int, default=1, help="LRMoE's quota_align")
+    parser.add_argument("--backward-capacity", type=float, default=None, help="LRMoE's backward_capacity")
     parser.add_argument("--gather-gemm", default=None, choices=["grouped_mm", "triton"],
                         help="the kernel of the bf16 GEMMs with a row gather (lrmoe.ops.grouped_gemm._GATHER_KERNEL); "
                              "default: the library's")
@@ -46,7 +47,7 @@ def main() -> None:
     shape = SHAPES[args.shape]
     torch.manual_seed(0)
     layer = LRMoE(**shape, retain=args.retain, selection=args.selection,
-                  quota_align=args.quota_align).cuda().bfloat16()
+                  quota_align=args.quota_align, backward_capacity=args.backward_capacity).cuda().bfloat16()
     fn = torch.compile(layer, fullgraph=True) if args.compiled else layer
     x = torch.randn(args.tokens, shape["dim"], device="cuda", dtype=torch.bfloat16, requires_grad=True)
 
