@@ -518,8 +518,8 @@ def _backward_phases(config: MemoryConfig, rows: Rows, retain: float, b: int, po
         t.alloc(expert_major_index=2 * M * _INT64)  # perm_M, rows_M
         t.mark("dy_expert_major", dy_expert_major=M * D * b)
         t.alloc(dy_expert_major=M * D * b)
-    if blocked:  # the rows of x, gathered once for the recomputed h and the gate/up weight gradient
-        t.alloc(x_rows=M * D * b)
+    if blocked:  # the rows of x (and the gather's unit coefficients), once for the recomputed h and the weight gradient
+        t.alloc(x_rows=M * D * b, x_rows_coef=M * _FP32)
     if policy == "recompute":  # from x (one device: by token; W > 1: the received rows), gathered
         t.mark("h_rows", x_rows=M * D * b if _gathers(config, D, 2 * F) and not blocked else 0,
                h_rows=M * 2 * F * b)
@@ -546,10 +546,11 @@ def _backward_phases(config: MemoryConfig, rows: Rows, retain: float, b: int, po
            grad_gate_up=n_inst * 2 * F * D * b)
     t.alloc(grad_gate_up=n_inst * 2 * F * D * b)
     if blocked:
-        t.free("x_rows")
+        t.free("x_rows")  # its coefficients stay until expert_rows_backward returns
     t.mark("dx_gemm", dx_rows=M * D * b)
     t.alloc(dx_rows=M * D * b)
-    t.free("dh_rows", *(["h_row_index"] if policy != "recompute" else []))  # gone when expert_rows_backward returns
+    t.free("dh_rows", *(["h_row_index"] if policy != "recompute" else []),  # gone when expert_rows_backward returns
+           *(["x_rows_coef"] if blocked else []))
     if config.world_size > 1:
         t.alloc(dx_source_major=M * D * b, dx_returned=R * D * b)
     # sum_rows_per_token: every pair learns its row (an index per pair), then each token's rows are summed in place.

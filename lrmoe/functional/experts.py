@@ -488,8 +488,9 @@ def _blocked_rows_backward(dy, x_ND, src_rows_R, gate_up_EFD, down_EDF, h_saved,
     dy_ECD = dy.pop().view(n_exp, n_rows, dim)
     need_x, need_gu, need_down = needs
     x_rows_ECD = None
-    if h_saved is None or need_gu:
-        x_rows_ECD = x_ND.index_select(0, src_rows_R).view(n_exp, n_rows, dim)
+    if h_saved is None or need_gu:  # lrmoe::gather_scale_rows times 1 (exact): its Triton row gather on CUDA
+        ones_R = torch.ones(src_rows_R.shape[0], device=x_ND.device)
+        x_rows_ECD = gather_scale_rows(x_ND, src_rows_R, ones_R).view(n_exp, n_rows, dim)
     h_rows_R = None
     if h_saved is None:
         h_src = torch.bmm(x_rows_ECD, gate_up_EFD.transpose(1, 2)).view(n_exp * n_rows, -1)

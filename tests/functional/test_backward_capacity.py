@@ -133,3 +133,23 @@ def test_backward_capacity_is_refused_with_pairs_grouped_by_source():
     plan = plan_experts(ids, 6, retain=0.5, source_ids_T=sources, num_sources=2)
     with pytest.raises(ValueError, match="per expert on one device"):
         selective_swiglu_experts(x, w_gu, w_d, ids, gates, retain=0.5, backward_capacity=1.0, plan=plan)
+
+
+@given(T=st.integers(1, 40), E=st.integers(1, 9), K=st.integers(1, 4), retain=st.floats(0.05, 0.95),
+       factor=st.floats(0.2, 3.0), skew=st.floats(0.0, 3.0), selection=st.sampled_from(["top", "sample"]),
+       seed=st.integers(0, 2**16))
+def test_blocked_backward_property(T, E, K, retain, factor, skew, selection, seed):
+    # Any routing, retain and factor: the blocked backward gives the grouped backward's gradients for the plan
+    # clamped to C (empty experts, experts below C, clamped ones, C = T).
+    K = min(K, E)
+    D, F = 8, 6
+    x, w_gu, w_d, ids, gates = _problem(T, D, F, E, K, skew, seed)
+    g = torch.randn(T, D, dtype=x.dtype, generator=torch.Generator().manual_seed(seed + 1))
+    plan = plan_experts(ids, E, retain=retain, selection=selection, generator=torch.Generator().manual_seed(seed))
+    cap = backward_capacity_rows(T, K, E, retain, factor)
+    clamped = ExpertPlan(loads=plan.loads, quotas=plan.quotas.clamp(max=cap), uniform=plan.uniform)
+    kw = dict(retain=retain, selection=selection)
+    want = _grads(x, w_gu, w_d, ids, gates, g, plan=clamped, **kw)
+    got = _grads(x, w_gu, w_d, ids, gates, g, plan=plan, backward_capacity=factor, **kw)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
