@@ -97,7 +97,7 @@ def backward_capacity_rows(n_tokens: int, top_k: int, n_experts: int, retain: fl
 
 
 def _check_backward_capacity(backward_capacity: float | None, retain: float, quota_align: int,
-                             grouped_by_source: bool) -> None:
+                             grouped_by_source: bool, policy: str) -> None:
     if backward_capacity is None:
         return
     if (isinstance(backward_capacity, bool) or not isinstance(backward_capacity, (int, float))
@@ -107,6 +107,9 @@ def _check_backward_capacity(backward_capacity: float | None, retain: float, quo
     if retain >= 1.0:
         raise ValueError("backward_capacity needs retain < 1: at retain 1 the backward keeps every pair, in groups "
                          "of the routed loads")
+    if policy != "waterfill":
+        raise ValueError(f"backward_capacity needs policy='waterfill', got {policy!r}: the proportional plan under "
+                         "one capacity per expert takes E + 1 rounds")
     if quota_align != 1:
         raise ValueError(f"backward_capacity cannot be combined with quota_align={quota_align}: the capacity "
                          "already gives every expert a whole block of rows; use quota_align=1")
@@ -144,11 +147,11 @@ def plan_experts(
     ``quota_align``: plan_quotas' ``align`` (trimmed experts' quotas in multiples of it, same total).
 
     ``backward_capacity``: every expert keeps at most C = ``backward_capacity_rows(T, K, E, retain,
-    backward_capacity)`` pairs (the plan's quotas clamped to C; what a clamped expert gives up is not handed to
-    the others, so fewer than floor(retain * P) pairs may be kept). Needs retain < 1, ``quota_align`` 1 and pairs
-    grouped by expert.
+    backward_capacity)`` pairs: plan_quotas with capacity C per expert, so what a capped expert cannot keep goes
+    to the experts below C, and the plan keeps min(floor(retain * P), sum of min(load, C)) pairs. Needs retain < 1,
+    policy "waterfill", ``quota_align`` 1 and pairs grouped by expert.
     """
-    _check_backward_capacity(backward_capacity, retain, quota_align, source_ids_T is not None)
+    _check_backward_capacity(backward_capacity, retain, quota_align, source_ids_T is not None, policy)
     uniform = None
     if source_ids_T is None:
         loads = expert_loads(expert_ids_TK, num_experts)
@@ -166,10 +169,14 @@ def plan_experts(
         loads = expert_loads(src_T1 * num_experts + expert_ids_TK.long(), num_sources * num_experts)
         loads = loads.view(num_sources, num_experts)
         group_ids_TK = expert_ids_TK.long() * num_sources + src_T1
-    quotas = plan_quotas(loads, retain, min_retain=min_retain, policy=policy, align=quota_align)
-    if backward_capacity is not None:
+    if backward_capacity is None:
+        quotas = plan_quotas(loads, retain, min_retain=min_retain, policy=policy, align=quota_align)
+    else:  # plan_quotas with one capacity C per expert: what a capped expert cannot keep goes to the others
         n_tok, top_k = expert_ids_TK.shape
-        quotas = quotas.clamp(max=backward_capacity_rows(n_tok, top_k, num_experts, retain, backward_capacity))
+        cap = backward_capacity_rows(n_tok, top_k, num_experts, retain, backward_capacity)
+        experts = torch.arange(num_experts, device=loads.device)
+        quotas = plan_quotas(loads, retain, min_retain=min_retain, policy=policy, capacity=torch.full_like(loads, cap),
+                             placement=experts)
     if draw_uniform and selection == "sample" and retain < 1.0:
         uniform = torch.rand(loads.shape, generator=generator, device=expert_ids_TK.device)
     return ExpertPlan(loads=loads, quotas=quotas, uniform=uniform, group_ids=group_ids_TK)
@@ -224,11 +231,11 @@ def selective_swiglu_experts(
         backward_capacity: None (default), or a positive factor: the backward's rows are laid out as E blocks of
             C = ``backward_capacity_rows(T, K, E, retain, backward_capacity)`` rows (each expert's kept pairs, then
             zero padding), and its four GEMMs run as batched GEMMs (torch.bmm) over E instead of grouped GEMMs. Each
-            expert keeps at most C pairs (the quotas, planned here or given, are clamped to C). Pays where every
-            expert's quota is near C (a balanced router): padding costs GEMM work and memory, clamping costs kept
-            pairs. Needs retain < 1, ``quota_align`` 1 and pairs grouped by expert. A padding row reads the output
-            gradient of one real token times 0: an inf or NaN there makes the padded experts' weight gradients NaN
-            (the gradients are not finite in that step anyway).
+            expert keeps at most C pairs (plan_experts plans so; a given plan's quotas are clamped to C). Pays where
+            every expert's quota is near C (a balanced router): padding costs GEMM work and memory, a binding C
+            costs kept pairs. Needs retain < 1, policy "waterfill", ``quota_align`` 1 and pairs grouped by expert.
+            A padding row reads the output gradient of one real token times 0: an inf or NaN there makes the padded
+            experts' weight gradients NaN (the gradients are not finite in that step anyway).
 
     Returns: out_TD, dtype of x.
     """
@@ -243,7 +250,7 @@ def selective_swiglu_experts(
     check_choice("policy", policy, POLICIES)
     check_choice("activations", activations, ACTIVATION_POLICIES)
     _check_backward_capacity(backward_capacity, retain, quota_align,
-                             source_ids_T is not None or (plan is not None and plan.group_ids is not None))
+                             source_ids_T is not None or (plan is not None and plan.group_ids is not None), policy)
     n_exp, two_f, dim = gate_up_EFD.shape
     if dim != x_TD.shape[1] or two_f % 2:
         raise ValueError(f"gate_up_EFD must be [E, 2F, D={x_TD.shape[1]}], got {tuple(gate_up_EFD.shape)}")

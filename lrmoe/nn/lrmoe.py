@@ -88,7 +88,8 @@ class LRMoE(nn.Module):
         backward_capacity: None, or a positive factor: every expert keeps at most C = the balanced quota
             floor(retain * P) / E times this factor (rounded up to 8 rows) in backward, and the backward runs on E
             blocks of C rows, zero-padded, with batched GEMMs (selective_swiglu_experts says more). For balanced
-            routers; needs retain < 1 and quota_align 1; one device only (expert parallelism has capacity_factor).
+            routers; needs retain < 1, policy "waterfill" and quota_align 1; one device only (expert parallelism
+            has capacity_factor).
 
     Input [..., dim] -> output of the same shape and dtype.
     """
@@ -129,7 +130,7 @@ class LRMoE(nn.Module):
         self.retain, self.metric, self.selection, self.policy = retain, metric, selection, policy
         self.min_retain, self.score_func, self.norm_topk_prob = min_retain, score_func, norm_topk_prob
         self.generator, self.activations, self.quota_align = generator, activations, quota_align
-        _check_backward_capacity(backward_capacity, retain, quota_align, grouped_by_source=False)
+        _check_backward_capacity(backward_capacity, retain, quota_align, grouped_by_source=False, policy=policy)
         self.backward_capacity = backward_capacity
 
         self.gate = nn.Linear(dim, num_experts, bias=False)

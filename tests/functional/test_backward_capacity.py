@@ -1,5 +1,6 @@
-"""``backward_capacity``: the selective backward on E zero-padded blocks of C rows with batched GEMMs gives the
-gradients of the grouped backward with the same kept pairs (every quota clamped to C)."""
+"""``backward_capacity``: the plan keeps at most C pairs per expert, handing what a capped expert cannot keep to the
+others, and the selective backward on E zero-padded blocks of C rows with batched GEMMs gives the gradients of
+the grouped backward with the same kept pairs."""
 
 from __future__ import annotations
 
@@ -41,8 +42,9 @@ def _grads(x, w_gu, w_d, ids, gates, g, **kw):
 @pytest.mark.parametrize("activations", ["save", "recompute", "offload"])
 @pytest.mark.parametrize("skew, factor", [(0.0, 3.0), (2.0, 1.0)])
 def test_blocked_backward_equals_the_grouped_one_with_the_clamped_plan(selection, activations, skew, factor):
-    # skew 0 with a roomy factor: no quota reaches C, the plans are the same. skew 2 with factor 1: the hot
-    # experts' quotas are clamped to C, and the grouped backward is given the same clamped plan.
+    # A plan made without the capacity, given to the blocked backward, is clamped to C there. skew 0 with a roomy
+    # factor: no quota reaches C, the plans are the same. skew 2 with factor 1: the hot experts' quotas are
+    # clamped, and the grouped backward is given the same clamped plan.
     T, D, F, E, K, retain = 48, 16, 12, 6, 2, 0.5
     x, w_gu, w_d, ids, gates = _problem(T, D, F, E, K, skew, seed=3)
     g = torch.randn(T, D, dtype=x.dtype, generator=torch.Generator().manual_seed(4))
@@ -55,6 +57,26 @@ def test_blocked_backward_equals_the_grouped_one_with_the_clamped_plan(selection
     got = _grads(x, w_gu, w_d, ids, gates, g, plan=plan, backward_capacity=factor, **kw)
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+@given(T=st.integers(1, 60), E=st.integers(1, 12), K=st.integers(1, 4), retain=st.floats(0.05, 0.95),
+       factor=st.floats(0.2, 3.0), skew=st.floats(0.0, 4.0), min_retain=st.sampled_from([0.0, 0.02]),
+       seed=st.integers(0, 2**16))
+def test_plan_keeps_at_most_c_per_expert_and_hands_the_rest_on(T, E, K, retain, factor, skew, min_retain, seed):
+    K = min(K, E)
+    _, _, _, ids, _ = _problem(T, 4, 4, E, K, skew, seed)
+    plain = plan_experts(ids, E, retain=retain, min_retain=min_retain, selection="top")
+    plan = plan_experts(ids, E, retain=retain, min_retain=min_retain, selection="top", backward_capacity=factor)
+    cap = backward_capacity_rows(T, K, E, retain, factor)
+    assert torch.equal(plan.loads, plain.loads)
+    assert bool((plan.quotas >= 0).all() and (plan.quotas <= plan.loads).all() and (plan.quotas <= cap).all())
+    # No pair wasted: the budget, or all the capacities hold, or the floors where they alone exceed the budget.
+    budget = math.floor(retain * T * K)
+    floors = torch.minimum((plan.loads.double() * min_retain - 1e-6).ceil().clamp(min=0).long(), plan.loads)
+    hold = int(plan.loads.clamp(max=cap).sum())
+    assert int(plan.quotas.sum()) == max(min(budget, hold), int(floors.clamp(max=cap).sum()))
+    if bool((plain.quotas <= cap).all()):  # a capacity that binds nowhere changes nothing
+        assert torch.equal(plan.quotas, plain.quotas)
 
 
 def test_layer_plans_clamped_quotas_and_counts_the_kept_pairs():
@@ -71,9 +93,9 @@ def test_layer_plans_clamped_quotas_and_counts_the_kept_pairs():
     cap = backward_capacity_rows(T, K, E, retain, factor)
     assert int(stats.loads[0]) > cap and int(stats.quotas.max()) == cap  # clamped where the plan wanted more
     assert bool((stats.quotas <= stats.loads).all())
-    # The probe counts the pairs kept, not the padded rows: the plan's (clamped) total, below floor(retain * P).
+    # The probe counts the pairs kept, not the padded rows: the plan's total, all the capacities can hold here.
     kept = layer._stats_probe.grad[1]
-    assert int(kept) == int(stats.quotas.sum()) < math.floor(retain * T * K)
+    assert int(kept) == int(stats.quotas.sum()) == int(stats.loads.clamp(max=cap).sum()) < math.floor(retain * T * K)
 
 
 @given(counts=st.lists(st.integers(0, 5), min_size=1, max_size=6), tail=st.integers(0, 4), extra=st.integers(0, 3))
@@ -114,6 +136,7 @@ def test_capacity_rows_hold_the_scaled_balanced_quota_in_whole_steps_of_8(T, K, 
     (dict(backward_capacity=True), "backward_capacity must be a positive"),
     (dict(backward_capacity=1.0, retain=1.0), "needs retain < 1"),
     (dict(backward_capacity=1.0, quota_align=8), "quota_align"),
+    (dict(backward_capacity=1.0, policy="proportional"), "policy='waterfill'"),
 ])
 def test_bad_backward_capacity_is_refused_by_the_layer_and_the_function(kwargs, match):
     kwargs = {"retain": 0.5, **kwargs}
