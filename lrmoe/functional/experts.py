@@ -466,14 +466,9 @@ def expert_rows_backward(
         return _blocked_rows_backward(dy, x_ND, src_rows_R, gate_up_EFD, down_EDF, h_saved, h_index_R, needs,
                                       h_on_host, group_rows)
     dy_RD = dy.pop()
-    # The rows' h: the saved h read in place through the row index ("save"), or a buffer of just these rows.
-    h_rows_R = None
-    if h_saved is None:  # rows past the last offset come back as zeros
-        h_src = gather_grouped_mm(x_ND, gate_up_EFD, src_rows_R, offsets_E)
-    elif h_on_host:
-        h_src = gather_host_rows(h_saved, h_index_R)
-    else:
-        h_src, h_rows_R = h_saved, h_index_R
+    # Recomputed: rows past the last offset come back as zeros.
+    h_src, h_rows_R = _rows_h(h_saved, h_index_R, h_on_host, gather_grouped_mm, x_ND, gate_up_EFD, src_rows_R,
+                              offsets_E)
     need_x, need_gu, need_down = needs
     dphi_RF = gather_grouped_mm(dy_RD, down_EDF.transpose(1, 2), None, offsets_E)
     # phi (the down projection's weight-gradient operand) and dh from one read of h (lrmoe::swiglu_backward).
@@ -484,6 +479,21 @@ def expert_rows_backward(
     grad_gu = grouped_outer(dh_RF2, x_ND, src_rows_R, offsets_E) if need_gu else None
     dx_RD = gather_grouped_mm(dh_RF2, gate_up_EFD.transpose(1, 2), None, offsets_E) if need_x else None
     return dx_RD, grad_gu, grad_down
+
+
+def _rows_h(h_saved, h_index_R, h_on_host, recompute, *args):
+    """(h, row index into it) for the retained rows: the saved h read in place through the index ("save"), or a
+    buffer of just these rows, read back from the host copy ("offload") or ``recompute(*args)`` ("recompute")."""
+    if h_saved is None:
+        return recompute(*args), None
+    if h_on_host:
+        return gather_host_rows(h_saved, h_index_R), None
+    return h_saved, h_index_R
+
+
+def _block_mm(a_ECI: torch.Tensor, w_EIO: torch.Tensor) -> torch.Tensor:
+    """One GEMM per block, as rows: [E, C, I] @ [E, I, O] -> [E * C, O]."""
+    return torch.bmm(a_ECI, w_EIO).view(-1, w_EIO.shape[-1])
 
 
 def _blocked_rows_backward(dy, x_ND, src_rows_R, gate_up_EFD, down_EDF, h_saved, h_index_R, needs, h_on_host,
@@ -498,14 +508,8 @@ def _blocked_rows_backward(dy, x_ND, src_rows_R, gate_up_EFD, down_EDF, h_saved,
     if h_saved is None or need_gu:  # lrmoe::gather_scale_rows times 1 (exact): its Triton row gather on CUDA
         ones_R = torch.ones(src_rows_R.shape[0], device=x_ND.device)
         x_rows_ECD = gather_scale_rows(x_ND, src_rows_R, ones_R).view(n_exp, n_rows, dim)
-    h_rows_R = None
-    if h_saved is None:
-        h_src = torch.bmm(x_rows_ECD, gate_up_EFD.transpose(1, 2)).view(n_exp * n_rows, -1)
-    elif h_on_host:
-        h_src = gather_host_rows(h_saved, h_index_R)
-    else:
-        h_src, h_rows_R = h_saved, h_index_R
-    dphi_RF = torch.bmm(dy_ECD, down_EDF).view(n_exp * n_rows, -1)
+    h_src, h_rows_R = _rows_h(h_saved, h_index_R, h_on_host, _block_mm, x_rows_ECD, gate_up_EFD.transpose(1, 2))
+    dphi_RF = _block_mm(dy_ECD, down_EDF)
     dh_RF2, phi_RF = swiglu_backward(h_src, h_rows_R, dphi_RF)
     del h_src, dphi_RF
     grad_down = torch.bmm(dy_ECD.transpose(1, 2), phi_RF.view(n_exp, n_rows, -1)) if need_down else None
@@ -513,7 +517,7 @@ def _blocked_rows_backward(dy, x_ND, src_rows_R, gate_up_EFD, down_EDF, h_saved,
     dh_ECF2 = dh_RF2.view(n_exp, n_rows, -1)
     grad_gu = torch.bmm(dh_ECF2.transpose(1, 2), x_rows_ECD) if need_gu else None
     del x_rows_ECD
-    dx_RD = torch.bmm(dh_ECF2, gate_up_EFD).view(n_exp * n_rows, dim) if need_x else None
+    dx_RD = _block_mm(dh_ECF2, gate_up_EFD) if need_x else None
     return dx_RD, grad_gu, grad_down
 
 
