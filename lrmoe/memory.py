@@ -63,9 +63,11 @@ Backward (one device; W > 1 adds the payloads and the received and returned rows
     router_backward  after the expert function returns: gradients, router gradient, two T*D*b input gradients
                  (autograd adds the second into the first in place)
 On CUDA, a bf16 grouped GEMM with 8-aligned feature widths first gathers its input rows into a buffer (``device_type``):
-the phase of that GEMM counts it. Not modelled: other buffers inside one custom op (the selection's sort, GEMM
-workspaces), the allocator's rounding and fragmentation, the compiled path (Inductor plans its own buffers) and,
-with replicas, the buffers of the replica-gradient path back to the owners.
+the phase of that GEMM counts it. LRMoE's ``backward_capacity`` (``layer_memory(backward_capacity=...)``): R = M =
+E*C rows, the padded pair ids and weights, and the rows of x gathered once (M*D*b, on every device) and held from
+before the first GEMM to the gate/up weight gradient. Not modelled: other buffers inside one custom op (the
+selection's sort, GEMM workspaces), the allocator's rounding and fragmentation, the compiled path (Inductor plans
+its own buffers) and, with replicas, the buffers of the replica-gradient path back to the owners.
 
 peak = resident + saved + max(forward transient, backward transient); token_buffers = peak - static.
 """
