@@ -100,8 +100,10 @@ def _check_backward_capacity(backward_capacity: float | None, retain: float, quo
                              grouped_by_source: bool, policy: str) -> None:
     if backward_capacity is None:
         return
-    if (isinstance(backward_capacity, bool) or not isinstance(backward_capacity, (int, float))
-            or not math.isfinite(backward_capacity) or backward_capacity <= 0):
+    # SymFloat: torch.compile(dynamic=True) passes a module's float attributes symbolically (math.isfinite would
+    # break the graph; the comparisons below become guards).
+    if (isinstance(backward_capacity, bool) or not isinstance(backward_capacity, (int, float, torch.SymFloat))
+            or not 0 < backward_capacity < math.inf):
         raise ValueError(f"backward_capacity must be a positive finite float (times the balanced quota) or None, "
                          f"got {backward_capacity!r}")
     if retain >= 1.0:

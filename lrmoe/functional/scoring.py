@@ -59,5 +59,8 @@ def score_pairs(
     gates_TK = gates_TK.detach().float()
     phi_sqnorm_TK = phi_sqnorm_TK.detach().float()
     g_sqnorm_T1 = grad_out_TD.detach().float().square().sum(-1, keepdim=True)
-    scores_TK = torch.rand(gates_TK.shape, generator=generator, device=gates_TK.device)
+    # No generator keyword when there is none: torch.rand's generator overload needs concrete sizes, so with it
+    # a symbolic token count (torch.compile(dynamic=True)) fails to trace.
+    rng = {} if generator is None else {"generator": generator}
+    scores_TK = torch.rand(gates_TK.shape, device=gates_TK.device, **rng)
     return scores_TK.masked_fill(non_finite_mask(gates_TK, phi_sqnorm_TK, g_sqnorm_T1, scores_TK), float("inf"))

@@ -34,6 +34,27 @@ def test_compiled_equals_eager_at_retain_075(selection, activations, quota_align
     assert int(stats.retained_pairs) == int(0.75 * 4 * 16 * 2)
 
 
+@pytest.mark.parametrize("backward_capacity, metric", [(None, "lrm"), (1.5, "lrm"), (None, "random")])
+def test_dynamic_token_counts_share_one_graph_and_match_eager(backward_capacity, metric, fwd_bwd):
+    # torch.compile(dynamic=True): the token count is symbolic, so the row buffers (and C) are sized from it in
+    # the graph; three token counts, one graph, eager's values ("random" scores: eager's RNG, fallback_random).
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    torch.manual_seed(0)
+    layer = LRMoE(32, 24, 8, 2, retain=0.75, selection="top", metric=metric, backward_capacity=backward_capacity)
+    compiled = torch.compile(layer, fullgraph=True, dynamic=True)
+    for tokens in (64, 80, 120):
+        x, c = torch.randn(tokens, 32), torch.randn(tokens, 32)
+        torch.manual_seed(tokens)
+        with torch._inductor.config.patch(fallback_random=True):
+            got = fwd_bwd(compiled, x, c)
+        torch.manual_seed(tokens)
+        want = fwd_bwd(layer, x, c)
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+
+
 def test_compiled_dense_has_no_graph_break_and_matches(fwd_bwd):
     torch._dynamo.reset()
     torch.manual_seed(0)
