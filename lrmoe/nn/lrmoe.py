@@ -146,6 +146,8 @@ class LRMoE(nn.Module):
             f"dim={self.dim}, hidden_dim={self.hidden_dim}, num_experts={self.num_experts}, top_k={self.top_k}, "
             f"retain={self.retain}, metric={self.metric!r}, selection={self.selection!r}, policy={self.policy!r}, "
             f"activations={self.activations!r}"
+            + (f", quota_align={self.quota_align}" if self.quota_align != 1 else "")
+            + (f", backward_capacity={self.backward_capacity}" if self.backward_capacity is not None else "")
         )
 
     # Backward statistics probe: how many entries and in which dtype (a subclass may need more, or exact counts).

@@ -83,6 +83,7 @@ def test_layer_plans_clamped_quotas_and_counts_the_kept_pairs():
     torch.manual_seed(0)
     T, D, F, E, K, retain, factor = 64, 16, 12, 8, 2, 0.75, 1.0
     layer = LRMoE(D, F, E, K, retain=retain, selection="top", backward_capacity=factor)
+    assert "backward_capacity=1.0" in repr(layer) and "quota_align" not in repr(layer)  # only options set show
     with torch.no_grad():  # route most tokens to expert 0, so that its quota would pass C
         layer.gate.weight[0] = 0.0
         layer.gate.weight[0, 0] = 20.0
