@@ -90,10 +90,11 @@ def retained_rows_bound(n_pairs: int, n_experts: int, retain: float) -> int:
 def backward_capacity_rows(n_tokens: int, top_k: int, n_experts: int, retain: float, factor: float) -> int:
     """Rows per expert of the padded backward buffer that ``backward_capacity=factor`` gives: C = ceil(factor *
     floor(retain * P) / E), the balanced quota times ``factor``, rounded up to a multiple of 8 (16-byte rows for the
-    batched GEMMs), and at most T (no expert is routed more than T pairs). Every expert keeps at most C pairs."""
+    batched GEMMs), at least 1, and at most T (no expert is routed more than T pairs; 0 rows for 0 tokens). Every
+    expert keeps at most C pairs."""
     budget = math.floor(retain * n_tokens * top_k)
     rows = -(-math.ceil(factor * budget / n_experts) // 8) * 8
-    return max(1, min(n_tokens, rows))
+    return min(n_tokens, max(1, rows))
 
 
 def _check_backward_capacity(backward_capacity: float | None, retain: float, quota_align: int,
@@ -514,9 +515,9 @@ def _blocked_rows_backward(dy, x_ND, src_rows_R, gate_up_EFD, down_EDF, h_saved,
     dphi_RF = _block_mm(dy_ECD, down_EDF)
     dh_RF2, phi_RF = swiglu_backward(h_src, h_rows_R, dphi_RF)
     del h_src, dphi_RF
-    grad_down = torch.bmm(dy_ECD.transpose(1, 2), phi_RF.view(n_exp, n_rows, -1)) if need_down else None
+    grad_down = torch.bmm(dy_ECD.transpose(1, 2), phi_RF.view(n_exp, n_rows, phi_RF.shape[1])) if need_down else None
     del dy_ECD, phi_RF
-    dh_ECF2 = dh_RF2.view(n_exp, n_rows, -1)
+    dh_ECF2 = dh_RF2.view(n_exp, n_rows, dh_RF2.shape[1])  # sizes spelled out: C may be 0 (no tokens)
     grad_gu = torch.bmm(dh_ECF2.transpose(1, 2), x_rows_ECD) if need_gu else None
     del x_rows_ECD
     dx_RD = _block_mm(dh_ECF2, gate_up_EFD) if need_x else None

@@ -390,3 +390,21 @@ def test_forward_without_grad_leaves_rng_untouched():
     torch.manual_seed(5)
     layer(x.requires_grad_(True))  # a training forward draws the sampling uniforms
     assert not torch.equal(torch.rand(3), after_eval)
+
+
+@pytest.mark.parametrize("retain, activations, backward_capacity",
+                         [(1.0, "save", None), (0.5, "save", None), (0.5, "recompute", None), (0.5, "offload", None),
+                          (0.5, "save", 1.0), (0.5, "recompute", 1.0)])
+def test_a_batch_of_no_tokens_gives_empty_outputs_and_zero_gradients(retain, activations, backward_capacity):
+    # A data loader's last, empty micro-batch: shapes follow, nothing is routed, every weight gradient is zero.
+    layer = LRMoE(D, FF, E, K, retain=retain, selection="top", activations=activations,
+                  backward_capacity=backward_capacity)
+    x = torch.randn(2, 0, D, requires_grad=True)
+    out = layer(x)
+    assert out.shape == (2, 0, D)
+    out.sum().backward()
+    assert x.grad.shape == (2, 0, D)
+    for name, p in layer.named_parameters():
+        assert p.grad is None or not p.grad.any(), name
+    stats = layer.stats()
+    assert int(stats.total_pairs) == 0 and int(stats.retained_pairs) == 0
