@@ -103,10 +103,12 @@ def _check_backward_capacity(backward_capacity: float | None, retain: float, quo
         return
     # SymFloat: torch.compile(dynamic=True) passes a module's float attributes symbolically (math.isfinite would
     # break the graph; the comparisons below become guards).
+    # >= 1, as ExpertParallel's capacity_factor: the E capacities together hold the budget, and (min_retain <=
+    # retain) a balanced expert's min_retain floor fits its capacity.
     if (isinstance(backward_capacity, bool) or not isinstance(backward_capacity, (int, float, torch.SymFloat))
-            or not 0 < backward_capacity < math.inf):
-        raise ValueError(f"backward_capacity must be a positive finite float (times the balanced quota) or None, "
-                         f"got {backward_capacity!r}")
+            or not 1 <= backward_capacity < math.inf):
+        raise ValueError(f"backward_capacity must be a finite float >= 1 (times the balanced quota) or None, got "
+                         f"{backward_capacity!r}: E capacities of C rows must together hold the retain budget")
     if retain >= 1.0:
         raise ValueError("backward_capacity needs retain < 1: at retain 1 the backward keeps every pair, in groups "
                          "of the routed loads")
@@ -231,7 +233,7 @@ def selective_swiglu_experts(
             "recompute" without its GEMM, for P*2F elements over PCIe in forward and M*2F in backward. The same
             gradients for all three; "offload" reads back the very values "save" keeps, so its gradients are
             bit-identical to those of "save".
-        backward_capacity: None (default), or a positive factor: the backward's rows are laid out as E blocks of
+        backward_capacity: None (default), or a factor >= 1: the backward's rows are laid out as E blocks of
             C = ``backward_capacity_rows(T, K, E, retain, backward_capacity)`` rows (each expert's kept pairs, then
             zero padding), and its four GEMMs run as batched GEMMs (torch.bmm) over E instead of grouped GEMMs. Each
             expert keeps at most C pairs (plan_experts plans so; a given plan's quotas are clamped to C). Pays where

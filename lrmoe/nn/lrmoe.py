@@ -85,7 +85,7 @@ class LRMoE(nn.Module):
         quota_align: backward quotas of trimmed experts in multiples of this many pairs, the same total
             (plan_quotas' ``align``); 128 fills torch._grouped_mm's row tiles on an H200. 1: the plain plan.
             Expert parallelism aligns each instance's quota (not with its capacity_factor).
-        backward_capacity: None, or a positive factor: every expert keeps at most C = the balanced quota
+        backward_capacity: None, or a factor >= 1: every expert keeps at most C = the balanced quota
             floor(retain * P) / E times this factor (rounded up to 8 rows) in backward, and the backward runs on E
             blocks of C rows, zero-padded, with batched GEMMs (selective_swiglu_experts says more). For balanced
             routers; needs retain < 1, policy "waterfill" and quota_align 1; one device only (expert parallelism
