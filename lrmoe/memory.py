@@ -80,7 +80,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lrmoe.functional._checks import check_choice, check_retain
+from lrmoe.functional._checks import check_backward_capacity, check_choice, check_retain
 from lrmoe.functional.experts import backward_capacity_rows, retained_rows_bound
 
 __all__ = [
@@ -218,6 +218,8 @@ def balanced_rows(config: MemoryConfig, retain: float, recv: int | None = None,
             raise ValueError(f"on one device the forward rows are the pairs P={n_pairs}, got recv={recv}")
         rows = retained_rows_bound(n_pairs, config.num_experts, retain)
         if backward_capacity is not None:
+            check_backward_capacity(backward_capacity, retain, quota_align=1, grouped_by_source=False,
+                                     policy="waterfill")  # the layer's own checks on the factor and retain
             rows = config.num_experts * backward_capacity_rows(config.tokens, config.top_k, config.num_experts,
                                                                retain, backward_capacity)
             if rows > n_pairs:

@@ -23,6 +23,7 @@ from lrmoe.memory import (
     ADAMW_FP32,
     ADAMW_FP32_MASTER,
     MemoryConfig,
+    balanced_rows,
     expert_parallel_kwargs,
     layer_memory,
     plan_memory,
@@ -282,6 +283,18 @@ def test_modelled_forward_and_backward_peaks_track_a_cpu_measurement(shape, dtyp
     assert 0.99 <= (mem.saved_activations + mem.backward_transient) / measured_bwd <= 1.02
     # What the peak adds to the resident bytes is the larger of the two.
     assert mem.peak - mem.resident == mem.saved_activations + max(mem.forward_transient, mem.backward_transient)
+
+
+def test_backward_capacity_rows_are_the_padded_blocks_and_bad_factors_are_refused():
+    cfg = MemoryConfig(2048, 768, 128, 8, 8192)  # Qwen3-30B-A3B layer: C = 384 at retain 0.75, factor 1
+    assert balanced_rows(cfg, 0.75, backward_capacity=1.0).recv_retained == 128 * 384
+    assert balanced_rows(cfg, 0.75, backward_capacity=1.25).recv_retained == 128 * 480
+    with pytest.raises(ValueError, match=">= 1"):
+        balanced_rows(cfg, 0.75, backward_capacity=0.5)
+    with pytest.raises(ValueError, match="retain < 1"):
+        layer_memory(cfg, retain=1.0, backward_capacity=1.0)
+    with pytest.raises(ValueError, match="single-device"):
+        layer_memory(MemoryConfig(2048, 768, 128, 8, 8192, world_size=2), retain=0.5, backward_capacity=1.0)
 
 
 def test_backward_buffers_shrink_with_retain():

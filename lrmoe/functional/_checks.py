@@ -6,6 +6,7 @@ synchronises with the device or breaks a compiled graph. Errors name the argumen
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 
 import torch
@@ -58,3 +59,30 @@ def check_same_size(name_a: str, a: torch.Tensor, dim_a: int, name_b: str, b: to
             f"{b.shape[dim_b]} in dimension {dim_b}; they must match "
             f"(shapes {tuple(a.shape)} and {tuple(b.shape)})"
         )
+
+
+def check_backward_capacity(backward_capacity: float | None, retain: float, quota_align: int,
+                             grouped_by_source: bool, policy: str) -> None:
+    """LRMoE's ``backward_capacity`` (a factor >= 1 or None) against the options it needs: retain < 1, the
+    waterfill policy, quota_align 1, pairs grouped by expert."""
+    if backward_capacity is None:
+        return
+    # >= 1, as ExpertParallel's capacity_factor: the E capacities together hold the budget, and (min_retain <=
+    # retain) a balanced expert's min_retain floor fits its capacity. SymFloat: torch.compile(dynamic=True) may
+    # pass a module's float attribute symbolically (math.isfinite would break the graph; comparisons are guards).
+    if (isinstance(backward_capacity, bool) or not isinstance(backward_capacity, (int, float, torch.SymFloat))
+            or not 1 <= backward_capacity < math.inf):
+        raise ValueError(f"backward_capacity must be a finite float >= 1 (times the balanced quota) or None, got "
+                         f"{backward_capacity!r}: E capacities of C rows must together hold the retain budget")
+    if retain >= 1.0:
+        raise ValueError("backward_capacity needs retain < 1: at retain 1 the backward keeps every pair, in groups "
+                         "of the routed loads")
+    if policy != "waterfill":
+        raise ValueError(f"backward_capacity needs policy='waterfill', got {policy!r}: the proportional plan under "
+                         "one capacity per expert takes E + 1 rounds")
+    if quota_align != 1:
+        raise ValueError(f"backward_capacity cannot be combined with quota_align={quota_align}: the capacity "
+                         "already gives every expert a whole block of rows; use quota_align=1")
+    if grouped_by_source:
+        raise ValueError("backward_capacity is per expert on one device: not with pairs grouped by (source, expert) "
+                         "(source_ids_T, or a plan with group_ids); expert parallelism has its own capacity_factor")

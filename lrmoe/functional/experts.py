@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lrmoe.functional._checks import check_choice, check_retain, check_tensor
+from lrmoe.functional._checks import check_backward_capacity, check_choice, check_retain, check_tensor
 from lrmoe.functional.quotas import POLICIES, plan_quotas
 from lrmoe.functional.routing import expert_loads
 from lrmoe.functional.scoring import METRICS, score_pairs
@@ -97,32 +97,6 @@ def backward_capacity_rows(n_tokens: int, top_k: int, n_experts: int, retain: fl
     return min(n_tokens, max(1, rows))
 
 
-def _check_backward_capacity(backward_capacity: float | None, retain: float, quota_align: int,
-                             grouped_by_source: bool, policy: str) -> None:
-    if backward_capacity is None:
-        return
-    # SymFloat: torch.compile(dynamic=True) passes a module's float attributes symbolically (math.isfinite would
-    # break the graph; the comparisons below become guards).
-    # >= 1, as ExpertParallel's capacity_factor: the E capacities together hold the budget, and (min_retain <=
-    # retain) a balanced expert's min_retain floor fits its capacity.
-    if (isinstance(backward_capacity, bool) or not isinstance(backward_capacity, (int, float, torch.SymFloat))
-            or not 1 <= backward_capacity < math.inf):
-        raise ValueError(f"backward_capacity must be a finite float >= 1 (times the balanced quota) or None, got "
-                         f"{backward_capacity!r}: E capacities of C rows must together hold the retain budget")
-    if retain >= 1.0:
-        raise ValueError("backward_capacity needs retain < 1: at retain 1 the backward keeps every pair, in groups "
-                         "of the routed loads")
-    if policy != "waterfill":
-        raise ValueError(f"backward_capacity needs policy='waterfill', got {policy!r}: the proportional plan under "
-                         "one capacity per expert takes E + 1 rounds")
-    if quota_align != 1:
-        raise ValueError(f"backward_capacity cannot be combined with quota_align={quota_align}: the capacity "
-                         "already gives every expert a whole block of rows; use quota_align=1")
-    if grouped_by_source:
-        raise ValueError("backward_capacity is per expert on one device: not with pairs grouped by (source, expert) "
-                         "(source_ids_T, or a plan with group_ids); expert parallelism has its own capacity_factor")
-
-
 def plan_experts(
     expert_ids_TK: torch.Tensor,
     num_experts: int,
@@ -156,7 +130,7 @@ def plan_experts(
     to the experts below C, and the plan keeps min(floor(retain * P), sum of min(load, C)) pairs. Needs retain < 1,
     policy "waterfill", ``quota_align`` 1 and pairs grouped by expert.
     """
-    _check_backward_capacity(backward_capacity, retain, quota_align, source_ids_T is not None, policy)
+    check_backward_capacity(backward_capacity, retain, quota_align, source_ids_T is not None, policy)
     uniform = None
     if source_ids_T is None:
         loads = expert_loads(expert_ids_TK, num_experts)
@@ -254,7 +228,7 @@ def selective_swiglu_experts(
     check_choice("selection", selection, MODES)
     check_choice("policy", policy, POLICIES)
     check_choice("activations", activations, ACTIVATION_POLICIES)
-    _check_backward_capacity(backward_capacity, retain, quota_align,
+    check_backward_capacity(backward_capacity, retain, quota_align,
                              source_ids_T is not None or (plan is not None and plan.group_ids is not None), policy)
     n_exp, two_f, dim = gate_up_EFD.shape
     if dim != x_TD.shape[1] or two_f % 2:

@@ -12,14 +12,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from lrmoe.functional._checks import check_choice, check_retain
-from lrmoe.functional.experts import (
-    ACTIVATION_POLICIES,
-    N_BACKWARD_STATS,
-    _check_backward_capacity,
-    plan_experts,
-    selective_swiglu_experts,
-)
+from lrmoe.functional._checks import check_backward_capacity, check_choice, check_retain
+from lrmoe.functional.experts import ACTIVATION_POLICIES, N_BACKWARD_STATS, plan_experts, selective_swiglu_experts
 from lrmoe.functional.quotas import POLICIES
 from lrmoe.functional.routing import route_topk
 from lrmoe.functional.scoring import METRICS
@@ -130,7 +124,7 @@ class LRMoE(nn.Module):
         self.retain, self.metric, self.selection, self.policy = retain, metric, selection, policy
         self.min_retain, self.score_func, self.norm_topk_prob = min_retain, score_func, norm_topk_prob
         self.generator, self.activations, self.quota_align = generator, activations, quota_align
-        _check_backward_capacity(backward_capacity, retain, quota_align, grouped_by_source=False, policy=policy)
+        check_backward_capacity(backward_capacity, retain, quota_align, grouped_by_source=False, policy=policy)
         self.backward_capacity = backward_capacity
 
         self.gate = nn.Linear(dim, num_experts, bias=False)
