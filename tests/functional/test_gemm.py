@@ -174,3 +174,22 @@ def test_compiled_pipeline_matches_eager():
         gc = torch.autograd.grad(comp[0], (xc, wc), gy)
         for a, b in zip(gc, ge):
             torch.testing.assert_close(a, b)
+
+
+def test_compiled_pipeline_takes_any_pair_count_in_one_graph():
+    # dynamic=True: the pair count is symbolic; three counts, one graph, eager's values and selections.
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    compiled = torch.compile(_pipeline, fullgraph=True, dynamic=True)
+    g = torch.Generator().manual_seed(1)
+    E, I, O = 4, 5, 3
+    for P in (23, 31, 40):
+        gids = torch.randint(0, E, (P,), generator=g)
+        loads = torch.zeros(E, dtype=torch.int64).scatter_add_(0, gids, torch.ones(P, dtype=torch.int64))
+        scores, x, w = torch.rand(P, generator=g), torch.randn(P, I, generator=g), torch.randn(E, O, I, generator=g)
+        comp = compiled(loads, scores, gids, x, w, 0.5, "waterfill")
+        eager = _pipeline(loads, scores, gids, x, w, 0.5, "waterfill")
+        for a, b in zip(comp[1:], eager[1:]):
+            assert torch.equal(a, b)
+        torch.testing.assert_close(comp[0], eager[0])
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
