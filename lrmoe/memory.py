@@ -507,7 +507,7 @@ def _backward_phases(config: MemoryConfig, rows: Rows, retain: float, b: int, po
     else:
         t.alloc(scores=P * _FP32, pair_ids=R * _INT64, row_weights=R * _FP32, finite_scores=P * _FP32)
     if blocked:  # pad_to_blocks: its index temporaries on one line, then the padded pair ids and weights
-        t.mark("pad_to_blocks", pad_index=5 * R * _INT64 + R * _FP32 + R)
+        t.mark("pad_to_blocks", pad_index=5 * R * _INT64)  # rows, experts, clamped, destinations, a temporary
         t.alloc(padded_pair_ids=(R + 1) * _INT64, padded_row_weights=(R + 1) * _FP32)
     t.alloc(row_index=2 * R * _INT64, row_coef=R * _FP32)  # safe pair ids, token ids; alpha / p
     t.mark("dy", dy=R * D * b)  # retained_dy: lrmoe::gather_scale_rows, one pass, no temporary (eager)

@@ -381,15 +381,15 @@ def pad_to_blocks(pair_R: torch.Tensor, weight_R: torch.Tensor, offsets_E: torch
     no sync."""
     n_exp, n_rows = offsets_E.shape[0], pair_R.shape[0]
     ends_E = offsets_E.long()
-    starts_E = ends_E - torch.diff(ends_E, prepend=ends_E.new_zeros(1))
+    starts_E = torch.cat([ends_E.new_zeros(1), ends_E[:-1]])
     row_R = torch.arange(n_rows, device=pair_R.device)
     expert_R = torch.searchsorted(ends_E, row_R, right=True)  # E for rows past the last offset
-    in_group_R = expert_R < n_exp
     safe_R = expert_R.clamp(max=n_exp - 1)
-    dest_R = torch.where(in_group_R, safe_R * capacity + row_R - starts_E.index_select(0, safe_R), n_exp * capacity)
     n_pad = n_exp * capacity
-    pair_pad = pair_R.new_full((n_pad + 1,), -1).index_copy_(0, dest_R, torch.where(in_group_R, pair_R, -1))
-    weight_pad = weight_R.new_zeros(n_pad + 1).index_copy_(0, dest_R, torch.where(in_group_R, weight_R, 0.0))
+    # Rows past the last offset go to a spare slot, sliced off below (they are padding already).
+    dest_R = torch.where(expert_R < n_exp, safe_R * capacity + row_R - starts_E.index_select(0, safe_R), n_pad)
+    pair_pad = pair_R.new_full((n_pad + 1,), -1).index_copy_(0, dest_R, pair_R)
+    weight_pad = weight_R.new_zeros(n_pad + 1).index_copy_(0, dest_R, weight_R)
     offsets_pad = torch.arange(1, n_exp + 1, device=pair_R.device, dtype=torch.int32) * capacity
     return pair_pad[:n_pad], weight_pad[:n_pad], offsets_pad
 
