@@ -153,9 +153,7 @@ def plan_experts(
     else:  # plan_quotas with one capacity C per expert: what a capped expert cannot keep goes to the others
         n_tok, top_k = expert_ids_TK.shape
         cap = backward_capacity_rows(n_tok, top_k, num_experts, retain, backward_capacity)
-        experts = torch.arange(num_experts, device=loads.device)
-        quotas = plan_quotas(loads, retain, min_retain=min_retain, policy=policy, capacity=torch.full_like(loads, cap),
-                             placement=experts)
+        quotas = plan_quotas(loads, retain, min_retain=min_retain, policy=policy, capacity=torch.full_like(loads, cap))
     if draw_uniform and selection == "sample" and retain < 1.0:
         uniform = torch.rand(loads.shape, generator=generator, device=expert_ids_TK.device)
     return ExpertPlan(loads=loads, quotas=quotas, uniform=uniform, group_ids=group_ids_TK)

@@ -40,7 +40,9 @@ def plan_quotas(
             floor plus the same fraction of the load above it.
         capacity: [W] integer, the most rows each rank's expert backward may take; given together with
         placement: [G] integer in [0, W) (not checked: that would need a sync), the rank that runs each group's
-            backward. Rank w's quotas then sum to at most capacity[w]. Capacity is a hard limit (it stands for
+            backward. Rank w's quotas then sum to at most capacity[w]. Without placement, capacity is [G], one
+            per group (the same plan as placement = arange(G), with no per-rank sums: with "waterfill", one
+            waterfill of min(load, capacity)). Capacity is a hard limit (it stands for
             memory): where a rank's floors alone exceed it, its floors shrink by waterfill to fit. Each rank
             first gets its own bound per group (its capacity spread over its groups by the policy, only where
             its load exceeds it), then the budget is spread over all groups by the policy under those bounds:
@@ -73,11 +75,15 @@ def plan_quotas(
         raise ValueError("align > 1 cannot be combined with capacity: the aligned steps could pass a rank's "
                          "capacity; pass align=1 with capacity")
     n_groups = loads_SE.shape[-1]
-    if (capacity is None) != (placement is None):
-        missing = "placement" if placement is None else "capacity"
-        raise ValueError(f"capacity and placement go together: {missing} is missing (each group needs the rank "
-                         "whose capacity it uses)")
-    if capacity is not None:
+    if placement is not None and capacity is None:
+        raise ValueError("placement needs capacity: it names the rank whose capacity each group uses, and "
+                         "capacity is missing")
+    if capacity is not None and placement is None:
+        check_tensor("capacity", capacity, ndim=1, kind="int")
+        if capacity.shape[0] != n_groups:
+            raise ValueError(f"capacity without placement holds one capacity per group, shape [{n_groups}], got "
+                             f"{tuple(capacity.shape)}; pass placement to give per-rank capacities")
+    elif capacity is not None:
         check_tensor("capacity", capacity, ndim=1, kind="int")
         check_tensor("placement", placement, ndim=1, kind="int")
         if placement.shape[0] != n_groups:
@@ -100,7 +106,8 @@ def plan_quotas(
         floors_E = torch.zeros_like(loads_E)
 
     if capacity is not None:
-        quotas_E = _plan_with_capacity(loads_E, floors_E, budget, capacity.long(), placement.long(), policy,
+        quotas_E = _plan_with_capacity(loads_E, floors_E, budget, capacity.long(),
+                                       None if placement is None else placement.long(), policy,
                                        floors=min_retain > 0)
     elif policy == "waterfill":
         quotas_E = waterfill(loads_E, floors_E, budget)
@@ -140,9 +147,16 @@ def _align(quotas_G: torch.Tensor, loads_G: torch.Tensor, floors_G: torch.Tensor
 def _plan_with_capacity(loads_G, floors_G, budget, capacity_W, rank_G, policy, floors=True):
     """Quotas per group under per-rank capacities (plan_quotas' docstring): floors shrunk to fit, per-rank bounds,
     then the budget under those bounds. ``floors=False``: min_retain is 0, so the floors are all zero and stay
-    zero (no waterfill of them: it would return zeros)."""
+    zero (no waterfill of them: it would return zeros). ``rank_G`` None: one capacity per group."""
     n_ranks = capacity_W.shape[0]
     cap_W = capacity_W.clamp(min=0)
+    if rank_G is None:
+        if policy == "waterfill":
+            # One group per rank: its floor shrinks to the capacity and its bound is min(load, capacity), what
+            # the per-rank waterfills below give, without their [2G+1, W] sums (scatters on every rank).
+            bound_G = torch.minimum(loads_G, cap_W)
+            return waterfill(bound_G, torch.minimum(floors_G, cap_W), torch.minimum(budget, bound_G.sum()))
+        rank_G = torch.arange(n_ranks, device=loads_G.device)
     if floors:
         # Capacity wins over min_retain: a rank whose floors exceed it keeps a waterfilled share of them.
         floors_G = waterfill_reference(floors_G, torch.zeros_like(floors_G), cap_W, rank_G)

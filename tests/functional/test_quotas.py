@@ -503,7 +503,8 @@ def test_capacity_by_hand():
 @pytest.mark.parametrize(
     "kwargs, exc, name",
     [
-        ({"capacity": torch.tensor([4, 4])}, ValueError, "placement"),
+        ({"capacity": torch.tensor([4, 4])}, ValueError, "placement"),  # two values, three groups
+        ({"capacity": torch.tensor([4.0, 4.0, 4.0])}, TypeError, "capacity"),
         ({"placement": torch.tensor([0, 1, 1])}, ValueError, "capacity"),
         ({"capacity": torch.tensor([4.0, 4.0]), "placement": torch.tensor([0, 1, 1])}, TypeError, "capacity"),
         ({"capacity": torch.tensor([4, 4]), "placement": torch.tensor([0, 1])}, ValueError, "placement"),
@@ -514,6 +515,26 @@ def test_capacity_by_hand():
 def test_capacity_errors_name_the_argument(kwargs, exc, name):
     with pytest.raises(exc, match=name):
         plan_quotas(_LOADS, 0.5, **kwargs)
+
+
+@given(data=st.data())
+def test_per_group_capacity_is_placement_one_group_per_rank(data):
+    """capacity [G] without placement is placement = arange(G) with capacity [G] (per rank): the waterfill path
+    takes min(load, capacity) directly instead of the per-rank waterfills, and must give the same quotas."""
+    loads, retain, min_retain, policy = data.draw(loads_cases())
+    L_G = loads.reshape(-1, loads.shape[-1]).sum(0).tolist()
+    capacity = torch.tensor([data.draw(st.sampled_from([0, -1, x // 3, x // 2, x, x + 3]) | st.integers(0, x + 1))
+                             for x in L_G], dtype=torch.int64)
+    got = plan_quotas(loads, retain, min_retain=min_retain, policy=policy, capacity=capacity)
+    ranks = torch.arange(len(L_G))
+    assert torch.equal(got, plan_quotas(loads, retain, min_retain=min_retain, policy=policy, capacity=capacity,
+                                        placement=ranks))
+    # and no group above its capacity
+    assert (_as_SE_tensor(got).sum(0) <= capacity.clamp(min=0)).all()
+
+
+def _as_SE_tensor(t):
+    return t.reshape(-1, t.shape[-1])
 
 
 @given(capacity_cases())
