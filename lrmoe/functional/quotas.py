@@ -78,17 +78,16 @@ def plan_quotas(
     if placement is not None and capacity is None:
         raise ValueError("placement needs capacity: it names the rank whose capacity each group uses, and "
                          "capacity is missing")
-    if capacity is not None and placement is None:
+    if capacity is not None:
         check_tensor("capacity", capacity, ndim=1, kind="int")
-        if capacity.shape[0] != n_groups:
+        if placement is None and capacity.shape[0] != n_groups:
             raise ValueError(f"capacity without placement holds one capacity per group, shape [{n_groups}], got "
                              f"{tuple(capacity.shape)}; pass placement to give per-rank capacities")
-    elif capacity is not None:
-        check_tensor("capacity", capacity, ndim=1, kind="int")
-        check_tensor("placement", placement, ndim=1, kind="int")
-        if placement.shape[0] != n_groups:
-            raise ValueError(f"placement must have one rank per group, shape [{n_groups}], got "
-                             f"{tuple(placement.shape)}")
+        if placement is not None:
+            check_tensor("placement", placement, ndim=1, kind="int")
+            if placement.shape[0] != n_groups:
+                raise ValueError(f"placement must have one rank per group, shape [{n_groups}], got "
+                                 f"{tuple(placement.shape)}")
 
     if retain >= 1.0 and capacity is None:
         # Every pair kept: quota == load whatever the policy and floors (the invariant above), with no planning.
