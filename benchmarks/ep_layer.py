@@ -52,6 +52,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.distributed as dist
 from layer_fwd_bwd import SHAPES as GPU_SHAPES
+from layer_fwd_bwd import skew_router
 from torch.autograd import DeviceType
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import parallelize_module
@@ -251,19 +252,6 @@ def build_layer(shape: dict, cfg: Config, args, ranks: Ranks, dtype: torch.dtype
     layer = layer.to(ranks.device, dtype)
     style = ExpertParallel(max_replicas=cfg.max_replicas, capacity_factor=cfg.capacity_factor, plan_on=cfg.plan_on)
     return parallelize_module(layer, ranks.mesh, style)
-
-
-@torch.no_grad()
-def skew_router(layer: LRMoE, skew: float, seed: int, rank_skew: float = 0.0, world: int = 1) -> None:
-    """Give expert e a fixed logit bias skew * sigma * z_e (z_e ~ N(0, 1), seeded; sigma the std of the random
-    logits), through input feature 0, which every benchmark input sets to 1. skew 0: near-balanced loads.
-    rank_skew adds rank_skew * sigma to the experts rank 0 owns (the first E / world), so that rank, not only some
-    experts, is hot: with many experts per rank, expert skew alone averages out over ranks."""
-    weight_ED = layer.gate.weight
-    sigma = weight_ED[:, 1:].square().sum(1).mean().sqrt()  # std of x . w_e for x ~ N(0, I)
-    z_E = torch.randn(weight_ED.shape[0], generator=torch.Generator().manual_seed(seed + 7))
-    weight_ED[:, 0] = skew * sigma * z_E
-    weight_ED[: weight_ED.shape[0] // world, 0] += rank_skew * sigma
 
 
 def measure(layer: LRMoE, cfg: Config, args, ranks: Ranks) -> dict:

@@ -11,6 +11,8 @@ cost); --compiled-sample reference makes compiled "sample" selection trace the r
 calling the custom op (the library's default). --quota-align 1 128 runs every LRMoE row at retain < 1 with the
 plain backward quotas and with quotas in multiples of 128 pairs (LRMoE's quota_align), tagged "a1" / "a128";
 --backward-capacity none 1.0 the same with LRMoE's backward_capacity (E padded blocks, batched GEMMs), tagged "c".
+--skew s biases every layer's router (skew_router: expert e's logits + s * sigma * z_e, through input feature 0,
+set to 1) so that loads are uneven; 0, the default, is the near-balanced routing of random weights.
 The GEMM floor is 6·T·k·3·d·f FLOP forward+backward (2× for forward alone) at the measured matmul rate.
 """
 
@@ -87,6 +89,33 @@ class _Tokens3D(nn.Module):
         return (out[0] if isinstance(out, tuple) else out).reshape(x_TD.shape)
 
 
+@torch.no_grad()
+def skew_router(layer: nn.Module, skew: float, seed: int, rank_skew: float = 0.0, world: int = 1) -> None:
+    """Give expert e a fixed logit bias skew * sigma * z_e (z_e ~ N(0, 1), seeded; sigma the std of the random
+    logits), through input feature 0, which every benchmark input sets to 1. skew 0: near-balanced loads.
+    rank_skew adds rank_skew * sigma to the experts rank 0 owns (the first E / world), so that rank, not only some
+    experts, is hot: with many experts per rank, expert skew alone averages out over ranks."""
+    weight_ED = (layer.block if isinstance(layer, _Tokens3D) else layer).gate.weight
+    sigma = weight_ED[:, 1:].square().sum(1).mean().sqrt()  # std of x . w_e for x ~ N(0, I)
+    z_E = torch.randn(weight_ED.shape[0], generator=torch.Generator().manual_seed(seed + 7))
+    weight_ED[:, 0] = skew * sigma * z_E
+    weight_ED[: weight_ED.shape[0] // world, 0] += rank_skew * sigma
+
+
+
+def _skewed_load_ratio(shape: dict, tokens: int, skew: float) -> float:
+    """max / mean expert load of an LRMoE layer's router under skew_router, as the benchmark builds it."""
+    torch.manual_seed(0)
+    layer = LRMoE(**shape).cuda().bfloat16()
+    skew_router(layer, skew, seed=0)
+    x = torch.randn(tokens, shape["dim"], device="cuda", dtype=torch.bfloat16)
+    x[:, 0] = 1.0
+    ids = layer.gate(x).float().topk(shape["top_k"], dim=-1).indices
+    loads = torch.zeros(shape["num_experts"], device="cuda").index_add_(0, ids.flatten(), torch.ones(ids.numel(),
+                                                                                                    device="cuda"))
+    return (loads.max() / loads.mean()).item()
+
+
 _COMPILE_MODES = {"eager": None, "compiled": None, "compiled-cg": "reduce-overhead"}
 
 
@@ -125,6 +154,8 @@ def main() -> None:
     parser.add_argument("--backward-capacity", nargs="+", default=["none"],
                         help="LRMoE's backward_capacity, a factor or 'none'; several: each LRMoE row at retain < 1 "
                              "once per value, tagged 'c<value>'")
+    parser.add_argument("--skew", type=float, default=0.0,
+                        help="router skew of every layer (skew_router; 0: near-balanced loads)")
     args = parser.parse_args()
     if args.compiled_sample == "reference":
         selection_module._COMPILED_SAMPLE = select_within_quota_reference
@@ -137,6 +168,9 @@ def main() -> None:
     print(f"# {args.shape} {shape}, tokens={T}, bf16, {torch.cuda.get_device_name()}, torch {torch.__version__}")
     flop_step = 6 * T * k * 3 * d * f
     print(f"# GEMM FLOP: forward {flop_step / 3 / 1e12:.3f} TFLOP, forward+backward {flop_step / 1e12:.3f} TFLOP")
+    if args.skew:
+        print(f"# router skew {args.skew:g}: max / mean expert load {_skewed_load_ratio(shape, T, args.skew):.2f} "
+              "(LRMoE's router)")
     print(f"{'layer':>26} {'mode':>8} {'fwd ms':>8} {'fwd+bwd ms':>10} {'TFLOP/s':>8} {'peak GiB':>8} {'syncs':>5}")
 
     both = len(args.selection) > 1
@@ -167,7 +201,11 @@ def main() -> None:
         grouped_gemm_module._GATHER_KERNEL = gather  # read when an op call runs or is traced
         torch.manual_seed(0)
         layer = make().cuda().bfloat16()
-        x = torch.randn(T, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        x = torch.randn(T, d, device="cuda", dtype=torch.bfloat16)
+        if args.skew:
+            skew_router(layer, args.skew, seed=0)
+            x[:, 0] = 1.0  # the router-skew feature
+        x.requires_grad_()
         for mode in args.modes:
             # A fresh Dynamo cache per layer and mode: recompiling LRMoE.forward for another layer would otherwise
             # count towards the recompile limit and make the layer's float attributes (retain) dynamic.
