@@ -1,13 +1,14 @@
 """What LRMoE's ``backward_capacity`` keeps and pads, by router skew (CPU; plans only, nothing timed).
 
     python benchmarks/backward_capacity_plan.py
-    python benchmarks/backward_capacity_plan.py --tokens 8192 --experts 128 --top-k 8 --skew 0 0.5 1 2
+    python benchmarks/backward_capacity_plan.py --shape glm-4.5-air --skew 0 0.25 0.5 1 --factor 1 1.25 1.5
 
 With ``backward_capacity=c`` every expert keeps at most C = ceil(c * floor(retain * P) / E) pairs (rounded up to 8)
 and the backward's four GEMMs run as torch.bmm over E blocks of C rows; without it, the plain waterfill plan keeps
-the whole budget and the GEMMs run grouped, in 128-row tiles per expert. The router is softmax top-k over logits
-N(0, 1) plus a fixed per-expert bias skew * z_e (z_e ~ N(0, 1), seeded: benchmarks/ep_layer.py's --skew); skew 0
-is the near-balanced routing the layer benchmarks time. Per skew, retain and c, one row:
+the whole budget and the GEMMs run grouped, in 128-row tiles per expert. The router is the one
+benchmarks/layer_fwd_bwd.py times with ``--skew``: an LRMoE layer's gate as initialised under seed 0, expert e's
+logit biased by skew * sigma * z_e (skew_router), bf16, on random tokens (drawn here on the CPU, so the loads
+differ from the GPU run's by sampling noise; max / mean load is printed to compare). Per skew, retain and c:
 
 * kept / budget: pairs the capped plan keeps, as a share of floor(retain * P) (the plain plan keeps all of it);
 * pad: zero rows of the E * C blocks, as a share of E * C (work the batched GEMMs do for nothing);
@@ -20,36 +21,44 @@ from __future__ import annotations
 import argparse
 
 import torch
+from layer_fwd_bwd import SHAPES, skew_router
+from torch import nn
 
 from lrmoe.functional.experts import backward_capacity_rows
 from lrmoe.functional.quotas import plan_quotas
 from lrmoe.functional.routing import expert_loads
 
 
-def loads_for(tokens: int, experts: int, top_k: int, skew: float, seed: int) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(seed)
-    bias_E = skew * torch.randn(experts, generator=gen)
-    logits_TE = torch.randn(tokens, experts, generator=gen) + bias_E
-    return expert_loads(logits_TE.topk(top_k, dim=-1).indices, experts)
+def loads_for(shape: dict, tokens: int, skew: float) -> torch.Tensor:
+    """Expert loads of layer_fwd_bwd.py's router (LRMoE creates its gate first, so seed 0 gives the same weights)."""
+    torch.manual_seed(0)
+    router = nn.Module()
+    router.gate = nn.Linear(shape["dim"], shape["num_experts"], bias=False).bfloat16()
+    x_TD = torch.randn(tokens, shape["dim"], dtype=torch.bfloat16)
+    if skew:
+        skew_router(router, skew, seed=0)
+        x_TD[:, 0] = 1.0
+    with torch.no_grad():
+        ids_TK = router.gate(x_TD).float().topk(shape["top_k"], dim=-1).indices
+    return expert_loads(ids_TK, shape["num_experts"])
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", default="qwen3-30b-a3b", choices=sorted(SHAPES))
     parser.add_argument("--tokens", type=int, default=8192)
-    parser.add_argument("--experts", type=int, default=128)
-    parser.add_argument("--top-k", type=int, default=8)
     parser.add_argument("--skew", type=float, nargs="+", default=[0.0, 0.25, 0.5, 1.0])
     parser.add_argument("--retain", type=float, nargs="+", default=[0.75, 0.5])
     parser.add_argument("--factor", type=float, nargs="+", default=[1.0, 1.25, 1.5])
-    parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
 
-    T, E, K = args.tokens, args.experts, args.top_k
-    print(f"# T={T}, E={E}, k={K}: P={T * K} pairs; plans only")
+    shape = SHAPES[args.shape]
+    T, E, K = args.tokens, shape["num_experts"], shape["top_k"]
+    print(f"# {args.shape}, T={T}, E={E}, k={K}: P={T * K} pairs; plans only")
     print(f"{'skew':>5} {'max/mean load':>13} {'retain':>6} {'c':>5} {'C':>5} {'kept/budget':>11} {'pad':>6} "
           f"{'rows/plain':>10}")
     for skew in args.skew:
-        loads_E = loads_for(T, E, K, skew, args.seed)
+        loads_E = loads_for(shape, T, skew)
         ratio = loads_E.max().item() / loads_E.float().mean().item()
         for retain in args.retain:
             budget = int(retain * T * K)

@@ -97,7 +97,7 @@ def skew_router(layer: nn.Module, skew: float, seed: int, rank_skew: float = 0.0
     experts, is hot: with many experts per rank, expert skew alone averages out over ranks."""
     weight_ED = (layer.block if isinstance(layer, _Tokens3D) else layer).gate.weight
     sigma = weight_ED[:, 1:].square().sum(1).mean().sqrt()  # std of x . w_e for x ~ N(0, I)
-    z_E = torch.randn(weight_ED.shape[0], generator=torch.Generator().manual_seed(seed + 7))
+    z_E = torch.randn(weight_ED.shape[0], generator=torch.Generator().manual_seed(seed + 7)).to(weight_ED.device)
     weight_ED[:, 0] = skew * sigma * z_E
     weight_ED[: weight_ED.shape[0] // world, 0] += rank_skew * sigma
 

@@ -13,19 +13,18 @@ SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "backward_capacity
 
 def test_table_kept_share_and_padding():
     out = subprocess.run(
-        [sys.executable, str(SCRIPT), "--tokens", "512", "--experts", "16", "--top-k", "4", "--skew", "0", "2",
-         "--retain", "0.75", "--factor", "1", "4"],
+        [sys.executable, str(SCRIPT), "--tokens", "512", "--skew", "0", "2", "--retain", "0.75", "--factor", "1", "4"],
         capture_output=True, text=True, check=True, timeout=120,
     ).stdout
     rows = [line.split() for line in out.splitlines() if line and not line.startswith(("#", " skew"))]
     table = {(float(r[0]), float(r[3])): r for r in rows}
     assert len(rows) == 4 and set(table) == {(0.0, 1.0), (0.0, 4.0), (2.0, 1.0), (2.0, 4.0)}
-    budget = int(0.75 * 512 * 4)
+    budget = int(0.75 * 512 * 8)  # the Qwen3 shape: k = 8, E = 128
     for (skew, factor), r in table.items():
         cap, kept_share, pad = int(r[4]), float(r[5]), float(r[6])
-        assert cap == min(512, math.ceil(math.ceil(factor * budget / 16) / 8) * 8)  # the documented C
+        assert cap == min(512, math.ceil(math.ceil(factor * budget / 128) / 8) * 8)  # the documented C
         assert 0 < kept_share <= 1
-        assert abs(pad - (1 - kept_share * budget / (16 * cap))) < 2e-3  # padding is the blocks' rows not kept
+        assert abs(pad - (1 - kept_share * budget / (128 * cap))) < 2e-3  # padding is the blocks' rows not kept
     # four times the balanced quota holds every waterfilled quota of a near-balanced router; a skewed one at c = 1
     # does not keep its budget (its hot experts hit C), and more capacity keeps more
     assert float(table[(0.0, 4.0)][5]) == 1.0
