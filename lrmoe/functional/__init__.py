@@ -1,6 +1,12 @@
 """Pure functional primitives of lrmoe: tensors in, tensors out, static shapes, no host synchronisation."""
 
-from lrmoe.functional.experts import ExpertPlan, plan_experts, retained_rows_bound, selective_swiglu_experts
+from lrmoe.functional.experts import (
+    ExpertPlan,
+    backward_capacity_rows,
+    plan_experts,
+    retained_rows_bound,
+    selective_swiglu_experts,
+)
 from lrmoe.functional.gemm import compact_and_gemm
 from lrmoe.functional.quotas import apportion, plan_quotas
 from lrmoe.functional.replicas import (
@@ -18,6 +24,7 @@ __all__ = [
     "Routing",
     "Selection",
     "apportion",
+    "backward_capacity_rows",
     "balanced_capacity",
     "compact_and_gemm",
     "expert_loads",
