@@ -102,7 +102,6 @@ def skew_router(layer: nn.Module, skew: float, seed: int, rank_skew: float = 0.0
     weight_ED[: weight_ED.shape[0] // world, 0] += rank_skew * sigma
 
 
-
 def _skewed_load_ratio(shape: dict, tokens: int, skew: float) -> float:
     """max / mean expert load of an LRMoE layer's router under skew_router, as the benchmark builds it."""
     torch.manual_seed(0)
@@ -111,8 +110,7 @@ def _skewed_load_ratio(shape: dict, tokens: int, skew: float) -> float:
     x = torch.randn(tokens, shape["dim"], device="cuda", dtype=torch.bfloat16)
     x[:, 0] = 1.0
     ids = layer.gate(x).float().topk(shape["top_k"], dim=-1).indices
-    loads = torch.zeros(shape["num_experts"], device="cuda").index_add_(0, ids.flatten(), torch.ones(ids.numel(),
-                                                                                                    device="cuda"))
+    loads = torch.bincount(ids.flatten(), minlength=shape["num_experts"]).float()  # outside any timed step
     return (loads.max() / loads.mean()).item()
 
 
