@@ -81,9 +81,12 @@ class LRMoE(nn.Module):
             Expert parallelism aligns each instance's quota (not with its capacity_factor).
         backward_capacity: None, or a factor >= 1: every expert keeps at most C = the balanced quota
             floor(retain * P) / E times this factor (rounded up to 8 rows) in backward, and the backward runs on E
-            blocks of C rows, zero-padded, with batched GEMMs (selective_swiglu_experts says more). For balanced
-            routers; needs retain < 1, policy "waterfill" and quota_align 1; one device only (expert parallelism
-            has capacity_factor).
+            blocks of C rows, zero-padded, with batched GEMMs (selective_swiglu_experts says more). The factor
+            trades kept pairs for padding: 1.0 keeps the whole budget while the router stays balanced, 1.25 up to
+            a heaviest expert of about 2.5x the mean (docs/api.md; benchmarks/backward_capacity_plan.py for a
+            router's skew); past that, fewer pairs than retain asks (stats().retained_pairs says how many).
+            Needs retain < 1, policy "waterfill" and quota_align 1; one device only (expert parallelism has
+            capacity_factor).
 
     Input [..., dim] -> output of the same shape and dtype.
     """
