@@ -377,19 +377,27 @@ def pad_to_blocks(pair_R: torch.Tensor, weight_R: torch.Tensor, offsets_E: torch
     (pair_ids [E * C], weights [E * C], offsets (e + 1) * C as int32). Every group must hold at most C rows (the
     caller clamps the quotas); rows past the last offset are padding already. Index arithmetic on the device,
     no sync."""
-    n_exp, n_rows = offsets_E.shape[0], pair_R.shape[0]
-    ends_E = offsets_E.long()
-    starts_E = torch.cat([ends_E.new_zeros(1), ends_E[:-1]])
-    row_R = torch.arange(n_rows, device=pair_R.device)
-    expert_R = torch.searchsorted(ends_E, row_R, right=True)  # E for rows past the last offset
-    safe_R = expert_R.clamp(max=n_exp - 1)
+    n_exp = offsets_E.shape[0]
     n_pad = n_exp * capacity
-    # Rows past the last offset go to a spare slot, sliced off below (they are padding already).
-    dest_R = torch.where(expert_R < n_exp, safe_R * capacity + row_R - starts_E.index_select(0, safe_R), n_pad)
+    dest_R = block_slots(offsets_E, pair_R.shape[0], capacity)
     pair_pad = pair_R.new_full((n_pad + 1,), -1).index_copy_(0, dest_R, pair_R)
     weight_pad = weight_R.new_zeros(n_pad + 1).index_copy_(0, dest_R, weight_R)
     offsets_pad = torch.arange(1, n_exp + 1, device=pair_R.device, dtype=torch.int32) * capacity
     return pair_pad[:n_pad], weight_pad[:n_pad], offsets_pad
+
+
+def block_slots(offsets_E: torch.Tensor, n_rows: int, capacity: int) -> torch.Tensor:
+    """[n_rows] int64: where each row of a buffer grouped by expert (group e ending at offsets_E[e]) goes in E blocks
+    of ``capacity`` rows: e * capacity + its place in its group; E * capacity (a spare slot past the blocks) for
+    rows past the last offset. Every group must hold at most ``capacity`` rows."""
+    n_exp = offsets_E.shape[0]
+    ends_E = offsets_E.long()
+    starts_E = torch.cat([ends_E.new_zeros(1), ends_E[:-1]])
+    row_R = torch.arange(n_rows, device=offsets_E.device)
+    expert_R = torch.searchsorted(ends_E, row_R, right=True)  # E for rows past the last offset
+    safe_R = expert_R.clamp(max=n_exp - 1)
+    return torch.where(expert_R < n_exp, safe_R * capacity + row_R - starts_E.index_select(0, safe_R),
+                       n_exp * capacity)
 
 
 def saved_h(h_NF2: torch.Tensor, activations: str) -> torch.Tensor | None:

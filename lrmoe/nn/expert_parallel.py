@@ -68,6 +68,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from lrmoe.functional.experts import (
+    block_slots,
     combine,
     expert_rows_backward,
     release_h,
@@ -86,7 +87,7 @@ from lrmoe.functional.replicas import (
 )
 from lrmoe.functional.routing import expert_loads, route_topk
 from lrmoe.nn.lrmoe import LRMoE
-from lrmoe.ops import argsort_ids, gather_grouped_mm, swiglu_sqnorm
+from lrmoe.ops import argsort_ids, gather_grouped_mm, gather_scale_rows, swiglu_sqnorm
 
 __all__ = ["ExpertParallel", "ExpertParallelPlan", "ExpertParallelStats", "backward_capacity", "plan_expert_parallel"]
 
@@ -149,6 +150,8 @@ class _Splits:
     bwd_send[w], bwd_recv[s]: the same for the retained pairs (instance quotas instead of the assignment).
     rep_send[w]: replica weights this rank sends to rank w (w's replicas of experts this rank owns);
     rep_recv[v]: replica weights this rank receives from owner v. Empty lists without replicas.
+    block_rows: with ExpertParallel(backward_blocks=True), the rows of every local instance's block in the
+    blocked backward: the most retained rows any instance of this rank receives, rounded up to 8; else 0.
     """
 
     fwd_send: list[int]
@@ -157,6 +160,7 @@ class _Splits:
     bwd_recv: list[int]
     rep_send: list[int]
     rep_recv: list[int]
+    block_rows: int = 0
 
 
 def backward_capacity(loads_WE: torch.Tensor, retain: float, capacity_factor: float) -> torch.Tensor:
@@ -367,7 +371,7 @@ def expert_major_order(counts_SL: torch.Tensor, n_rows: int) -> torch.Tensor:
     return argsort_ids(key_N)
 
 
-def _host_splits(plan: ExpertParallelPlan, ep: _EPGroup, n_local: int) -> _Splits:
+def _host_splits(plan: ExpertParallelPlan, ep: _EPGroup, n_local: int, blocked: bool = False) -> _Splits:
     # HOST SYNC (plan on the device; with plan_on="host" the plan is already on the host): the one host read of the
     # EP layer step. The split sizes of every all-to-all of the step (forward dispatch and combine, backward
     # dispatch and input-gradient return, replica weights and their gradients) follow from the plan, so one
@@ -382,6 +386,8 @@ def _host_splits(plan: ExpertParallelPlan, ep: _EPGroup, n_local: int) -> _Split
         owner_WR = torch.where(replicas_WR >= 0, torch.div(replicas_WR, n_local, rounding_mode="floor"), -1)
         rows.append((owner_WR == ep.rank).sum(1))  # rank w's replicas of experts this rank owns
         rows.append(torch.nn.functional.one_hot(owner_WR[ep.rank] + 1, ep.size + 1)[:, 1:].sum(0))
+    if blocked:  # the largest local instance's retained rows, repeated to a row's length: the same one read
+        rows.append(plan.instance_quotas[:, ep.rank].sum(0).max().expand(ep.size))
     host = torch.stack(rows).tolist()
     # Under torch.compile this .tolist() gives unbacked SymInts (unknown at trace time): tell the compiler they are
     # row counts (>= 0), else checks such as select_within_quota's `max_rows < 0` cannot be decided while tracing
@@ -389,9 +395,12 @@ def _host_splits(plan: ExpertParallelPlan, ep: _EPGroup, n_local: int) -> _Split
     for counts in host:
         for n in counts:
             torch._check(n >= 0)
+    block_rows = 0
+    if blocked:
+        block_rows = -(-host.pop()[0] // 8) * 8  # whole 8-row steps, as the single-device blocks
     if not n_rep:
         host += [[], []]
-    return _Splits(*host)
+    return _Splits(*host, block_rows=block_rows)
 
 
 def _peer_bytes(rows_W: list[int], row_bytes: int, rank: int) -> int:
@@ -457,6 +466,7 @@ class _Config:
     selection: str
     generator: torch.Generator | None
     activations: str = "save"  # what forward keeps of h: "save", "recompute" or "offload" (see saved_h)
+    blocked: bool = False  # the instance-side backward on equal blocks of splits.block_rows rows (torch.bmm)
 
 
 class _ExpertParallelSwiGLU(torch.autograd.Function):
@@ -566,20 +576,37 @@ class _ExpertParallelSwiGLU(torch.autograd.Function):
             src_M = torch.repeat_interleave(torch.arange(ep.size, device=device), bwd_recv_W, output_size=n_kept)
             fwd_row_M = (torch.cumsum(fwd_recv_W, 0) - fwd_recv_W).index_select(0, src_M) + index_M.long()
         quota_SI = quotas_SWI[:, ep.rank]
-        perm_M = expert_major_order(quota_SI, n_kept)
+        perm_M = expert_major_order(quota_SI, n_kept)  # instance-major position j -> arrived row perm_M[j]
         offsets_I = torch.cumsum(quota_SI.sum(0), 0).int()
-        rows_M = fwd_row_M.index_select(0, perm_M)  # instance-major retained rows -> source-major forward rows
+        group_rows = None
+        if cfg.blocked:
+            # Each instance's rows first in a block of splits.block_rows (the largest instance's count, from the
+            # plan already on the host: no pair dropped, no sync), zero rows after them; the GEMMs as torch.bmm.
+            group_rows = splits.block_rows
+            slot_M = block_slots(offsets_I, n_kept, group_rows)
+            n_pad = n_inst * group_rows
+            arrived_B = torch.full((n_pad + 1,), -1, dtype=torch.long, device=device).index_copy_(0, slot_M, perm_M)
+            arrived_B = arrived_B[:n_pad]  # the arrived row in each slot, -1 for padding
+            safe_B = arrived_B.clamp(min=0)
+            dy = [gather_scale_rows(dy_MD, safe_B, (arrived_B >= 0).float())]  # padding: zero rows
+            rows_M = fwd_row_M.index_select(0, safe_B)
+            offsets_I = torch.arange(1, n_inst + 1, device=device, dtype=torch.int32) * group_rows
+        else:
+            dy = [dy_MD.index_select(0, perm_M)]
+            rows_M = fwd_row_M.index_select(0, perm_M)  # instance-major retained rows -> source-major forward rows
 
         # "recompute" (h_saved None): h from the received x rows, which this rank keeps for the weight gradient
         # anyway; "offload": the retained rows of the host copy.
-        dy = [dy_MD.index_select(0, perm_M)]
         dx_em_MD, grad_gu, grad_down = expert_rows_backward(
             dy, x_recv_ND, rows_M, offsets_I, gate_up_IFD, down_IDF, h_saved=h_saved,
             h_index_R=None if h_saved is None else inv_perm_N.index_select(0, rows_M),
-            h_on_host=cfg.activations == "offload",
+            h_on_host=cfg.activations == "offload", group_rows=group_rows,
         )
         # Return the input-gradient rows in the order they arrived (the reverse of the backward dispatch).
-        dx_MD = torch.empty_like(dx_em_MD).index_copy_(0, perm_M, dx_em_MD)
+        if cfg.blocked:
+            dx_MD = dx_em_MD.index_select(0, torch.empty_like(slot_M).index_copy_(0, perm_M, slot_M))
+        else:
+            dx_MD = torch.empty_like(dx_em_MD).index_copy_(0, perm_M, dx_em_MD)
         dx_RD = _all_to_all(dx_MD, splits.bwd_send, splits.bwd_recv, ep)
 
         # --- source side again: input gradient of the retained pairs.
@@ -661,6 +688,7 @@ class _Replication:
     placement_policy: PlacementPolicy
     placement_key: str  # the policy's key in _PLACEMENT_POLICIES, for the plan op
     plan_on: str = "host"  # "host" or "device": where plan_expert_parallel runs (see ExpertParallel)
+    backward_blocks: bool = False  # the instance-side backward as batched GEMMs on equal blocks (see ExpertParallel)
 
 
 class ExpertParallel(ParallelStyle):
@@ -685,6 +713,13 @@ class ExpertParallel(ParallelStyle):
             faster with it (the plan's host time 1.6-4.1 vs 3.2-9.2 ms), the dense backward without replicas 2.1
             ms slower (its plan is ~20 ops). The same plan either way on every rank (all ranks plan on the same
             kind of device); on a CPU mesh the two are the same.
+        backward_blocks: False (default) or True: each rank's expert backward lays every local instance's
+            retained rows out as a block of C rows, C = the most any instance of the rank received this step
+            (rounded up to 8; read with the split sizes, so no further sync), zero rows after them, and runs its
+            four GEMMs as torch.bmm over the blocks instead of grouped GEMMs. Exact (the same kept pairs and
+            gradients); the cost is the padding, which an uneven plan makes large. On one device, batched GEMMs
+            on equal blocks ran the backward's GEMMs at 639 against 506 TFLOP/s (LRMoE's backward_capacity,
+            docs/performance.md, fifteenth session); not yet timed under expert parallelism.
 
     Expert parameters become DTensors ``Shard(0)`` (rank w holds experts [w*E/W, (w+1)*E/W)); the router stays a
     plain replicated tensor. Parameters are replaced, so build the optimiser afterwards. With
@@ -705,10 +740,13 @@ class ExpertParallel(ParallelStyle):
         capacity_factor: float | None = None,
         placement_policy: PlacementPolicy = place_hot_replicas,
         plan_on: str = "host",
+        backward_blocks: bool = False,
     ):
         super().__init__()
         if plan_on not in ("device", "host"):
             raise ValueError(f'plan_on must be "device" or "host", got {plan_on!r}')
+        if not isinstance(backward_blocks, bool):
+            raise TypeError(f"backward_blocks must be a bool, got {type(backward_blocks).__name__}")
         if not isinstance(max_replicas, int) or isinstance(max_replicas, bool) or max_replicas < 0:
             raise ValueError(f"max_replicas must be a non-negative int, got {max_replicas!r}")
         if capacity_factor is not None:
@@ -724,7 +762,7 @@ class ExpertParallel(ParallelStyle):
                             f"{type(placement_policy).__name__}")
         self.mesh_dim_name = mesh_dim_name
         self.replication = _Replication(max_replicas, capacity_factor, placement_policy,
-                                        _placement_key(placement_policy), plan_on)
+                                        _placement_key(placement_policy), plan_on, backward_blocks)
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         if not isinstance(module, LRMoE):
@@ -836,11 +874,11 @@ class _ExpertParallelMixin:
             # HOST SYNC: the load matrix to the host (the one host read of this step, see ExpertParallel's plan_on);
             # the split sizes below then read CPU tensors, and the plan goes to the device in one copy.
             plan_host = _plan_step(loads_WE.cpu(), self, rep)
-            splits = _host_splits(plan_host, ep, n_local)
+            splits = _host_splits(plan_host, ep, n_local, rep.backward_blocks)
             plan = _plan_to(plan_host, loads_WE)
         else:
             plan = _plan_step(loads_WE, self, rep)  # plan_expert_parallel, opaque to the compiler (see _ep_plan)
-            splits = _host_splits(plan, ep, n_local)  # the one host synchronisation of this layer step
+            splits = _host_splits(plan, ep, n_local, rep.backward_blocks)  # the step's one host synchronisation
         n_inst = plan.instances.shape[1]
         dense = self.retain >= 1.0 and rep.capacity_factor is None
         if probe is not None and self.selection == "sample" and not dense:
@@ -889,7 +927,7 @@ class _ExpertParallelMixin:
         # No backward will run without a probe: then "offload" would copy h to the host for nothing.
         activations = "recompute" if self.activations == "offload" and probe is None else self.activations
         cfg = _Config(retain=self.retain, dense=dense, metric=self.metric, selection=self.selection,
-                      generator=self.generator, activations=activations)
+                      generator=self.generator, activations=activations, blocked=rep.backward_blocks)
         out_TD = _ExpertParallelSwiGLU.apply(
             x_TD, gate_up_IFD, down_IDF, routing.gates.to(x.dtype), group_P, plan.assignment, plan.instance_quotas,
             plan.uniform, probe, cfg, splits, ep,

@@ -38,12 +38,13 @@ def mesh():
             dist.destroy_process_group()
 
 
-def _layer(mesh, plan_on: str) -> LRMoE:
+def _layer(mesh, plan_on: str, backward_blocks: bool = False) -> LRMoE:
     torch.manual_seed(0)
     # retain 1 with a capacity: the selective backward (scoring, selection, backward all-to-all of the kept rows),
     # which at one rank keeps every pair, so eager and compiled keep the same pairs whatever the bf16 rounding.
     layer = LRMoE(D, FF, E, K, retain=1.0, selection="top").cuda().bfloat16()
-    return parallelize_module(layer, mesh, ExpertParallel(capacity_factor=1.0, plan_on=plan_on))
+    return parallelize_module(layer, mesh, ExpertParallel(capacity_factor=1.0, plan_on=plan_on,
+                                                          backward_blocks=backward_blocks))
 
 
 @pytest.mark.parametrize("max_replicas, capacity_factor", [(0, None), (0, 1.25), (2, 1.25)])
@@ -58,9 +59,9 @@ def test_plan_does_not_synchronise_on_cuda(max_replicas, capacity_factor):
     assert int(plan.quotas.sum()) == int(0.5 * int(loads_WE.sum()))  # the plan was made (budget floor(r * P))
 
 
-@pytest.mark.parametrize("plan_on", ["device", "host"])
-def test_ep_step_synchronises_once(mesh, plan_on):
-    layer = _layer(mesh, plan_on)
+@pytest.mark.parametrize("plan_on, backward_blocks", [("device", False), ("host", False), ("device", True)])
+def test_ep_step_synchronises_once(mesh, plan_on, backward_blocks):
+    layer = _layer(mesh, plan_on, backward_blocks)
     x, c = torch.randn(T, D, device="cuda", dtype=torch.bfloat16), torch.randn(T, D, device="cuda")
     forward_backward(layer, x, c.bfloat16())  # warm-up (first calls may allocate, compile kernels, ...)
     torch.cuda.synchronize()
@@ -76,9 +77,9 @@ def test_ep_step_synchronises_once(mesh, plan_on):
     assert len(syncs) == 1, [str(w.message) for w in syncs]
 
 
-@pytest.mark.parametrize("plan_on", ["device", "host"])
-def test_compiled_ep_layer_equals_eager_on_cuda(mesh, plan_on):
-    eager, layer = _layer(mesh, plan_on), _layer(mesh, plan_on)
+@pytest.mark.parametrize("plan_on, backward_blocks", [("device", False), ("host", False), ("host", True)])
+def test_compiled_ep_layer_equals_eager_on_cuda(mesh, plan_on, backward_blocks):
+    eager, layer = _layer(mesh, plan_on, backward_blocks), _layer(mesh, plan_on, backward_blocks)
     x = torch.randn(T, D, device="cuda", dtype=torch.bfloat16)
     c = torch.randn(T, D, device="cuda", dtype=torch.bfloat16)
     with torch._dynamo.config.patch(capture_scalar_outputs=True):

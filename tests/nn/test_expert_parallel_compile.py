@@ -30,7 +30,7 @@ def tokens_of(rank: int) -> int:
     return 10 + 3 * rank
 
 
-def _compiled_matches_eager(rank, world, max_replicas, plan_on="device"):
+def _compiled_matches_eager(rank, world, max_replicas, plan_on="device", backward_blocks=False):
     mesh = init_device_mesh("cpu", (world,))
     torch.manual_seed(0)
     ref = LRMoE(D, FF, E, K, retain=0.75, selection="top")
@@ -39,7 +39,8 @@ def _compiled_matches_eager(rank, world, max_replicas, plan_on="device"):
     shift = 2 * torch.nn.functional.normalize(torch.randn(D), dim=0)
     with torch.no_grad():
         ref.gate.weight[:2] += 2 * shift
-    style = {"capacity_factor": 1.0, "max_replicas": max_replicas, "plan_on": plan_on}
+    style = {"capacity_factor": 1.0, "max_replicas": max_replicas, "plan_on": plan_on,
+             "backward_blocks": backward_blocks}
     # Two copies of one layer (an expert-parallel layer holds a process group, so it cannot be deep-copied).
     layer = parallelize_module(copy.deepcopy(ref), mesh, ExpertParallel(**style))
     eager = parallelize_module(copy.deepcopy(ref), mesh, ExpertParallel(**style))
@@ -82,10 +83,12 @@ def _compiled_matches_eager(rank, world, max_replicas, plan_on="device"):
 
 # Each case compiles forward and backward on 2 ranks (~25-45 s on two cores); 4 ranks compile too (checked by hand,
 # ~2.5 min) but cost too much for CI.
-@pytest.mark.parametrize("max_replicas, plan_on", [(0, "device"), (1, "device"), (1, "host")],
-                         ids=["capacity", "replicas", "replicas-plan-on-host"])
-def test_compiled_expert_parallel_with_capacity_equals_eager_at_retain_075(max_replicas, plan_on):
-    run_ranks(2, _compiled_matches_eager, max_replicas, plan_on)
+@pytest.mark.parametrize("max_replicas, plan_on, backward_blocks",
+                         [(0, "device", False), (1, "device", False), (1, "host", False), (1, "host", True)],
+                         ids=["capacity", "replicas", "replicas-plan-on-host", "blocked-backward"])
+def test_compiled_expert_parallel_with_capacity_equals_eager_at_retain_075(max_replicas, plan_on, backward_blocks):
+    # blocked-backward: the blocks' row count is an unbacked SymInt too (read with the split sizes)
+    run_ranks(2, _compiled_matches_eager, max_replicas, plan_on, backward_blocks)
 
 
 def test_plan_op_passes_opcheck():

@@ -88,7 +88,7 @@ def reference_forward(layer: LRMoE, x_TD, token_counts, stats, uniform_SG=None):
     )
 
 
-def _matches_reference(rank, world, configs, plan_on="device"):
+def _matches_reference(rank, world, configs, plan_on="device", backward_blocks=False):
     mesh = init_device_mesh("cpu", (world,))
     counts = [tokens_of(r) for r in range(world)]
     start = sum(counts[:rank])
@@ -98,7 +98,8 @@ def _matches_reference(rank, world, configs, plan_on="device"):
         ref, u = skewed_layer(retain, selection, seed)
         x_all = torch.randn(sum(counts), D) + 2 * u
         c_all = torch.randn(sum(counts), D)
-        style = ExpertParallel(max_replicas=2, capacity_factor=capacity_factor, plan_on=plan_on)
+        style = ExpertParallel(max_replicas=2, capacity_factor=capacity_factor, plan_on=plan_on,
+                               backward_blocks=backward_blocks)
         layer = parallelize_module(copy.deepcopy(ref), mesh, style)
         layer.generator = torch.Generator().manual_seed(1000 + rank)
 
@@ -143,6 +144,9 @@ def _matches_reference(rank, world, configs, plan_on="device"):
             cap = math.ceil(capacity_factor * math.floor(retain * total) / world)
             assert stats.capacity.tolist() == [cap] * world
             assert (stats.rank_backward_loads <= cap).all()
+        if backward_blocks:  # the blocks of the largest instance's rows had padding: the case tested something
+            rows_I = stats.instance_quotas[:, rank].sum(0)
+            assert int(rows_I.max()) * n_inst > int(rows_I.sum()), where
 
 
 CONFIGS = [(1.0, "top", None, 0), (0.75, "top", None, 1), (0.75, "sample", None, 2), (0.75, "top", 1.0, 3),
@@ -152,6 +156,13 @@ CONFIGS = [(1.0, "top", None, 0), (0.75, "top", None, 1), (0.75, "sample", None,
 @pytest.mark.parametrize("world, plan_on", [(2, "device"), (4, "device"), (4, "host")])
 def test_replicas_match_single_device_under_the_same_plan(world, plan_on):
     run_ranks(world, _matches_reference, CONFIGS, plan_on)
+
+
+@pytest.mark.parametrize("world, plan_on", [(2, "host"), (4, "device")])
+def test_blocked_backward_matches_single_device_under_the_same_plan(world, plan_on):
+    """ExpertParallel(backward_blocks=True): each rank's instances backward on equal zero-padded blocks with
+    batched GEMMs, and every gradient is still the single-device reference's (dense, top, sample, capacity)."""
+    run_ranks(world, _matches_reference, CONFIGS, plan_on, True)
 
 
 # ------------------------------------------------------------------------------------- capacity and payloads
@@ -250,6 +261,7 @@ def test_plan_moved_to_the_device_in_one_copy_keeps_every_tensor(capacity_factor
         ({"capacity_factor": "2"}, TypeError, "capacity_factor"),
         ({"placement_policy": "hot"}, TypeError, "placement_policy"),
         ({"plan_on": "gpu"}, ValueError, "plan_on"),
+        ({"backward_blocks": 1}, TypeError, "backward_blocks"),
     ],
 )
 def test_style_arguments_are_checked(kwargs, exc, name):
