@@ -15,6 +15,8 @@ Configurations, for R in (0, --max-replicas):
                     runs the selective backward, which only the capacity trims. --capacity-factor 0: no capacity.
                     --quota-align N (with --capacity-factor 0): LRMoE(quota_align=N), instance quotas in whole
                     N-row tiles.
+  ... blk           --backward-blocks on (or both: each configuration twice): ExpertParallel(backward_blocks=True),
+                    each rank's expert backward as torch.bmm over one zero-padded block per instance.
 
 Per configuration:
   * latency: median over --steps steps of forward and forward+backward, CUDA events on GPU (perf_counter on CPU,
@@ -25,12 +27,13 @@ Per configuration:
     weights; in backward the first are the backward dispatch (retained alpha*g rows, and below retain 1 or with a
     capacity their row indices beside them) and the input-gradient return ("combine"), any later one sends replica
     weight gradients back to their owners. Expert compute is the grouped-GEMM ops (``lrmoe::gather_grouped_mm``,
-    ``lrmoe::grouped_outer``). Times are device (kernel) time on GPU, CPU time on CPU, medians over the profiled
-    steps, then the mean over ranks (so the parts of a row add up); "other" = each profiled step's own
-    forward+backward latency (perf_counter around the step, after a device sync) minus all of these: routing, the
-    plan and its host read, SwiGLU, scoring and selection, permutations, profiler overhead. The load all-gather
-    (and its wait) is subtracted too; its time is only in the JSON (split_ms.load_allgather). Per-rank values are
-    in the JSON: an all-to-all's time includes waiting for the slowest peer, so it differs between ranks;
+    ``lrmoe::grouped_outer``; ``aten::bmm`` in the blocked backward). Times are device (kernel) time on GPU, CPU
+    time on CPU, medians over the profiled steps, then the mean over ranks (so the parts of a row add up); "other"
+    = each profiled step's own forward+backward latency (perf_counter around the step, after a device sync) minus
+    all of these: routing, the plan and its host read, SwiGLU, scoring and selection, permutations, profiler
+    overhead. The load all-gather (and its wait) is subtracted too; its time is only in the JSON
+    (split_ms.load_allgather). Per-rank values are in the JSON: an all-to-all's time includes waiting for the
+    slowest peer, so it differs between ranks;
   * bytes each rank sends to its peers per all-to-all (``layer.stats()``: dispatch, combine, backward dispatch,
     backward combine, replica weights + their gradients), mean over ranks;
   * retained fraction, load imbalance (busiest rank's rows over the mean, forward and backward), peak memory per
@@ -67,7 +70,7 @@ SPLIT_KEYS = ("expert_fwd", "expert_bwd", "dispatch_fwd", "combine_fwd", "dispat
               "replica_fwd", "replica_bwd", "load_allgather")
 BYTE_KEYS = ("dispatch_fwd", "combine_fwd", "dispatch_bwd", "combine_bwd", "replica_fwd", "replica_bwd")
 PLAN_OP = "lrmoe::ep_plan"
-EXPERT_OPS = ("lrmoe::gather_grouped_mm", "lrmoe::grouped_outer")
+EXPERT_OPS = ("lrmoe::gather_grouped_mm", "lrmoe::grouped_outer", "aten::bmm")  # bmm: the blocked backward
 FORWARD_RANGE, BACKWARD_RANGE = "ep_bench.forward", "ep_bench.backward"
 
 
@@ -78,20 +81,23 @@ class Config:
     max_replicas: int
     capacity_factor: float | None
     plan_on: str = "host"
+    backward_blocks: bool = False
 
 
 def configurations(retains: list[float], max_replicas: int, capacity_factor: float | None,
-                   plan_on: tuple[str, ...] = ("host",)) -> list[Config]:
+                   plan_on: tuple[str, ...] = ("host",), blocks: tuple[bool, ...] = (False,)) -> list[Config]:
     """Dense and LRMoE rows for R in (0, max_replicas), for each plan_on (named " host" when it is not the only
-    one and not "device")."""
+    one and not "device") and each backward_blocks value (named " blk" when on)."""
     cap = f" c={capacity_factor:g}" if capacity_factor is not None else ""
     configs = []
     for where in plan_on:
         tag = " host" if where == "host" and len(plan_on) > 1 else ""
-        for reps in dict.fromkeys((0, max_replicas)):  # (0,) when --max-replicas 0
-            configs.append(Config(f"dense R={reps}{tag}", 1.0, reps, None, where))
-            configs += [Config(f"lrmoe r={r:g} R={reps}{cap}{tag}", r, reps, capacity_factor, where)
-                        for r in retains]
+        for blk in blocks:
+            btag = tag + (" blk" if blk else "")
+            for reps in dict.fromkeys((0, max_replicas)):  # (0,) when --max-replicas 0
+                configs.append(Config(f"dense R={reps}{btag}", 1.0, reps, None, where, blk))
+                configs += [Config(f"lrmoe r={r:g} R={reps}{cap}{btag}", r, reps, capacity_factor, where, blk)
+                            for r in retains]
     return configs
 
 
@@ -250,7 +256,8 @@ def build_layer(shape: dict, cfg: Config, args, ranks: Ranks, dtype: torch.dtype
     layer = LRMoE(**shape, retain=cfg.retain, selection=args.selection, quota_align=args.quota_align)
     skew_router(layer, args.skew, args.seed, args.rank_skew, ranks.world)
     layer = layer.to(ranks.device, dtype)
-    style = ExpertParallel(max_replicas=cfg.max_replicas, capacity_factor=cfg.capacity_factor, plan_on=cfg.plan_on)
+    style = ExpertParallel(max_replicas=cfg.max_replicas, capacity_factor=cfg.capacity_factor, plan_on=cfg.plan_on,
+                           backward_blocks=cfg.backward_blocks)
     return parallelize_module(layer, ranks.mesh, style)
 
 
@@ -449,6 +456,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--quota-align", type=int, default=1,
                    help="LRMoE's quota_align (backward quotas in whole tiles); > 1 needs --capacity-factor 0")
     p.add_argument("--json", default=None, help="write the numbers here (rank 0)")
+    p.add_argument("--backward-blocks", choices=("off", "on", "both"), default="off",
+                   help="ExpertParallel(backward_blocks=...): the expert backward as bmm over padded blocks")
     p.add_argument("--plan-on", nargs="+", default=["host"], choices=["device", "host"],
                    help="where each step's plan runs (ExpertParallel(plan_on=...)); several: every configuration "
                         "for each, rows of the host plan tagged ' host'")
@@ -484,12 +493,13 @@ def main() -> None:
         "torch": torch.__version__, "compiled": args.compile, "skew": args.skew, "rank_skew": args.rank_skew,
         "selection": args.selection, "steps": args.steps,
         "profile_steps": args.profile_steps, "max_replicas": args.max_replicas, "capacity_factor": capacity,
-        "quota_align": args.quota_align,
+        "quota_align": args.quota_align, "backward_blocks": args.backward_blocks,
         "timing": "CUDA events" if ranks.cuda else "perf_counter on CPU ranks: NOT MEANINGFUL as performance",
         "split_time": "device (kernel) time" if ranks.cuda else "CPU time",
     }
     rows = []
-    for cfg in configurations(args.retain, args.max_replicas, capacity, tuple(dict.fromkeys(args.plan_on))):
+    blocks = {"off": (False,), "on": (True,), "both": (False, True)}[args.backward_blocks]
+    for cfg in configurations(args.retain, args.max_replicas, capacity, tuple(dict.fromkeys(args.plan_on)), blocks):
         layer = build_layer(shape, cfg, args, ranks, dtype)
         rows.append(measure(layer, cfg, args, ranks))
         del layer

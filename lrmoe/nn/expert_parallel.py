@@ -729,7 +729,7 @@ class ExpertParallel(ParallelStyle):
 
     Errors: a module that is not an LRMoE or is already expert-parallel, a mesh of more than one dimension without
     ``mesh_dim_name``, an unknown ``mesh_dim_name``, ``num_experts % W != 0``, and bad ``max_replicas``,
-    ``capacity_factor`` or ``placement_policy``.
+    ``capacity_factor``, ``placement_policy``, ``plan_on`` or ``backward_blocks``.
     """
 
     def __init__(

@@ -186,6 +186,9 @@ def test_ep_layer_configurations_per_plan_location(monkeypatch):
     assert [(c.name, c.plan_on) for c in both] == [("dense R=0", "device"), ("lrmoe r=0.5 R=0", "device"),
                                                   ("dense R=0 host", "host"), ("lrmoe r=0.5 R=0 host", "host")]
     assert [c.name for c in configurations([1.0], 0, None, ("host",))] == ["dense R=0", "lrmoe r=1 R=0"]
+    blocked = configurations([0.5], 0, None, ("host",), (False, True))
+    assert [(c.name, c.backward_blocks) for c in blocked] == [
+        ("dense R=0", False), ("lrmoe r=0.5 R=0", False), ("dense R=0 blk", True), ("lrmoe r=0.5 R=0 blk", True)]
 
 
 def test_ep_layer_rank_skew_raises_only_rank_zeros_experts(monkeypatch):
