@@ -165,6 +165,30 @@ def test_blocked_backward_matches_single_device_under_the_same_plan(world, plan_
     run_ranks(world, _matches_reference, CONFIGS, plan_on, True)
 
 
+def _blocked_equals_grouped(rank, world):
+    mesh = init_device_mesh("cpu", (world,))
+    for activations in ("save", "recompute", "offload"):
+        for rank0_tokens in (0, 5):  # rank 0 with no tokens: no rows to send, some to receive
+            torch.manual_seed(0)
+            ref = LRMoE(D, FF, E, K, retain=0.5, selection="top", activations=activations)
+            results = []
+            for blocks in (False, True):
+                layer = parallelize_module(copy.deepcopy(ref), mesh, ExpertParallel(backward_blocks=blocks))
+                torch.manual_seed(1 + rank)
+                x = torch.randn(rank0_tokens if rank == 0 else 7, D, requires_grad=True)
+                c = torch.randn(x.shape)
+                (layer(x) * c).sum().backward()
+                results.append([x.grad, layer.gate.weight.grad, layer.experts.gate_up_proj.grad.to_local(),
+                                layer.experts.down_proj.grad.to_local()])
+            for got, want in zip(results[1], results[0]):
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6,
+                                           msg=lambda m, a=activations: f"rank {rank} {a}: {m}")
+
+
+def test_blocked_backward_equals_grouped_for_every_activation_policy_and_an_empty_rank():
+    run_ranks(2, _blocked_equals_grouped)
+
+
 # ------------------------------------------------------------------------------------- capacity and payloads
 
 
