@@ -578,6 +578,7 @@ class _ExpertParallelSwiGLU(torch.autograd.Function):
         quota_SI = quotas_SWI[:, ep.rank]
         perm_M = expert_major_order(quota_SI, n_kept)  # instance-major position j -> arrived row perm_M[j]
         offsets_I = torch.cumsum(quota_SI.sum(0), 0).int()
+        # The expert backward's rows R, instance-major: the M retained rows, or I blocks of C (padding included).
         group_rows = None
         if cfg.blocked:
             # Each instance's rows first in a block of splits.block_rows (the largest instance's count, from the
@@ -589,24 +590,24 @@ class _ExpertParallelSwiGLU(torch.autograd.Function):
             arrived_B = arrived_B[:n_pad]  # the arrived row in each slot, -1 for padding
             safe_B = arrived_B.clamp(min=0)
             dy = [gather_scale_rows(dy_MD, safe_B, (arrived_B >= 0).float())]  # padding: zero rows
-            rows_M = fwd_row_M.index_select(0, safe_B)
+            rows_R = fwd_row_M.index_select(0, safe_B)
             offsets_I = torch.arange(1, n_inst + 1, device=device, dtype=torch.int32) * group_rows
         else:
             dy = [dy_MD.index_select(0, perm_M)]
-            rows_M = fwd_row_M.index_select(0, perm_M)  # instance-major retained rows -> source-major forward rows
+            rows_R = fwd_row_M.index_select(0, perm_M)  # instance-major retained rows -> source-major forward rows
 
         # "recompute" (h_saved None): h from the received x rows, which this rank keeps for the weight gradient
         # anyway; "offload": the retained rows of the host copy.
-        dx_em_MD, grad_gu, grad_down = expert_rows_backward(
-            dy, x_recv_ND, rows_M, offsets_I, gate_up_IFD, down_IDF, h_saved=h_saved,
-            h_index_R=None if h_saved is None else inv_perm_N.index_select(0, rows_M),
+        dx_em_RD, grad_gu, grad_down = expert_rows_backward(
+            dy, x_recv_ND, rows_R, offsets_I, gate_up_IFD, down_IDF, h_saved=h_saved,
+            h_index_R=None if h_saved is None else inv_perm_N.index_select(0, rows_R),
             h_on_host=cfg.activations == "offload", group_rows=group_rows,
         )
         # Return the input-gradient rows in the order they arrived (the reverse of the backward dispatch).
         if cfg.blocked:
-            dx_MD = dx_em_MD.index_select(0, torch.empty_like(slot_M).index_copy_(0, perm_M, slot_M))
+            dx_MD = dx_em_RD.index_select(0, torch.empty_like(slot_M).index_copy_(0, perm_M, slot_M))
         else:
-            dx_MD = torch.empty_like(dx_em_MD).index_copy_(0, perm_M, dx_em_MD)
+            dx_MD = torch.empty_like(dx_em_RD).index_copy_(0, perm_M, dx_em_RD)
         dx_RD = _all_to_all(dx_MD, splits.bwd_send, splits.bwd_recv, ep)
 
         # --- source side again: input gradient of the retained pairs.
