@@ -160,8 +160,8 @@ def test_replicas_match_single_device_under_the_same_plan(world, plan_on):
 
 @pytest.mark.parametrize("world, plan_on", [(2, "host"), (4, "device")])
 def test_blocked_backward_matches_single_device_under_the_same_plan(world, plan_on):
-    """ExpertParallel(backward_blocks=True): each rank's instances backward on equal zero-padded blocks with
-    batched GEMMs, and every gradient is still the single-device reference's (dense, top, sample, capacity)."""
+    """ExpertParallel(backward_blocks=True): each rank runs its instances' backward on equal zero-padded blocks
+    with batched GEMMs, and every gradient is still the single-device reference's (dense, top, sample, capacity)."""
     run_ranks(world, _matches_reference, CONFIGS, plan_on, True)
 
 
