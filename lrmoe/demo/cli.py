@@ -22,6 +22,7 @@ from lrmoe.demo.data import load_corpus
 from lrmoe.demo.model import ModelConfig
 from lrmoe.demo.plots import have_matplotlib, plot_expert_loads, plot_loss_curves
 from lrmoe.demo.train import TrainConfig, train, warmup
+from lrmoe.functional._checks import check_backward_capacity
 
 __all__ = ["add_demo_parser", "run_demo", "format_table"]
 
@@ -104,6 +105,11 @@ def add_demo_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
     parser.add_argument("--metric", choices=("lrm", "grad_l2", "grad_abs", "random"), default="lrm")
     parser.add_argument("--selection", choices=("sample", "top"), default="sample")
     parser.add_argument("--policy", choices=("waterfill", "proportional"), default="waterfill")
+    parser.add_argument(
+        "--backward-capacity", type=float, metavar="FACTOR",
+        help="LRMoE's backward_capacity for the runs with retain < 1: every expert keeps at most FACTOR times the "
+             "balanced quota, and the backward runs batched GEMMs on padded blocks (the retain 1 run stays dense)",
+    )
     parser.add_argument("--batch-size", type=_positive_int, help="sequences per step")
     parser.add_argument("--seq-len", type=_positive_int, help="bytes per sequence")
     parser.add_argument("--lr", type=float, help="peak learning rate")
@@ -240,6 +246,14 @@ def run_demo(args: argparse.Namespace) -> int:
     model_cfg, train_cfg, max_bytes = _configs(args)
     if args.save and len(args.retain) > 1:
         raise SystemExit("lrmoe demo: --save keeps one run's weights; give a single --retain with it")
+    if args.backward_capacity is not None:  # refused before any run trains, not when its layer is built
+        if min(args.retain) >= 1.0:
+            raise SystemExit("lrmoe demo: --backward-capacity applies to the runs with retain < 1, and --retain "
+                             f"gives none ({args.retain})")
+        try:
+            check_backward_capacity(args.backward_capacity, min(args.retain), 1, False, args.policy)
+        except ValueError as err:
+            raise SystemExit(f"lrmoe demo: --backward-capacity: {err}") from None
     out_dir = Path(args.out) if args.out else None
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -258,6 +272,8 @@ def run_demo(args: argparse.Namespace) -> int:
             f"model: dim {model_cfg.dim}, {model_cfg.n_layers} layers, {model_cfg.num_experts} experts, "
             f"top-{model_cfg.top_k}, expert hidden {model_cfg.expert_hidden_dim}; "
             f"metric {model_cfg.metric}, selection {model_cfg.selection}, policy {model_cfg.policy}"
+            + (f", backward capacity {args.backward_capacity:g} (retain < 1)"
+               if args.backward_capacity is not None else "")
         )
         print(
             f"train: {train_cfg.steps} steps, batch {train_cfg.batch_size} x {train_cfg.seq_len} bytes, "
@@ -270,7 +286,9 @@ def run_demo(args: argparse.Namespace) -> int:
         for retain in args.retain:
             bar = _ProgressBar(retain, train_cfg.steps, enabled=not args.no_progress)
             try:
-                result = train(replace(model_cfg, retain=retain), train_cfg, corpus, log=bar)
+                capacity = args.backward_capacity if retain < 1.0 else None
+                result = train(replace(model_cfg, retain=retain, backward_capacity=capacity), train_cfg, corpus,
+                               log=bar)
             finally:
                 bar.close()
             print(

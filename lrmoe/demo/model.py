@@ -45,6 +45,7 @@ class ModelConfig:
     selection: str = "sample"
     policy: str = "waterfill"
     min_retain: float = 0.0
+    backward_capacity: float | None = None  # LRMoE's (retain < 1 only)
 
     def __post_init__(self) -> None:
         if self.dim % self.n_heads != 0 or (self.dim // self.n_heads) % 2 != 0:
@@ -103,6 +104,7 @@ class Block(nn.Module):
             selection=cfg.selection,
             policy=cfg.policy,
             min_retain=cfg.min_retain,
+            backward_capacity=cfg.backward_capacity,
         )
 
     def forward(self, x_BLD: torch.Tensor, cos_LC: torch.Tensor, sin_LC: torch.Tensor) -> torch.Tensor:

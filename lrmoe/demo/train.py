@@ -244,6 +244,7 @@ def _train_seeded(
     tail = history[-min(train_cfg.log_every, len(history)) :]
     return {
         "retain": model_cfg.retain,
+        "backward_capacity": model_cfg.backward_capacity,
         "selection": model_cfg.selection,
         "metric": model_cfg.metric,
         "steps": train_cfg.steps,

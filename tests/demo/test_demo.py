@@ -156,3 +156,26 @@ def test_continued_training_from_a_saved_checkpoint(tmp_path):
 def test_save_needs_a_single_run(tmp_path):
     with pytest.raises(SystemExit, match="--save"):
         run_main(["demo", "--quick", "--save", str(tmp_path / "x.pt"), "--out", ""])
+
+
+def test_backward_capacity_runs_the_capped_blocked_backward_at_retain_below_one(tmp_path):
+    # Factor 1.0 under the quick model's untrained router: the runs at retain < 1 cap every expert at the balanced
+    # quota, so they keep at most what retain asks (less where an expert's load passes it); retain 1 stays dense.
+    status, text = run_main(["demo", "--quick", "--seed", str(SEED), "--retain", "1.0", "0.5",
+                             "--backward-capacity", "1.0", "--out", str(tmp_path)])
+    assert status == 0 and "backward capacity 1 (retain < 1)" in text
+    dense, capped = read_log(tmp_path, "1"), read_log(tmp_path, "0.5")
+    assert dense["backward_capacity"] is None and dense["retained_fraction"] == 1.0
+    assert capped["backward_capacity"] == 1.0
+    assert 0 < capped["retained_fraction"] <= 0.5
+    assert math.isfinite(capped["heldout_loss"]) and capped["heldout_loss"] < LN_VOCAB
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--backward-capacity", "0.5"], "finite float >= 1"),
+    (["--backward-capacity", "1.0", "--retain", "1.0"], "retain < 1"),
+    (["--backward-capacity", "1.0", "--policy", "proportional"], "waterfill"),
+])
+def test_bad_backward_capacity_is_refused_before_training(argv, match):
+    with pytest.raises(SystemExit, match=match):
+        run_main(["demo", "--quick", "--out", "", *argv])
