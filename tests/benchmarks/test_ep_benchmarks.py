@@ -152,6 +152,24 @@ def test_ep_layer_compiled_moves_what_eager_moves(ep_layer, ep_layer_compiled):
         assert row["step_ms"] > 0
 
 
+def test_ep_layer_blocked_backward_rows_move_the_same_bytes_and_count_their_gemms(tmp_path):
+    """--backward-blocks both: every configuration again with ExpertParallel(backward_blocks=True), tagged " blk".
+    The blocks change only the expert backward's layout: same pairs kept, same bytes in every all-to-all; their
+    batched GEMMs (aten::bmm) count as expert compute."""
+    torchrun(tmp_path, "ep_layer.py", "--device", "cpu", "--shape", "tiny", "--tokens", "64", "--steps", "2",
+             "--warmup", "1", "--profile-steps", "1", "--retain", "0.5", "--max-replicas", "0",
+             "--backward-blocks", "both", "--json", str(tmp_path / "layer.json"))
+    data = json.loads((tmp_path / "layer.json").read_text())
+    assert data["meta"]["backward_blocks"] == "both"
+    rows = _by_name(data)
+    assert list(rows) == ["dense R=0", "lrmoe r=0.5 R=0 c=1.25", "dense R=0 blk", "lrmoe r=0.5 R=0 c=1.25 blk"]
+    for name in ("dense R=0", "lrmoe r=0.5 R=0 c=1.25"):
+        plain, blocked = rows[name], rows[name + " blk"]
+        assert blocked["retained_pairs"] == plain["retained_pairs"]
+        assert blocked["bytes_mean"] == plain["bytes_mean"], name
+        assert blocked["split_ms"]["expert_bwd"] > 0, name
+
+
 def test_ep_train_reports_time_to_target(ep_train):
     stdout, data = ep_train
     dense, lrmoe = data["runs"]
