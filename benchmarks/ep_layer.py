@@ -16,7 +16,8 @@ Configurations, for R in (0, --max-replicas):
                     --quota-align N (with --capacity-factor 0): LRMoE(quota_align=N), instance quotas in whole
                     N-row tiles.
   ... blk           --backward-blocks on (or both: each configuration twice): ExpertParallel(backward_blocks=True),
-                    each rank's expert backward as torch.bmm over one zero-padded block per instance.
+                    each rank's expert backward as torch.bmm over one zero-padded block per instance; a line
+                    after the table gives each rank's share of padding rows in its blocks.
 
 Per configuration:
   * latency: median over --steps steps of forward and forward+backward, CUDA events on GPU (perf_counter on CPU,
@@ -315,6 +316,7 @@ def measure(layer: LRMoE, cfg: Config, args, ranks: Ranks) -> dict:
     peak_gib = torch.cuda.max_memory_allocated() / 2**30 if ranks.cuda else float("nan")
 
     s = layer.stats()  # the last timed step (reset_stats before each step)
+    padding = block_padding(s.instance_quotas) if cfg.backward_blocks else None
     counts = torch.stack([
         s.dispatch_bytes.double(), s.combine_bytes.double(), s.backward_dispatch_bytes.double(),
         s.backward_combine_bytes.double(), s.replica_bytes.double(), s.replica_grad_bytes.double(),
@@ -390,9 +392,19 @@ def measure(layer: LRMoE, cfg: Config, args, ranks: Ranks) -> dict:
         "rank_imbalance_bwd": bwd_imb,
         "expert_imbalance": expert_imb,
         "replicas_placed": n_replicas,
+        "block_padding": padding,  # per rank, " blk" rows only
         "peak_gib": None if not ranks.cuda else max(col["peak_gib"]),
         "per_rank": {k: list(v) if k != "peak_gib" or ranks.cuda else None for k, v in col.items()},
     }
+
+
+def block_padding(instance_quotas_SWI: torch.Tensor) -> list[float]:
+    """Per rank, the share of its blocked backward's rows that are padding: its I instances' blocks hold C rows
+    each, C = the most any of them keeps, rounded up to 8 (ExpertParallel(backward_blocks=True)); 0 with no rows."""
+    rows_WI = instance_quotas_SWI.sum(0)
+    block_W = (rows_WI.max(1).values + 7) // 8 * 8
+    slots_W = (block_W * rows_WI.shape[1]).double()
+    return torch.where(slots_W > 0, 1 - rows_WI.sum(1).double() / slots_W.clamp(min=1), 0.0).tolist()
 
 
 # ------------------------------------------------------------------------------------------------- output
@@ -433,6 +445,10 @@ def print_table(rows: list[dict], meta: dict) -> None:
               f"{(by['replica_fwd'] + by['replica_bwd']) / scale:>8.1f} | {r['rank_imbalance_fwd']:>5.2f} "
               f"{r['rank_imbalance_bwd']:>5.2f} {peak:>6} | {r['plan_host_ms']:>6.2f} {r['kernels_per_step']:>6.0f}",
               flush=True)
+    for r in rows:
+        if r["block_padding"] is not None:
+            print(f"# {r['name']}: padding of the blocked backward's rows per rank "
+                  + " ".join(f"{p:.3f}" for p in r["block_padding"]))
 
 
 def parse_args(argv=None) -> argparse.Namespace:
