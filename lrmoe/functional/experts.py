@@ -370,16 +370,17 @@ def retained_dy(
     return gather_scale_rows(g_TD, tok_R, coef_R), tok_R, safe_R
 
 
-def pad_to_blocks(pair_R: torch.Tensor, weight_R: torch.Tensor, offsets_E: torch.Tensor,
-                  capacity: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def pad_to_blocks(pair_R: torch.Tensor, weight_R: torch.Tensor, offsets_E: torch.Tensor, capacity: int,
+                  dest_R: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The selection's compact rows (grouped by expert, group e ending at offsets_E[e]) laid out as E blocks of
     ``capacity`` rows: block e holds expert e's rows in their order, then padding (pair -1, weight 0). Returns
     (pair_ids [E * C], weights [E * C], offsets (e + 1) * C as int32). Every group must hold at most C rows (the
     caller clamps the quotas); rows past the last offset are padding already. Index arithmetic on the device,
-    no sync."""
+    no sync. ``dest_R``: the rows' slots (``block_slots``), when the caller has them already."""
     n_exp = offsets_E.shape[0]
     n_pad = n_exp * capacity
-    dest_R = block_slots(offsets_E, pair_R.shape[0], capacity)
+    if dest_R is None:
+        dest_R = block_slots(offsets_E, pair_R.shape[0], capacity)
     pair_pad = pair_R.new_full((n_pad + 1,), -1).index_copy_(0, dest_R, pair_R)
     weight_pad = weight_R.new_zeros(n_pad + 1).index_copy_(0, dest_R, weight_R)
     offsets_pad = torch.arange(1, n_exp + 1, device=pair_R.device, dtype=torch.int32) * capacity

@@ -71,6 +71,7 @@ from lrmoe.functional.experts import (
     block_slots,
     combine,
     expert_rows_backward,
+    pad_to_blocks,
     release_h,
     retained_dy,
     router_gradient_and_scores,
@@ -584,14 +585,13 @@ class _ExpertParallelSwiGLU(torch.autograd.Function):
             # Each instance's rows first in a block of splits.block_rows (the largest instance's count, from the
             # plan already on the host: no pair dropped, no sync), zero rows after them; the GEMMs as torch.bmm.
             group_rows = splits.block_rows
-            slot_M = block_slots(offsets_I, n_kept, group_rows)
-            n_pad = n_inst * group_rows
-            arrived_B = torch.full((n_pad + 1,), -1, dtype=torch.long, device=device).index_copy_(0, slot_M, perm_M)
-            arrived_B = arrived_B[:n_pad]  # the arrived row in each slot, -1 for padding
+            slot_M = block_slots(offsets_I, n_kept, group_rows)  # also maps the input-gradient rows back below
+            # The arrived row in each slot (-1 for padding), weight 1 (0 for padding), the blocks' offsets.
+            arrived_B, keep_B, offsets_I = pad_to_blocks(perm_M, torch.ones(n_kept, device=device), offsets_I,
+                                                         group_rows, slot_M)
             safe_B = arrived_B.clamp(min=0)
-            dy = [gather_scale_rows(dy_MD, safe_B, (arrived_B >= 0).float())]  # padding: zero rows
+            dy = [gather_scale_rows(dy_MD, safe_B, keep_B)]  # padding: zero rows
             rows_R = fwd_row_M.index_select(0, safe_B)
-            offsets_I = torch.arange(1, n_inst + 1, device=device, dtype=torch.int32) * group_rows
         else:
             dy = [dy_MD.index_select(0, perm_M)]
             rows_R = fwd_row_M.index_select(0, perm_M)  # instance-major retained rows -> source-major forward rows
