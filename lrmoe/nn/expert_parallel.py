@@ -718,9 +718,10 @@ class ExpertParallel(ParallelStyle):
             retained rows out as a block of C rows, C = the most any instance of the rank received this step
             (rounded up to 8; read with the split sizes, so no further sync), zero rows after them, and runs its
             four GEMMs as torch.bmm over the blocks instead of grouped GEMMs. Exact (the same kept pairs and
-            gradients); the cost is the padding, which an uneven plan makes large. On one device, batched GEMMs
-            on equal blocks ran the backward's GEMMs at 639 against 506 TFLOP/s (LRMoE's backward_capacity,
-            docs/performance.md, fifteenth session); not yet timed under expert parallelism.
+            gradients); the cost is the padding, which an uneven plan makes large. On two H200s
+            (docs/performance.md, sixteenth session) it took 0.20-0.25 ms off the expert GEMMs per step with
+            balanced loads (no padding), and under a skewed router padded 54-90 % of the rows and tripled a dense
+            backward's peak memory: for routers that keep loads near even.
 
     Expert parameters become DTensors ``Shard(0)`` (rank w holds experts [w*E/W, (w+1)*E/W)); the router stays a
     plain replicated tensor. Parameters are replaced, so build the optimiser afterwards. With
