@@ -316,7 +316,7 @@ def measure(layer: LRMoE, cfg: Config, args, ranks: Ranks) -> dict:
     peak_gib = torch.cuda.max_memory_allocated() / 2**30 if ranks.cuda else float("nan")
 
     s = layer.stats()  # the last timed step (reset_stats before each step)
-    padding = block_padding(s.instance_quotas) if cfg.backward_blocks else None
+    padding = s.block_padding.tolist() if cfg.backward_blocks else None
     counts = torch.stack([
         s.dispatch_bytes.double(), s.combine_bytes.double(), s.backward_dispatch_bytes.double(),
         s.backward_combine_bytes.double(), s.replica_bytes.double(), s.replica_grad_bytes.double(),
@@ -396,15 +396,6 @@ def measure(layer: LRMoE, cfg: Config, args, ranks: Ranks) -> dict:
         "peak_gib": None if not ranks.cuda else max(col["peak_gib"]),
         "per_rank": {k: list(v) if k != "peak_gib" or ranks.cuda else None for k, v in col.items()},
     }
-
-
-def block_padding(instance_quotas_SWI: torch.Tensor) -> list[float]:
-    """Per rank, the share of its blocked backward's rows that are padding: its I instances' blocks hold C rows
-    each, C = the most any of them keeps, rounded up to 8 (ExpertParallel(backward_blocks=True)); 0 with no rows."""
-    rows_WI = instance_quotas_SWI.sum(0)
-    block_W = (rows_WI.max(1).values + 7) // 8 * 8
-    slots_W = (block_W * rows_WI.shape[1]).double()
-    return torch.where(slots_W > 0, 1 - rows_WI.sum(1).double() / slots_W.clamp(min=1), 0.0).tolist()
 
 
 # ------------------------------------------------------------------------------------------------- output

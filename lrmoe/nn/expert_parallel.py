@@ -387,8 +387,8 @@ def _host_splits(plan: ExpertParallelPlan, ep: _EPGroup, n_local: int, blocked: 
         owner_WR = torch.where(replicas_WR >= 0, torch.div(replicas_WR, n_local, rounding_mode="floor"), -1)
         rows.append((owner_WR == ep.rank).sum(1))  # rank w's replicas of experts this rank owns
         rows.append(torch.nn.functional.one_hot(owner_WR[ep.rank] + 1, ep.size + 1)[:, 1:].sum(0))
-    if blocked:  # the largest local instance's retained rows, repeated to a row's length: the same one read
-        rows.append(plan.instance_quotas[:, ep.rank].sum(0).max().expand(ep.size))
+    if blocked:  # the rows of this rank's blocks, repeated to a row's length: the same one read
+        rows.append(_block_rows(plan.instance_quotas[:, ep.rank].sum(0)).expand(ep.size))
     host = torch.stack(rows).tolist()
     # Under torch.compile this .tolist() gives unbacked SymInts (unknown at trace time): tell the compiler they are
     # row counts (>= 0), else checks such as select_within_quota's `max_rows < 0` cannot be decided while tracing
@@ -396,12 +396,17 @@ def _host_splits(plan: ExpertParallelPlan, ep: _EPGroup, n_local: int, blocked: 
     for counts in host:
         for n in counts:
             torch._check(n >= 0)
-    block_rows = 0
-    if blocked:
-        block_rows = -(-host.pop()[0] // 8) * 8  # whole 8-row steps, as the single-device blocks
+    n_block = host.pop()[0] if blocked else 0
     if not n_rep:
         host += [[], []]
-    return _Splits(*host, block_rows=block_rows)
+    return _Splits(*host, block_rows=n_block)
+
+
+def _block_rows(rows_I: torch.Tensor) -> torch.Tensor:
+    """Rows per block of a rank's blocked backward (``ExpertParallel(backward_blocks=True)``), from its instances'
+    retained rows [..., I]: the most any of them keeps, rounded up to whole 8-row steps (as the single-device
+    blocks of ``backward_capacity``)."""
+    return (rows_I.max(-1).values + 7) // 8 * 8
 
 
 def _peer_bytes(rows_W: list[int], row_bytes: int, rank: int) -> int:
@@ -678,6 +683,16 @@ class ExpertParallelStats:
     @property
     def retained_fraction(self) -> torch.Tensor:
         return self.retained_pairs.float() / self.total_pairs.clamp(min=1).float()
+
+    @property
+    def block_padding(self) -> torch.Tensor:
+        """[W] fp64: per rank, the share of its blocked backward's rows that are padding under the last forward's
+        plan, 1 - M / (I * C): M retained rows over I instances, blocks of C rows, the most any of them keeps
+        rounded up to 8; 0 for a rank with no rows. What ``backward_blocks=True`` pays, or would pay, for this
+        plan: watch it under a skewed router."""
+        rows_WI = self.instance_quotas.sum(0)
+        slots_W = (_block_rows(rows_WI) * rows_WI.shape[1]).double()
+        return torch.where(slots_W > 0, 1 - rows_WI.sum(1).double() / slots_W.clamp(min=1), 0.0)
 
 
 @dataclass(frozen=True)

@@ -172,15 +172,6 @@ def test_ep_layer_blocked_backward_rows_move_the_same_bytes_and_count_their_gemm
         assert all(0 <= p < 1 for p in blocked["block_padding"])
 
 
-def test_ep_layer_block_padding_by_hand(monkeypatch):
-    block_padding = _load("ep_layer", monkeypatch).block_padding
-    # [S=2, W=2, I=2]: rank 0's instances keep 2 + 3 = 5 and 4 + 7 = 11 rows, blocks of 16: 32 rows, 16 padding;
-    # rank 1's keep 8 and 8, blocks of 8: none; a rank with no rows has no padding.
-    quotas = torch.tensor([[[2, 4], [3, 5]], [[3, 7], [5, 3]]])
-    assert block_padding(quotas) == [0.5, 0.0]
-    assert block_padding(torch.zeros(2, 2, 2, dtype=torch.int64)) == [0.0, 0.0]
-
-
 def test_ep_train_reports_time_to_target(ep_train):
     stdout, data = ep_train
     dense, lrmoe = data["runs"]

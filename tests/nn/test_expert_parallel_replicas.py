@@ -12,6 +12,7 @@ backward all-to-all rows are the retained rows, and bad configurations raise err
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 
 import pytest
@@ -19,10 +20,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import parallelize_module
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from ep_harness import RecordAllToAll, run_ranks
 from lrmoe.functional import ExpertPlan, place_hot_replicas, plan_quotas, route_topk, selective_swiglu_experts
-from lrmoe.nn import ExpertParallel, LRMoE
+from lrmoe.nn import ExpertParallel, ExpertParallelStats, LRMoE
 
 D, FF, E, K = 8, 6, 8, 2
 
@@ -105,7 +107,8 @@ def _matches_reference(rank, world, configs, plan_on="device", backward_blocks=F
 
         x = x_all[rows].clone().requires_grad_(True)
         out = layer(x)
-        (out * c_all[rows]).sum().backward()
+        with RecordBmm() as bmm:
+            (out * c_all[rows]).sum().backward()
         stats = layer.stats()
         n_inst = stats.instances.shape[1]
 
@@ -147,6 +150,40 @@ def _matches_reference(rank, world, configs, plan_on="device", backward_blocks=F
         if backward_blocks:  # the blocks of the largest instance's rows had padding: the case tested something
             rows_I = stats.instance_quotas[:, rank].sum(0)
             assert int(rows_I.max()) * n_inst > int(rows_I.sum()), where
+            # stats().block_padding is the padding of the blocks the backward ran: its first bmm is dy [I, C, D] by
+            # down [I, D, F], and 1 - M / (I * C) with that C is the property's value for this rank.
+            n_inst_run, n_block, dim = bmm.shapes[0]
+            assert (n_inst_run, dim) == (n_inst, D) and n_block % 8 == 0, where
+            padding = 1 - int(rows_I.sum()) / (n_inst * n_block)
+            assert float(stats.block_padding[rank]) == pytest.approx(padding, abs=1e-12), where
+        else:
+            assert bmm.shapes == [], where
+
+
+class RecordBmm(TorchDispatchMode):
+    """The first operand's shape of every aten.bmm."""
+
+    def __init__(self):
+        super().__init__()
+        self.shapes = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.bmm.default:
+            self.shapes.append(tuple(args[0].shape))
+        return func(*args, **(kwargs or {}))
+
+
+def test_block_padding_by_hand():
+    """ExpertParallelStats.block_padding from instance quotas [S=2, W=2, I=2]: rank 0's instances keep 2 + 3 = 5
+    and 4 + 7 = 11 rows, blocks of 16 (11 rounded up to 8s): 32 slots, 16 of them padding; rank 1's keep 8 and 8,
+    blocks of 8: none. A plan with no rows has no padding."""
+    def stats_with(quotas):
+        fields = dict.fromkeys(f.name for f in dataclasses.fields(ExpertParallelStats))
+        return ExpertParallelStats(**{**fields, "instance_quotas": quotas})
+
+    quotas = torch.tensor([[[2, 4], [3, 5]], [[3, 7], [5, 3]]])
+    assert stats_with(quotas).block_padding.tolist() == [0.5, 0.0]
+    assert stats_with(torch.zeros(2, 2, 2, dtype=torch.int64)).block_padding.tolist() == [0.0, 0.0]
 
 
 CONFIGS = [(1.0, "top", None, 0), (0.75, "top", None, 1), (0.75, "sample", None, 2), (0.75, "top", 1.0, 3),
