@@ -72,7 +72,9 @@ def test_ep_step_synchronises_once(mesh, plan_on, backward_blocks):
             forward_backward(layer, x, c.bfloat16())
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    syncs = [w for w in seen if "synchronizing" in str(w.message)]
+    # Only the sync reports: the first use of the debug mode in a process also warns that it is a prototype
+    # ("... does not yet detect all synchronizing operations"), which must not count as a sync.
+    syncs = [w for w in seen if "called a synchronizing CUDA operation" in str(w.message)]
     # The one host read of the step: the split sizes (plan on the device) or the load matrix (plan on the host).
     assert len(syncs) == 1, [str(w.message) for w in syncs]
 
