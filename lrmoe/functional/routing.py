@@ -8,6 +8,7 @@ group-limited routing; the gates never see the bias. Output shapes depend only o
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -65,8 +66,8 @@ def route_topk(
         check_tensor("bias_E", bias_E, ndim=1, kind="float")
         if bias_E.shape[0] != n_experts:
             raise ValueError(f"bias_E must have shape [{n_experts}], got {tuple(bias_E.shape)}")
-    if (n_group is None) != (topk_group is None):
-        raise ValueError("n_group and topk_group must be given together")
+    check_group_routing(n_experts, top_k, n_group, topk_group)
+    check_scaling(scaling)
 
     scores_TE = logits_TE.float().softmax(-1) if score_func == "softmax" else logits_TE.float().sigmoid()
     choice_TE = scores_TE.detach()
@@ -74,16 +75,7 @@ def route_topk(
         choice_TE = choice_TE + bias_E.detach().float()
 
     if n_group is not None:
-        if n_group < 1 or n_experts % n_group:
-            raise ValueError(f"n_group must be a positive divisor of num_experts={n_experts}, got {n_group}")
         group_size = n_experts // n_group
-        if not 1 <= topk_group <= n_group:
-            raise ValueError(f"topk_group must be in [1, n_group={n_group}], got {topk_group}")
-        if top_k > topk_group * group_size:
-            raise ValueError(
-                f"top_k={top_k} exceeds the experts reachable in topk_group={topk_group} groups "
-                f"of {group_size}"
-            )
         choice_TGS = choice_TE.unflatten(-1, (n_group, group_size))
         group_score_TG = choice_TGS.topk(min(2, group_size), dim=-1).values.sum(-1)
         top_groups_TG = group_score_TG.topk(topk_group, dim=-1).indices
@@ -97,6 +89,31 @@ def route_topk(
     if scaling != 1.0:
         gates_TK = gates_TK * scaling
     return Routing(expert_ids=expert_ids_TK, gates=gates_TK, scores=scores_TE)
+
+
+def check_group_routing(num_experts: int, top_k: int, n_group: int | None, topk_group: int | None) -> None:
+    """Group-limited routing's options (``route_topk``, ``LRMoE``): both or neither; n_group a positive divisor of
+    num_experts, topk_group in [1, n_group], and top_k experts reachable in topk_group groups."""
+    if (n_group is None) != (topk_group is None):
+        raise ValueError("n_group and topk_group must be given together")
+    if n_group is None:
+        return
+    if isinstance(n_group, bool) or not isinstance(n_group, int) or n_group < 1 or num_experts % n_group:
+        raise ValueError(f"n_group must be a positive divisor of num_experts={num_experts}, got {n_group!r}")
+    group_size = num_experts // n_group
+    if isinstance(topk_group, bool) or not isinstance(topk_group, int) or not 1 <= topk_group <= n_group:
+        raise ValueError(f"topk_group must be an int in [1, n_group={n_group}], got {topk_group!r}")
+    if top_k > topk_group * group_size:
+        raise ValueError(
+            f"top_k={top_k} exceeds the experts reachable in topk_group={topk_group} groups of {group_size}"
+        )
+
+
+def check_scaling(scaling: float) -> None:
+    """The gates' scale (``route_topk``'s ``scaling``, ``LRMoE``'s ``routed_scaling_factor``): a finite number > 0.
+    Comparisons, not math.isfinite: under torch.compile(dynamic=True) a module's float may arrive as a SymFloat."""
+    if isinstance(scaling, bool) or not isinstance(scaling, (int, float, torch.SymFloat)) or not 0 < scaling < math.inf:
+        raise ValueError(f"scaling must be a finite number > 0, got {scaling!r}")
 
 
 def expert_loads(expert_ids: torch.Tensor, num_experts: int) -> torch.Tensor:

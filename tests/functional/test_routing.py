@@ -243,6 +243,12 @@ _L = torch.randn(3, 8)
         ((_L, 2), {"n_group": 4, "topk_group": 5}, ValueError, "topk_group"),
         ((_L, 2), {"n_group": 4, "topk_group": 0}, ValueError, "topk_group"),
         ((_L, 5), {"n_group": 4, "topk_group": 2}, ValueError, "top_k"),
+        ((_L, 2), {"n_group": 2.0, "topk_group": 1}, ValueError, "n_group"),
+        ((_L, 2), {"scaling": 0.0}, ValueError, "scaling"),
+        ((_L, 2), {"scaling": -1.0}, ValueError, "scaling"),
+        ((_L, 2), {"scaling": float("inf")}, ValueError, "scaling"),
+        ((_L, 2), {"scaling": float("nan")}, ValueError, "scaling"),
+        ((_L, 2), {"scaling": True}, ValueError, "scaling"),
     ],
 )
 def test_route_topk_errors_name_the_argument(args, kwargs, exc, name):
