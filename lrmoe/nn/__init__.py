@@ -1,7 +1,7 @@
 """Modules and parallel styles: the only place with module state, collectives and DTensor."""
 
 from lrmoe.nn.expert_parallel import ExpertParallel, ExpertParallelPlan, ExpertParallelStats, plan_expert_parallel
-from lrmoe.nn.lrmoe import LRMoE, LRMoEStats, SwiGLUExperts
+from lrmoe.nn.lrmoe import LRMoE, LRMoEStats, SwiGLUExperts, SwiGLUMLP
 
 __all__ = [
     "ExpertParallel",
@@ -10,5 +10,6 @@ __all__ = [
     "LRMoE",
     "LRMoEStats",
     "SwiGLUExperts",
+    "SwiGLUMLP",
     "plan_expert_parallel",
 ]

@@ -86,7 +86,7 @@ from lrmoe.functional.replicas import (
     place_hot_replicas,
     route_to_replicas,
 )
-from lrmoe.functional.routing import expert_loads, route_topk
+from lrmoe.functional.routing import expert_loads
 from lrmoe.nn.lrmoe import LRMoE
 from lrmoe.ops import argsort_ids, gather_grouped_mm, gather_scale_rows, swiglu_sqnorm
 
@@ -878,9 +878,7 @@ class _ExpertParallelMixin:
         self._check_input(x)
         ep, rep = self._ep, self._replication
         x_TD = x.reshape(-1, self.dim)
-        routing = route_topk(
-            self.gate(x_TD), self.top_k, score_func=self.score_func, norm_topk_prob=self.norm_topk_prob
-        )
+        routing = self.route(x_TD)
         probe = self._probe_for(x)
 
         # The tiny [W, E] load matrix, all-gathered (no host sync), then the same plan on every rank.
@@ -949,7 +947,7 @@ class _ExpertParallelMixin:
             x_TD, gate_up_IFD, down_IDF, routing.gates.to(x.dtype), group_P, plan.assignment, plan.instance_quotas,
             plan.uniform, probe, cfg, splits, ep,
         )
-        return out_TD.view(x.shape)
+        return self.add_shared(x_TD, out_TD).view(x.shape)
 
     def stats(self) -> ExpertParallelStats:
         """This step's statistics as tensors (see :class:`ExpertParallelStats`)."""

@@ -1,7 +1,10 @@
 """LRMoE: a drop-in MoE layer with the parameters of transformers' Qwen3MoeSparseMoeBlock.
 
 Parameter names and shapes: ``gate.weight`` [E, D]; ``experts.gate_up_proj`` [E, 2F, D] (gate half first);
-``experts.down_proj`` [E, D, F]. A Qwen3-MoE checkpoint's block state_dict loads with strict=True.
+``experts.down_proj`` [E, D, F]. A Qwen3-MoE checkpoint's block state_dict loads with strict=True. With
+``selection_bias=True`` and ``shared_hidden_dim`` it also holds ``gate.e_score_correction_bias`` [E] and
+``shared_experts.{gate,up,down}_proj.weight``: the block of GLM-4.5's and DeepSeek-V3's MoE layers
+(transformers' Glm4MoeMoE, DeepseekV3MoE), whose state_dicts then load the same way.
 """
 
 from __future__ import annotations
@@ -15,11 +18,11 @@ from torch import nn
 from lrmoe.functional._checks import check_backward_capacity, check_choice, check_retain
 from lrmoe.functional.experts import ACTIVATION_POLICIES, N_BACKWARD_STATS, plan_experts, selective_swiglu_experts
 from lrmoe.functional.quotas import POLICIES
-from lrmoe.functional.routing import route_topk
+from lrmoe.functional.routing import Routing, check_group_routing, check_scaling, route_topk
 from lrmoe.functional.scoring import METRICS
 from lrmoe.functional.selection import MODES
 
-__all__ = ["LRMoE", "LRMoEStats", "SwiGLUExperts"]
+__all__ = ["LRMoE", "LRMoEStats", "SwiGLUExperts", "SwiGLUMLP"]
 
 
 @dataclass(frozen=True)
@@ -61,6 +64,20 @@ class SwiGLUExperts(nn.Module):
         nn.init.uniform_(self.down_proj, -1 / math.sqrt(self.hidden_dim), 1 / math.sqrt(self.hidden_dim))
 
 
+class SwiGLUMLP(nn.Module):
+    """One dense SwiGLU MLP, down(silu(gate(x)) * up(x)), with the parameter names of transformers' shared experts
+    (``gate_proj``, ``up_proj``, ``down_proj``, no biases): LRMoE's ``shared_experts``."""
+
+    def __init__(self, dim: int, hidden_dim: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(dim, hidden_dim, bias=False)
+        self.up_proj = nn.Linear(dim, hidden_dim, bias=False)
+        self.down_proj = nn.Linear(hidden_dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
 class LRMoE(nn.Module):
     """Top-k MoE with SwiGLU experts, exact forward and quota-bounded selective backward.
 
@@ -71,6 +88,14 @@ class LRMoE(nn.Module):
         selection: "sample" (unbiased, default) or "top" (the paper's top-quota rule).
         policy: quota policy, "waterfill" or "proportional". min_retain: per-expert floor, <= retain.
         score_func, norm_topk_prob: router as in Qwen3-MoE (softmax, renormalised top-k).
+        routed_scaling_factor, n_group, topk_group, selection_bias: the rest of route_topk's routing, as in
+            GLM-4.5 and DeepSeek-V3: gates times routed_scaling_factor; experts chosen within the topk_group best of
+            n_group equal groups; with selection_bias, a [E] fp32 buffer ``gate.e_score_correction_bias`` (zeros;
+            aux-loss-free balancing: the training loop updates it) added to the scores for the choice only.
+        shared_hidden_dim: None, or the hidden width of a dense SwiGLU ``shared_experts`` (SwiGLUMLP) whose output
+            is added to the routed experts' for every token (GLM-4.5, DeepSeek-V3: moe_intermediate_size *
+            n_shared_experts). Its backward is the ordinary dense one; under expert parallelism it stays
+            replicated like the router.
         generator: RNG for sampling; the global RNG when None, so a seeded run is reproducible.
         activations: "save" (forward keeps every pair's gate/up projection), "recompute" (backward recomputes
             it for the retained rows only; less memory, one more grouped GEMM over the retained rows) or "offload"
@@ -109,6 +134,11 @@ class LRMoE(nn.Module):
         activations: str = "save",
         quota_align: int = 1,
         backward_capacity: float | None = None,
+        routed_scaling_factor: float = 1.0,
+        n_group: int | None = None,
+        topk_group: int | None = None,
+        selection_bias: bool = False,
+        shared_hidden_dim: int | None = None,
     ):
         super().__init__()
         for name, value in (("dim", dim), ("hidden_dim", hidden_dim), ("num_experts", num_experts),
@@ -123,15 +153,32 @@ class LRMoE(nn.Module):
         check_choice("policy", policy, POLICIES)
         check_choice("score_func", score_func, ("softmax", "sigmoid"))
         check_choice("activations", activations, ACTIVATION_POLICIES)
+        check_group_routing(num_experts, top_k, n_group, topk_group)
+        try:
+            check_scaling(routed_scaling_factor)
+        except ValueError:
+            raise ValueError(
+                f"routed_scaling_factor must be a finite number > 0, got {routed_scaling_factor!r}"
+            ) from None
+        if not isinstance(selection_bias, bool):
+            raise TypeError(f"selection_bias must be a bool, got {type(selection_bias).__name__}")
+        if shared_hidden_dim is not None and (isinstance(shared_hidden_dim, bool)
+                                              or not isinstance(shared_hidden_dim, int) or shared_hidden_dim < 1):
+            raise ValueError(f"shared_hidden_dim must be a positive int or None, got {shared_hidden_dim!r}")
         self.dim, self.hidden_dim, self.num_experts, self.top_k = dim, hidden_dim, num_experts, top_k
         self.retain, self.metric, self.selection, self.policy = retain, metric, selection, policy
         self.min_retain, self.score_func, self.norm_topk_prob = min_retain, score_func, norm_topk_prob
         self.generator, self.activations, self.quota_align = generator, activations, quota_align
         check_backward_capacity(backward_capacity, retain, quota_align, grouped_by_source=False, policy=policy)
         self.backward_capacity = backward_capacity
+        self.routed_scaling_factor, self.n_group, self.topk_group = routed_scaling_factor, n_group, topk_group
+        self.selection_bias = selection_bias
 
         self.gate = nn.Linear(dim, num_experts, bias=False)
+        if selection_bias:  # on the gate, where transformers' GLM-4.5 / DeepSeek-V3 routers keep it
+            self.gate.register_buffer("e_score_correction_bias", torch.zeros(num_experts, dtype=torch.float32))
         self.experts = SwiGLUExperts(num_experts, dim, hidden_dim)
+        self.shared_experts = None if shared_hidden_dim is None else SwiGLUMLP(dim, shared_hidden_dim)
         # Last forward's plan, for logging (non-persistent: not part of the checkpoint).
         self.register_buffer("last_loads", torch.zeros(num_experts, dtype=torch.int64), persistent=False)
         self.register_buffer("last_quotas", torch.zeros(num_experts, dtype=torch.int64), persistent=False)
@@ -145,6 +192,9 @@ class LRMoE(nn.Module):
             f"activations={self.activations!r}"
             + (f", quota_align={self.quota_align}" if self.quota_align != 1 else "")
             + (f", backward_capacity={self.backward_capacity}" if self.backward_capacity is not None else "")
+            + (f", routed_scaling_factor={self.routed_scaling_factor}" if self.routed_scaling_factor != 1.0 else "")
+            + (f", n_group={self.n_group}, topk_group={self.topk_group}" if self.n_group is not None else "")
+            + (", selection_bias=True" if self.selection_bias else "")
         )
 
     # Backward statistics probe: how many entries and in which dtype (a subclass may need more, or exact counts).
@@ -163,9 +213,7 @@ class LRMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check_input(x)
         x_TD = x.reshape(-1, self.dim)
-        routing = route_topk(
-            self.gate(x_TD), self.top_k, score_func=self.score_func, norm_topk_prob=self.norm_topk_prob
-        )
+        routing = self.route(x_TD)
         probe = self._probe_for(x)
         plan = plan_experts(
             routing.expert_ids, self.num_experts, retain=self.retain, min_retain=self.min_retain,
@@ -181,7 +229,20 @@ class LRMoE(nn.Module):
             policy=self.policy, min_retain=self.min_retain, plan=plan, generator=self.generator,
             stats_probe=probe, activations=self.activations, backward_capacity=self.backward_capacity,
         )
-        return out_TD.view(x.shape)
+        return self.add_shared(x_TD, out_TD).view(x.shape)
+
+    def route(self, x_TD: torch.Tensor) -> Routing:
+        """[T, D] tokens -> their experts and gates: the gate's logits through route_topk with the layer's options
+        (also the expert-parallel layer's routing)."""
+        return route_topk(
+            self.gate(x_TD), self.top_k, score_func=self.score_func, norm_topk_prob=self.norm_topk_prob,
+            bias_E=self.gate.e_score_correction_bias if self.selection_bias else None,
+            scaling=self.routed_scaling_factor, n_group=self.n_group, topk_group=self.topk_group,
+        )
+
+    def add_shared(self, x_TD: torch.Tensor, out_TD: torch.Tensor) -> torch.Tensor:
+        """The routed experts' output plus the shared experts' (if any) for every token."""
+        return out_TD if self.shared_experts is None else out_TD + self.shared_experts(x_TD)
 
     def _probe_for(self, x: torch.Tensor) -> torch.Tensor | None:
         """The backward-statistics probe, or None when no backward will run through this call."""
@@ -202,6 +263,10 @@ class LRMoE(nn.Module):
         module = super()._apply(fn, recurse)
         if self._stats_probe.device != self.last_loads.device:
             self._stats_probe = self._new_probe(self.last_loads.device)
+        # The selection bias stays fp32 under .to(dtype), as transformers keeps it: its balancing updates are small
+        # steps that bf16 would round away.
+        if self.selection_bias and self.gate.e_score_correction_bias.dtype != torch.float32:
+            self.gate.e_score_correction_bias = self.gate.e_score_correction_bias.float()
         return module
 
     def stats(self) -> LRMoEStats:

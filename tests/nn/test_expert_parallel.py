@@ -39,20 +39,20 @@ def reference_forward(layer: LRMoE, x_TD, token_counts, uniform_SE=None):
     """The single-device LRMoE step on the gathered batch, pairs grouped by (source rank, expert)."""
     n_src = len(token_counts)
     source_ids_T = torch.repeat_interleave(torch.arange(n_src), torch.tensor(token_counts))
-    routing = route_topk(layer.gate(x_TD), layer.top_k, score_func=layer.score_func,
-                         norm_topk_prob=layer.norm_topk_prob)
+    routing = layer.route(x_TD)  # the layer's routing options (bias, groups, scaling) included
     plan = plan_experts(routing.expert_ids, layer.num_experts, retain=layer.retain, min_retain=layer.min_retain,
                         policy=layer.policy, selection=layer.selection, draw_uniform=False,
                         source_ids_T=source_ids_T, num_sources=n_src, quota_align=layer.quota_align)
     plan = dataclasses.replace(plan, uniform=uniform_SE)
-    return selective_swiglu_experts(
+    out = selective_swiglu_experts(
         x_TD, layer.experts.gate_up_proj, layer.experts.down_proj, routing.expert_ids, routing.gates.to(x_TD.dtype),
         retain=layer.retain, metric=layer.metric, selection=layer.selection, policy=layer.policy,
         min_retain=layer.min_retain, plan=plan,
     )
+    return layer.add_shared(x_TD, out)
 
 
-def _matches_reference(rank, world, configs):
+def _matches_reference(rank, world, configs, layer_kwargs=None):
     mesh = init_device_mesh("cpu", (world,))
     counts = [tokens_of(r) for r in range(world)]
     start = sum(counts[:rank])
@@ -60,7 +60,10 @@ def _matches_reference(rank, world, configs):
     n_local = E // world
     for retain, selection, seed, align in configs:
         torch.manual_seed(seed)
-        ref = LRMoE(D, FF, E, K, retain=retain, selection=selection, quota_align=align)
+        ref = LRMoE(D, FF, E, K, retain=retain, selection=selection, quota_align=align, **(layer_kwargs or {}))
+        if ref.selection_bias:  # the same seeded bias on every rank, large enough to change choices
+            with torch.no_grad():
+                ref.gate.e_score_correction_bias.copy_(torch.randn(E) * 0.3)
         x_all, c_all = torch.randn(sum(counts), D), torch.randn(sum(counts), D)
         layer = parallelize_module(copy.deepcopy(ref), mesh, ExpertParallel())
         layer.generator = torch.Generator().manual_seed(1000 + rank)
@@ -80,9 +83,12 @@ def _matches_reference(rank, world, configs):
         tol = dict(rtol=1e-5, atol=1e-6, msg=lambda m: f"rank {rank} retain {retain} {selection}: {m}")
         torch.testing.assert_close(out, ref_out[rows], **tol)
         torch.testing.assert_close(x.grad, xr.grad[rows], **tol)
-        router = layer.gate.weight.grad.clone()
-        dist.all_reduce(router)
-        torch.testing.assert_close(router, ref.gate.weight.grad, **tol)
+        # Replicated parameters (the router, shared experts) see this rank's tokens: summed over ranks.
+        for name, p in layer.named_parameters():
+            if not name.startswith("experts."):
+                grad = p.grad.clone()
+                dist.all_reduce(grad)
+                torch.testing.assert_close(grad, ref.get_parameter(name).grad, **tol)
         experts = slice(rank * n_local, (rank + 1) * n_local)
         for name in ("gate_up_proj", "down_proj"):
             grad = getattr(layer.experts, name).grad
@@ -106,6 +112,14 @@ CONFIGS = [(1.0, "top", 0, 1), (0.75, "top", 2, 1), (0.75, "sample", 2, 1), (0.5
 @pytest.mark.parametrize("world", [2, 4])
 def test_matches_single_device_with_source_expert_quotas(world):
     run_ranks(world, _matches_reference, CONFIGS)
+
+
+def test_glm_style_routing_and_shared_experts_match_single_device():
+    """The GLM-4.5 / DeepSeek-V3 block (sigmoid, selection bias, groups, scaled gates, a shared expert) under
+    expert parallelism: the same contract, the shared expert's gradient summed over ranks like the router's."""
+    glm = dict(score_func="sigmoid", routed_scaling_factor=2.5, n_group=4, topk_group=2, selection_bias=True,
+               shared_hidden_dim=4)
+    run_ranks(2, _matches_reference, [(1.0, "top", 0, 1), (0.75, "sample", 2, 1), (0.5, "top", 4, 1)], glm)
 
 
 # ---------------------------------------------------------------------------------------- backward payloads
