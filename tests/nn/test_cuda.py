@@ -130,3 +130,38 @@ def test_offload_gives_the_gradients_of_save_keeps_h_pinned_and_never_syncs(dtyp
     h = (T * K, 2 * F)
     assert ("cuda", False, h) in saved["save"]
     assert ("cpu", True, h) in saved["offload"] and ("cuda", False, h) not in saved["offload"]
+
+
+GLM = dict(score_func="sigmoid", routed_scaling_factor=2.5, n_group=4, topk_group=2, selection_bias=True,
+           shared_hidden_dim=32)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_cuda_glm_block_equals_cpu_and_never_syncs(compiled, fwd_bwd):
+    """The GLM-4.5 / DeepSeek-V3 options on the GPU: fp32 equals the CPU layer, and a bf16 step has no host
+    synchronisation (the bias and the group mask on the device, the shared expert beside the routed ones)."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    cpu = LRMoE(32, 24, 8, 2, retain=0.75, selection="top", **GLM)
+    with torch.no_grad():
+        cpu.gate.e_score_correction_bias.normal_(0, 0.3)
+    gpu = LRMoE(32, 24, 8, 2, retain=0.75, selection="top", **GLM).cuda()
+    gpu.load_state_dict(cpu.state_dict())
+    fn = torch.compile(gpu, fullgraph=True) if compiled else gpu
+    x, c = torch.randn(96, 32), torch.randn(96, 32)
+    for a, b in zip(fwd_bwd(fn, x.cuda(), c.cuda()), fwd_bwd(cpu, x, c)):
+        torch.testing.assert_close(a.cpu(), b, rtol=1e-4, atol=1e-5)
+
+    torch._dynamo.reset()
+    layer = LRMoE(128, 64, 16, 4, retain=0.75, selection="sample", **GLM).cuda().bfloat16()
+    assert layer.gate.e_score_correction_bias.dtype == torch.float32
+    fn = torch.compile(layer, fullgraph=True) if compiled else layer
+    x = torch.randn(512, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    fn(x).sum().backward()  # first call: lazy initialisation and kernel compilation may synchronise
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        fn(x).sum().backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.isfinite(x.grad).all()
