@@ -240,6 +240,19 @@ class LRMoE(nn.Module):
             scaling=self.routed_scaling_factor, n_group=self.n_group, topk_group=self.topk_group,
         )
 
+    @torch.no_grad()
+    def update_selection_bias(self, rate: float) -> None:
+        """Aux-loss-free balancing (DeepSeek-V3): ``gate.e_score_correction_bias[e] += rate * sign(mean load -
+        load[e])`` from the last forward's loads, so overloaded experts are chosen less in the next steps. Under
+        expert parallelism the loads are the global ones, so every rank takes the same step and the biases stay
+        equal. On the device, no sync; call it after the optimiser step (it changes a buffer, not a parameter)."""
+        if not self.selection_bias:
+            raise ValueError("update_selection_bias needs a layer built with selection_bias=True")
+        if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 < rate < math.inf:
+            raise ValueError(f"rate must be a finite number > 0, got {rate!r}")
+        loads_E = self.last_loads.float()
+        self.gate.e_score_correction_bias.add_(torch.sign(loads_E.mean() - loads_E), alpha=rate)
+
     def add_shared(self, x_TD: torch.Tensor, out_TD: torch.Tensor) -> torch.Tensor:
         """The routed experts' output plus the shared experts' (if any) for every token."""
         return out_TD if self.shared_experts is None else out_TD + self.shared_experts(x_TD)

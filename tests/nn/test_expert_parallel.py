@@ -94,6 +94,15 @@ def _matches_reference(rank, world, configs, layer_kwargs=None):
             grad = getattr(layer.experts, name).grad
             assert grad.placements[0].is_shard(0)
             torch.testing.assert_close(grad.to_local(), getattr(ref.experts, name).grad[experts], **tol)
+        if layer.selection_bias:  # balancing from the global loads: the same step on every rank
+            before = layer.gate.e_score_correction_bias.clone()
+            layer.update_selection_bias(0.01)
+            loads_E = layer.stats().loads.sum(0).float()
+            torch.testing.assert_close(layer.gate.e_score_correction_bias - before,
+                                       0.01 * torch.sign(loads_E.mean() - loads_E))
+            biases = [torch.empty(E) for _ in range(world)]
+            dist.all_gather(biases, layer.gate.e_score_correction_bias)
+            assert all(torch.equal(b, biases[0]) for b in biases)
         # The plan is the reference's, on every rank.
         stats = layer.stats()
         assert int(stats.total_pairs) == sum(counts) * K

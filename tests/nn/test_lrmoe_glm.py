@@ -134,6 +134,35 @@ def test_selection_bias_stays_fp32_and_in_the_state_dict():
     assert set(LRMoE(D, FF, E, K).state_dict()) == {"gate.weight", "experts.gate_up_proj", "experts.down_proj"}
 
 
+def test_update_selection_bias_moves_load_off_the_busiest_experts():
+    torch.manual_seed(0)
+    layer = LRMoE(D, FF, E, K, score_func="sigmoid", selection_bias=True)
+    x = torch.randn(64, D)
+    with torch.no_grad():
+        layer.gate.e_score_correction_bias[5] = 0.5  # expert 5 in (nearly) every token's choice
+    layer(x)
+    loads = torch.bincount(layer.route(x).expert_ids.flatten(), minlength=E).float()  # from the routing itself
+    before = layer.gate.e_score_correction_bias.clone()
+    layer.update_selection_bias(0.01)
+    step = layer.gate.e_score_correction_bias - before
+    torch.testing.assert_close(step, 0.01 * torch.sign(loads.mean() - loads))
+    assert step[5] < 0 and loads[5] == loads.max()
+    # Repeated steps take load off expert 5.
+    for _ in range(60):
+        layer(x)
+        layer.update_selection_bias(0.01)
+    assert int(layer.stats().loads[5]) < int(loads[5])
+
+
+def test_update_selection_bias_errors():
+    with pytest.raises(ValueError, match="selection_bias"):
+        LRMoE(D, FF, E, K).update_selection_bias(0.01)
+    layer = LRMoE(D, FF, E, K, selection_bias=True)
+    for bad in (0.0, -1.0, float("inf"), True):
+        with pytest.raises(ValueError, match="rate"):
+            layer.update_selection_bias(bad)
+
+
 @pytest.mark.parametrize(
     "kwargs, match",
     [
