@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from lrmoe.nn import LRMoE
+from test_lrmoe import grads  # tests/nn is on sys.path, as for ep_harness
 
 T, D, FF, E, K = 24, 16, 12, 8, 2
 GLM = dict(score_func="sigmoid", routed_scaling_factor=2.5, n_group=4, topk_group=2, selection_bias=True,
@@ -26,15 +27,6 @@ def _hf_block(name: str):
     return DeepseekV3MoE(transformers.DeepseekV3Config(**common))
 
 
-def _run(module, x, c):
-    for p in module.parameters():
-        p.grad = None
-    x = x.detach().clone().requires_grad_(True)
-    out = module(x)
-    (out * c).sum().backward()
-    return out.detach(), x.grad, {n: p.grad.clone() for n, p in module.named_parameters()}
-
-
 @pytest.mark.parametrize("name", ["glm4_moe", "deepseek_v3"])
 def test_equals_transformers_block_with_bias_groups_scaling_and_shared_experts(name):
     torch.manual_seed(0)
@@ -49,8 +41,8 @@ def test_equals_transformers_block_with_bias_groups_scaling_and_shared_experts(n
     hf.load_state_dict(layer.state_dict(), strict=True)  # and back: same names, same shapes
 
     x, c = torch.randn(2, T // 2, D), torch.randn(2, T // 2, D)
-    out, gx, gp = _run(layer, x, c)
-    ref, rx, rp = _run(hf, x, c)
+    out, gx, gp = grads(layer, x, layer, c)
+    ref, rx, rp = grads(hf, x, hf, c)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(gx, rx, rtol=1e-5, atol=1e-5)
     assert gp.keys() == rp.keys()
@@ -101,8 +93,8 @@ def test_shared_experts_gradient_is_dense_below_retain_one():
         dense.gate.e_score_correction_bias.normal_(0, 0.3)
     sparse.load_state_dict(dense.state_dict())
     x, c = torch.randn(T, D), torch.randn(T, D)
-    out_d, _, g_d = _run(dense, x, c)
-    out_s, _, g_s = _run(sparse, x, c)
+    out_d, _, g_d = grads(dense, x, dense, c)
+    out_s, _, g_s = grads(sparse, x, sparse, c)
     torch.testing.assert_close(out_s, out_d)
     for n in ("shared_experts.gate_proj.weight", "shared_experts.up_proj.weight", "shared_experts.down_proj.weight"):
         torch.testing.assert_close(g_s[n], g_d[n], msg=n)
