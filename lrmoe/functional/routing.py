@@ -109,11 +109,11 @@ def check_group_routing(num_experts: int, top_k: int, n_group: int | None, topk_
         )
 
 
-def check_scaling(scaling: float) -> None:
+def check_scaling(scaling: float, name: str = "scaling") -> None:
     """The gates' scale (``route_topk``'s ``scaling``, ``LRMoE``'s ``routed_scaling_factor``): a finite number > 0.
     Comparisons, not math.isfinite: under torch.compile(dynamic=True) a module's float may arrive as a SymFloat."""
     if isinstance(scaling, bool) or not isinstance(scaling, (int, float, torch.SymFloat)) or not 0 < scaling < math.inf:
-        raise ValueError(f"scaling must be a finite number > 0, got {scaling!r}")
+        raise ValueError(f"{name} must be a finite number > 0, got {scaling!r}")
 
 
 def expert_loads(expert_ids: torch.Tensor, num_experts: int) -> torch.Tensor:

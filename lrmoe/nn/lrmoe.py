@@ -90,8 +90,8 @@ class LRMoE(nn.Module):
         score_func, norm_topk_prob: router as in Qwen3-MoE (softmax, renormalised top-k).
         routed_scaling_factor, n_group, topk_group, selection_bias: the rest of route_topk's routing, as in
             GLM-4.5 and DeepSeek-V3: gates times routed_scaling_factor; experts chosen within the topk_group best of
-            n_group equal groups; with selection_bias, a [E] fp32 buffer ``gate.e_score_correction_bias`` (zeros;
-            aux-loss-free balancing: the training loop updates it) added to the scores for the choice only.
+            n_group equal groups; with selection_bias, a [E] fp32 buffer ``gate.e_score_correction_bias`` (zeros)
+            added to the scores for the choice only, for aux-loss-free balancing (``update_selection_bias``).
         shared_hidden_dim: None, or the hidden width of a dense SwiGLU ``shared_experts`` (SwiGLUMLP) whose output
             is added to the routed experts' for every token (GLM-4.5, DeepSeek-V3: moe_intermediate_size *
             n_shared_experts). Its backward is the ordinary dense one; under expert parallelism it stays
@@ -154,12 +154,7 @@ class LRMoE(nn.Module):
         check_choice("score_func", score_func, ("softmax", "sigmoid"))
         check_choice("activations", activations, ACTIVATION_POLICIES)
         check_group_routing(num_experts, top_k, n_group, topk_group)
-        try:
-            check_scaling(routed_scaling_factor)
-        except ValueError:
-            raise ValueError(
-                f"routed_scaling_factor must be a finite number > 0, got {routed_scaling_factor!r}"
-            ) from None
+        check_scaling(routed_scaling_factor, "routed_scaling_factor")
         if not isinstance(selection_bias, bool):
             raise TypeError(f"selection_bias must be a bool, got {type(selection_bias).__name__}")
         if shared_hidden_dim is not None and (isinstance(shared_hidden_dim, bool)
