@@ -210,8 +210,9 @@ def main() -> None:
         for align in (aligns if r < 1 else aligns[:1]) for cap in (caps if r < 1 else [None])
     ]
     if not args.skip_baselines:
-        layers += [("grouped_mm layer", lambda: GroupedMMLayer(**shape), "grouped_mm"),
-                   (f"transformers {args.block}", lambda: hf_block(**shape, block=args.block), "grouped_mm")]
+        if not glm:  # softmax routing and no shared expert: not GLM's block
+            layers.append(("grouped_mm layer", lambda: GroupedMMLayer(**shape), "grouped_mm"))
+        layers.append((f"transformers {args.block}", lambda: hf_block(**shape, block=args.block), "grouped_mm"))
     if len(gathers) == 1:
         print(f"# LRMoE's gathered bf16 GEMMs: {gathers[0]}")
     else:
