@@ -12,7 +12,8 @@ calling the custom op (the library's default). --quota-align 1 128 runs every LR
 plain backward quotas and with quotas in multiples of 128 pairs (LRMoE's quota_align), tagged "a1" / "a128";
 --backward-capacity none 1.0 the same with LRMoE's backward_capacity (E padded blocks, batched GEMMs), tagged "c".
 --block glm runs GLM-4.5-Air's block instead of Qwen3's: LRMoE with sigmoid scores, a selection bias and a shared
-expert of the routed experts' width, against transformers' Glm4MoeMoE (grouped_mm experts).
+expert of the routed experts' width, against transformers' Glm4MoeMoE (grouped_mm experts); --block deepseek
+DeepSeek-V3's (the same plus 8 expert groups of which 4 are chosen, gates scaled by 2.5) against DeepseekV3MoE.
 --skew s biases every layer's router (skew_router: expert e's logits + s * sigma * z_e, through input feature 0,
 set to 1) so that loads are uneven; 0, the default, is the near-balanced routing of random weights.
 The GEMM floor is 6·T·k·3·d·f FLOP forward+backward (2× for forward alone) at the measured matmul rate.
@@ -37,6 +38,7 @@ from lrmoe.ops.selection import select_within_quota_reference
 SHAPES = {
     "qwen3-30b-a3b": dict(dim=2048, hidden_dim=768, num_experts=128, top_k=8),
     "glm-4.5-air": dict(dim=4096, hidden_dim=1408, num_experts=128, top_k=8),
+    "deepseek-v3": dict(dim=7168, hidden_dim=2048, num_experts=256, top_k=8),
 }
 
 
@@ -65,22 +67,28 @@ class GroupedMMLayer(nn.Module):
         return torch.zeros_like(x_TD).index_add(0, order // self.top_k, y_PD)
 
 
-# --block glm: GLM-4.5-Air's routing (config.json: sigmoid, e_score_correction_bias, n_group = topk_group = 1,
-# routed_scaling_factor 1.0, one shared expert of moe_intermediate_size) as LRMoE options.
-GLM_BLOCK = dict(score_func="sigmoid", selection_bias=True, n_group=1, topk_group=1, routed_scaling_factor=1.0)
+# --block glm / deepseek: the routing of GLM-4.5-Air and DeepSeek-V3 (their config.json: sigmoid,
+# e_score_correction_bias, groups, routed_scaling_factor; one shared expert of moe_intermediate_size) as LRMoE options.
+SIGMOID_BLOCKS = {
+    "glm": dict(score_func="sigmoid", selection_bias=True, n_group=1, topk_group=1, routed_scaling_factor=1.0),
+    "deepseek": dict(score_func="sigmoid", selection_bias=True, n_group=8, topk_group=4, routed_scaling_factor=2.5),
+}
 
 
 def hf_block(dim, hidden_dim, num_experts, top_k, block="qwen3"):
     import transformers
 
-    if block == "glm":
+    if block in SIGMOID_BLOCKS:
+        from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
         from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeMoE
 
-        config = transformers.Glm4MoeConfig(hidden_size=dim, moe_intermediate_size=hidden_dim,
-                                            n_routed_experts=num_experts, num_experts_per_tok=top_k,
-                                            n_shared_experts=1, n_group=1, topk_group=1, routed_scaling_factor=1.0,
-                                            norm_topk_prob=True)
-        make = Glm4MoeMoE
+        opts = SIGMOID_BLOCKS[block]
+        config_class, make = ((transformers.Glm4MoeConfig, Glm4MoeMoE) if block == "glm"
+                              else (transformers.DeepseekV3Config, DeepseekV3MoE))
+        config = config_class(hidden_size=dim, moe_intermediate_size=hidden_dim, n_routed_experts=num_experts,
+                              num_experts_per_tok=top_k, n_shared_experts=1, n_group=opts["n_group"],
+                              topk_group=opts["topk_group"], routed_scaling_factor=opts["routed_scaling_factor"],
+                              norm_topk_prob=True)
     else:
         from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
@@ -174,9 +182,9 @@ def main() -> None:
                              "once per value, tagged 'c<value>'")
     parser.add_argument("--skew", type=float, default=0.0,
                         help="router skew of every layer (skew_router; 0: near-balanced loads)")
-    parser.add_argument("--block", choices=["qwen3", "glm"], default="qwen3",
-                        help="glm: GLM-4.5-Air's block (sigmoid, selection bias, a shared expert) for LRMoE and "
-                             "transformers' Glm4MoeMoE as the baseline")
+    parser.add_argument("--block", choices=["qwen3", *SIGMOID_BLOCKS], default="qwen3",
+                        help="glm / deepseek: GLM-4.5-Air's / DeepSeek-V3's block (sigmoid, selection bias, groups, "
+                             "a shared expert) for LRMoE, transformers' Glm4MoeMoE / DeepseekV3MoE as the baseline")
     args = parser.parse_args()
     if args.compiled_sample == "reference":
         selection_module._COMPILED_SAMPLE = select_within_quota_reference
@@ -187,8 +195,8 @@ def main() -> None:
     shape = SHAPES[args.shape]
     d, f, k, T = shape["dim"], shape["hidden_dim"], shape["top_k"], args.tokens
     print(f"# {args.shape} {shape}, tokens={T}, bf16, {torch.cuda.get_device_name()}, torch {torch.__version__}")
-    glm = args.block == "glm"
-    flop_step = 6 * (T * k + (T if glm else 0)) * 3 * d * f  # the shared expert: one more pair per token
+    sigmoid_block = SIGMOID_BLOCKS.get(args.block)
+    flop_step = 6 * (T * k + (T if sigmoid_block else 0)) * 3 * d * f  # the shared expert: one more pair per token
     print(f"# GEMM FLOP: forward {flop_step / 3 / 1e12:.3f} TFLOP, forward+backward {flop_step / 1e12:.3f} TFLOP")
     if args.skew:
         print(f"# router skew {args.skew:g}: max / mean expert load {_skewed_load_ratio(shape, T, args.skew):.2f} "
@@ -205,12 +213,12 @@ def main() -> None:
          + (f" a{align}" if len(aligns) > 1 and r < 1 else "") + (f" c{cap or '-'}" if len(caps) > 1 and r < 1 else ""),
          lambda r=r, sel=sel, align=align, cap=cap: LRMoE(
              **shape, retain=r, selection=sel, quota_align=align, backward_capacity=cap,
-             **(GLM_BLOCK | dict(shared_hidden_dim=f) if glm else {})), gather)
+             **(sigmoid_block | dict(shared_hidden_dim=f) if sigmoid_block else {})), gather)
         for gather in gathers for r in args.retain for sel in (args.selection if r < 1 else args.selection[:1])
         for align in (aligns if r < 1 else aligns[:1]) for cap in (caps if r < 1 else [None])
     ]
     if not args.skip_baselines:
-        if not glm:  # softmax routing and no shared expert: not GLM's block
+        if not sigmoid_block:  # softmax routing and no shared expert: not GLM's or DeepSeek's block
             layers.append(("grouped_mm layer", lambda: GroupedMMLayer(**shape), "grouped_mm"))
         layers.append((f"transformers {args.block}", lambda: hf_block(**shape, block=args.block), "grouped_mm"))
     if len(gathers) == 1:
