@@ -41,19 +41,41 @@ def run_ranks(world_size, fn, *args):
         mp.spawn(_worker, args=(world_size, os.path.join(tmp, "store"), fn, args), nprocs=world_size, join=True)
 
 
-class RecordAllToAll(TorchDispatchMode):
-    """(send splits, receive splits, bytes per row) of every all-to-all (the functional collective op), in order."""
+class RecordCalls(TorchDispatchMode):
+    """``record(args)`` of every call of the op ``op`` run under it, in order, in ``calls``."""
+
+    op = None
 
     def __init__(self):
         super().__init__()
         self.calls = []
 
+    def record(self, args):
+        raise NotImplementedError
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops._c10d_functional.all_to_all_single.default:
-            payload, recv, send = args[0], args[1], args[2]
-            row_bytes = math.prod(payload.shape[1:]) * payload.element_size()
-            self.calls.append((list(send), list(recv), row_bytes))
+        if func is self.op:
+            self.calls.append(self.record(args))
         return func(*args, **(kwargs or {}))
+
+
+class RecordBmm(RecordCalls):
+    """The first operand's shape of every aten.bmm."""
+
+    op = torch.ops.aten.bmm.default
+
+    def record(self, args):
+        return tuple(args[0].shape)
+
+
+class RecordAllToAll(RecordCalls):
+    """(send splits, receive splits, bytes per row) of every all-to-all (the functional collective op), in order."""
+
+    op = torch.ops._c10d_functional.all_to_all_single.default
+
+    def record(self, args):
+        payload, recv, send = args[0], args[1], args[2]
+        return list(send), list(recv), math.prod(payload.shape[1:]) * payload.element_size()
 
     def messages(self):
         """The calls as messages: a call of 4 bytes per row right after a call with the same split sizes carries

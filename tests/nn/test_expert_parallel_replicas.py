@@ -20,9 +20,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import parallelize_module
-from torch.utils._python_dispatch import TorchDispatchMode
 
-from ep_harness import RecordAllToAll, run_ranks
+from ep_harness import RecordAllToAll, RecordBmm, run_ranks
 from lrmoe.functional import ExpertPlan, place_hot_replicas, plan_quotas, route_topk, selective_swiglu_experts
 from lrmoe.nn import ExpertParallel, ExpertParallelStats, LRMoE
 
@@ -152,25 +151,12 @@ def _matches_reference(rank, world, configs, plan_on="device", backward_blocks=F
             assert int(rows_I.max()) * n_inst > int(rows_I.sum()), where
             # stats().block_padding is the padding of the blocks the backward ran: its first bmm is dy [I, C, D] by
             # down [I, D, F], and 1 - M / (I * C) with that C is the property's value for this rank.
-            n_inst_run, n_block, dim = bmm.shapes[0]
+            n_inst_run, n_block, dim = bmm.calls[0]
             assert (n_inst_run, dim) == (n_inst, D) and n_block % 8 == 0, where
             padding = 1 - int(rows_I.sum()) / (n_inst * n_block)
             assert float(stats.block_padding[rank]) == pytest.approx(padding, abs=1e-12), where
         else:
-            assert bmm.shapes == [], where
-
-
-class RecordBmm(TorchDispatchMode):
-    """The first operand's shape of every aten.bmm."""
-
-    def __init__(self):
-        super().__init__()
-        self.shapes = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.aten.bmm.default:
-            self.shapes.append(tuple(args[0].shape))
-        return func(*args, **(kwargs or {}))
+            assert bmm.calls == [], where
 
 
 def test_block_padding_by_hand():
