@@ -92,6 +92,9 @@ class LRMoE(nn.Module):
             GLM-4.5 and DeepSeek-V3: gates times routed_scaling_factor; experts chosen within the topk_group best of
             n_group equal groups; with selection_bias, a [E] fp32 buffer ``gate.e_score_correction_bias`` (zeros)
             added to the scores for the choice only, for aux-loss-free balancing (``update_selection_bias``).
+        router_dtype: None (default): the router's logits in the parameters' dtype, as transformers' Qwen3-MoE
+            computes them; torch.float32: from fp32 copies of x and ``gate.weight``, as its GLM-4.5 and DeepSeek-V3
+            routers do (in bf16 the two choose differently for a few tokens in a thousand).
         shared_hidden_dim: None, or the hidden width of a dense SwiGLU ``shared_experts`` (SwiGLUMLP) whose output
             is added to the routed experts' for every token (GLM-4.5, DeepSeek-V3: moe_intermediate_size *
             n_shared_experts). Its backward is the ordinary dense one; under expert parallelism it stays
@@ -139,6 +142,7 @@ class LRMoE(nn.Module):
         topk_group: int | None = None,
         selection_bias: bool = False,
         shared_hidden_dim: int | None = None,
+        router_dtype: torch.dtype | None = None,
     ):
         super().__init__()
         for name, value in (("dim", dim), ("hidden_dim", hidden_dim), ("num_experts", num_experts),
@@ -155,6 +159,8 @@ class LRMoE(nn.Module):
         check_choice("activations", activations, ACTIVATION_POLICIES)
         check_group_routing(num_experts, top_k, n_group, topk_group)
         check_scaling(routed_scaling_factor, "routed_scaling_factor")
+        if router_dtype is not None and not (isinstance(router_dtype, torch.dtype) and router_dtype.is_floating_point):
+            raise TypeError(f"router_dtype must be a floating-point torch.dtype or None, got {router_dtype!r}")
         if not isinstance(selection_bias, bool):
             raise TypeError(f"selection_bias must be a bool, got {type(selection_bias).__name__}")
         if shared_hidden_dim is not None and (isinstance(shared_hidden_dim, bool)
@@ -167,7 +173,7 @@ class LRMoE(nn.Module):
         check_backward_capacity(backward_capacity, retain, quota_align, grouped_by_source=False, policy=policy)
         self.backward_capacity = backward_capacity
         self.routed_scaling_factor, self.n_group, self.topk_group = routed_scaling_factor, n_group, topk_group
-        self.selection_bias = selection_bias
+        self.selection_bias, self.router_dtype = selection_bias, router_dtype
 
         self.gate = nn.Linear(dim, num_experts, bias=False)
         if selection_bias:  # on the gate, where transformers' GLM-4.5 / DeepSeek-V3 routers keep it
@@ -190,6 +196,7 @@ class LRMoE(nn.Module):
             + (f", routed_scaling_factor={self.routed_scaling_factor}" if self.routed_scaling_factor != 1.0 else "")
             + (f", n_group={self.n_group}, topk_group={self.topk_group}" if self.n_group is not None else "")
             + (", selection_bias=True" if self.selection_bias else "")
+            + (f", router_dtype={self.router_dtype}" if self.router_dtype is not None else "")
         )
 
     # Backward statistics probe: how many entries and in which dtype (a subclass may need more, or exact counts).
@@ -229,8 +236,12 @@ class LRMoE(nn.Module):
     def route(self, x_TD: torch.Tensor) -> Routing:
         """[T, D] tokens -> their experts and gates: the gate's logits through route_topk with the layer's options
         (also the expert-parallel layer's routing)."""
+        if self.router_dtype is None:
+            logits_TE = self.gate(x_TD)
+        else:
+            logits_TE = nn.functional.linear(x_TD.to(self.router_dtype), self.gate.weight.to(self.router_dtype))
         return route_topk(
-            self.gate(x_TD), self.top_k, score_func=self.score_func, norm_topk_prob=self.norm_topk_prob,
+            logits_TE, self.top_k, score_func=self.score_func, norm_topk_prob=self.norm_topk_prob,
             bias_E=self.gate.e_score_correction_bias if self.selection_bias else None,
             scaling=self.routed_scaling_factor, n_group=self.n_group, topk_group=self.topk_group,
         )

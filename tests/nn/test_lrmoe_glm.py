@@ -167,8 +167,46 @@ def test_update_selection_bias_errors():
         (dict(selection_bias=1), "selection_bias"),
         (dict(shared_hidden_dim=0), "shared_hidden_dim"),
         (dict(shared_hidden_dim=8.0), "shared_hidden_dim"),
+        (dict(router_dtype=torch.int32), "router_dtype"),
+        (dict(router_dtype="float32"), "router_dtype"),
     ],
 )
 def test_bad_routing_options_raise_naming_the_argument(kwargs, match):
     with pytest.raises((ValueError, TypeError), match=match):
         LRMoE(D, FF, E, K, **kwargs)
+
+
+def test_fp32_router_chooses_what_transformers_does_in_bf16():
+    """transformers' GLM-4.5 router computes its logits in fp32 even in a bf16 model; router_dtype=torch.float32
+    does the same, so a bf16 LRMoE loaded from its weights chooses the same experts with the same gates, where the
+    bf16 logits of the default choose differently for some tokens."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeMoE
+
+    dim, hidden, n_exp, k = 64, 32, 64, 8
+    config = transformers.Glm4MoeConfig(hidden_size=dim, moe_intermediate_size=hidden, n_routed_experts=n_exp,
+                                        num_experts_per_tok=k, n_shared_experts=1, n_group=8, topk_group=4,
+                                        routed_scaling_factor=2.5, norm_topk_prob=True)
+    torch.manual_seed(0)
+    hf = Glm4MoeMoE(config)
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.normal_(0, 0.3)
+        hf.gate.e_score_correction_bias.normal_(0, 0.1)
+    hf = hf.bfloat16()
+    x = torch.randn(2048, dim).bfloat16()
+    _, hf_gates, hf_ids = hf.gate(x)
+    hf_ids, order = hf_ids.sort(-1)
+    options = dict(score_func="sigmoid", selection_bias=True, n_group=8, topk_group=4, routed_scaling_factor=2.5,
+                   shared_hidden_dim=hidden)
+    differing = {}
+    for router_dtype in (None, torch.float32):
+        layer = LRMoE(dim, hidden, n_exp, k, router_dtype=router_dtype, **options).bfloat16()
+        layer.load_state_dict(hf.state_dict(), strict=True)
+        routing = layer.route(x)
+        ids, ours = routing.expert_ids.sort(-1)
+        differing[router_dtype] = int((ids != hf_ids).any(-1).sum())
+        if router_dtype is torch.float32:
+            torch.testing.assert_close(routing.gates.gather(1, ours), hf_gates.gather(1, order).float())
+    assert differing[torch.float32] == 0
+    assert differing[None] > 0  # the case can tell the two apart
