@@ -86,3 +86,29 @@ def check_backward_capacity(backward_capacity: float | None, retain: float, quot
     if grouped_by_source:
         raise ValueError("backward_capacity is per expert on one device: not with pairs grouped by (source, expert) "
                          "(source_ids_T, or a plan with group_ids); expert parallelism has its own capacity_factor")
+
+
+def check_group_routing(num_experts: int, top_k: int, n_group: int | None, topk_group: int | None) -> None:
+    """Group-limited routing's options (``route_topk``, ``LRMoE``): both or neither; n_group a positive divisor of
+    num_experts, topk_group in [1, n_group], and top_k experts reachable in topk_group groups."""
+    if (n_group is None) != (topk_group is None):
+        raise ValueError("n_group and topk_group must be given together")
+    if n_group is None:
+        return
+    if isinstance(n_group, bool) or not isinstance(n_group, int) or n_group < 1 or num_experts % n_group:
+        raise ValueError(f"n_group must be a positive divisor of num_experts={num_experts}, got {n_group!r}")
+    group_size = num_experts // n_group
+    if isinstance(topk_group, bool) or not isinstance(topk_group, int) or not 1 <= topk_group <= n_group:
+        raise ValueError(f"topk_group must be an int in [1, n_group={n_group}], got {topk_group!r}")
+    if top_k > topk_group * group_size:
+        raise ValueError(
+            f"top_k={top_k} exceeds the experts reachable in topk_group={topk_group} groups of {group_size}"
+        )
+
+
+def check_scaling(scaling: float, name: str = "scaling") -> None:
+    """A finite number > 0 named ``name``: ``route_topk``'s ``scaling``, ``LRMoE``'s ``routed_scaling_factor`` and
+    ``update_selection_bias``' ``rate``. Comparisons, not math.isfinite: under torch.compile(dynamic=True) a
+    module's float may arrive as a SymFloat."""
+    if isinstance(scaling, bool) or not isinstance(scaling, (int, float, torch.SymFloat)) or not 0 < scaling < math.inf:
+        raise ValueError(f"{name} must be a finite number > 0, got {scaling!r}")

@@ -8,12 +8,11 @@ group-limited routing; the gates never see the bias. Output shapes depend only o
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 
-from lrmoe.functional._checks import check_choice, check_tensor
+from lrmoe.functional._checks import check_choice, check_group_routing, check_scaling, check_tensor
 from lrmoe.ops.routing import topk_ids
 
 __all__ = ["Routing", "route_topk", "expert_loads"]
@@ -89,31 +88,6 @@ def route_topk(
     if scaling != 1.0:
         gates_TK = gates_TK * scaling
     return Routing(expert_ids=expert_ids_TK, gates=gates_TK, scores=scores_TE)
-
-
-def check_group_routing(num_experts: int, top_k: int, n_group: int | None, topk_group: int | None) -> None:
-    """Group-limited routing's options (``route_topk``, ``LRMoE``): both or neither; n_group a positive divisor of
-    num_experts, topk_group in [1, n_group], and top_k experts reachable in topk_group groups."""
-    if (n_group is None) != (topk_group is None):
-        raise ValueError("n_group and topk_group must be given together")
-    if n_group is None:
-        return
-    if isinstance(n_group, bool) or not isinstance(n_group, int) or n_group < 1 or num_experts % n_group:
-        raise ValueError(f"n_group must be a positive divisor of num_experts={num_experts}, got {n_group!r}")
-    group_size = num_experts // n_group
-    if isinstance(topk_group, bool) or not isinstance(topk_group, int) or not 1 <= topk_group <= n_group:
-        raise ValueError(f"topk_group must be an int in [1, n_group={n_group}], got {topk_group!r}")
-    if top_k > topk_group * group_size:
-        raise ValueError(
-            f"top_k={top_k} exceeds the experts reachable in topk_group={topk_group} groups of {group_size}"
-        )
-
-
-def check_scaling(scaling: float, name: str = "scaling") -> None:
-    """The gates' scale (``route_topk``'s ``scaling``, ``LRMoE``'s ``routed_scaling_factor``): a finite number > 0.
-    Comparisons, not math.isfinite: under torch.compile(dynamic=True) a module's float may arrive as a SymFloat."""
-    if isinstance(scaling, bool) or not isinstance(scaling, (int, float, torch.SymFloat)) or not 0 < scaling < math.inf:
-        raise ValueError(f"{name} must be a finite number > 0, got {scaling!r}")
 
 
 def expert_loads(expert_ids: torch.Tensor, num_experts: int) -> torch.Tensor:

@@ -15,10 +15,16 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from lrmoe.functional._checks import check_backward_capacity, check_choice, check_retain
+from lrmoe.functional._checks import (
+    check_backward_capacity,
+    check_choice,
+    check_group_routing,
+    check_retain,
+    check_scaling,
+)
 from lrmoe.functional.experts import ACTIVATION_POLICIES, N_BACKWARD_STATS, plan_experts, selective_swiglu_experts
 from lrmoe.functional.quotas import POLICIES
-from lrmoe.functional.routing import Routing, check_group_routing, check_scaling, route_topk
+from lrmoe.functional.routing import Routing, route_topk
 from lrmoe.functional.scoring import METRICS
 from lrmoe.functional.selection import MODES
 
@@ -254,8 +260,7 @@ class LRMoE(nn.Module):
         equal. On the device, no sync; call it after the optimiser step (it changes a buffer, not a parameter)."""
         if not self.selection_bias:
             raise ValueError("update_selection_bias needs a layer built with selection_bias=True")
-        if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 < rate < math.inf:
-            raise ValueError(f"rate must be a finite number > 0, got {rate!r}")
+        check_scaling(rate, "rate")
         loads_E = self.last_loads.float()
         self.gate.e_score_correction_bias.add_(torch.sign(loads_E.mean() - loads_E), alpha=rate)
 
