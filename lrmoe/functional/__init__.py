@@ -15,7 +15,7 @@ from lrmoe.functional.replicas import (
     place_hot_replicas,
     route_to_replicas,
 )
-from lrmoe.functional.routing import Routing, expert_loads, route_topk
+from lrmoe.functional.routing import Routing, expert_loads, route_topk, router_logits
 from lrmoe.functional.scoring import score_pairs
 from lrmoe.functional.selection import Selection, inclusion_probabilities, select_within_quota
 
@@ -36,6 +36,7 @@ __all__ = [
     "retained_rows_bound",
     "route_to_replicas",
     "route_topk",
+    "router_logits",
     "score_pairs",
     "select_within_quota",
     "selective_swiglu_experts",

@@ -3,7 +3,8 @@
 Shapes: T tokens, E experts, K top-k.
 
 The choice of experts may use a selection bias (aux-loss-free balancing, as in DeepSeek-V3 and GLM-4.5) and
-group-limited routing; the gates never see the bias. Output shapes depend only on T, E and K.
+group-limited routing; the gates never see the bias. Output shapes depend only on T, E and K. ``router_logits``
+computes the logits, in fp32 from bf16 tokens without fp32 GEMMs.
 """
 
 from __future__ import annotations
@@ -15,7 +16,86 @@ import torch
 from lrmoe.functional._checks import check_choice, check_group_routing, check_scaling, check_tensor
 from lrmoe.ops.routing import topk_ids
 
-__all__ = ["Routing", "route_topk", "expert_loads"]
+__all__ = ["Routing", "route_topk", "expert_loads", "router_logits"]
+
+
+def _probe_mm_out_dtype() -> bool:
+    """Whether torch.mm takes out_dtype (a bf16 GEMM that writes its fp32 accumulator; CUDA kernels only)."""
+    a = torch.empty(1, 1, dtype=torch.bfloat16, device="meta")
+    try:
+        return torch.mm(a, a, out_dtype=torch.float32).dtype == torch.float32
+    except (TypeError, RuntimeError):
+        return False
+
+
+_MM_OUT_DTYPE = _probe_mm_out_dtype()
+
+
+def _mm_acc32(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """a @ b for bf16 a, b with fp32 accumulation, written in out_dtype. CUDA: one bf16 GEMM on the tensor cores
+    (torch.mm's out_dtype for an fp32 result); elsewhere (or without out_dtype): the fp32 GEMM of fp32 copies."""
+    if a.is_cuda and _MM_OUT_DTYPE:
+        return torch.mm(a, b) if out_dtype == a.dtype else torch.mm(a, b, out_dtype=out_dtype)
+    return (a.float() @ b.float()).to(out_dtype)
+
+
+def _bf16_bits(t_fp32: torch.Tensor) -> torch.Tensor:
+    """fp32 values cut to bf16's 8 significant bits (the low 16 bits cleared, rounding toward zero): exact in bf16."""
+    return (t_fp32.view(torch.int32) & -65536).view(torch.float32)
+
+
+class _Bf16LogitsInFp32(torch.autograd.Function):
+    """logits = x @ weight^T in fp32 for bf16 x and weight; see router_logits."""
+
+    @staticmethod
+    def forward(x_TD: torch.Tensor, weight_ED: torch.Tensor) -> torch.Tensor:
+        return _mm_acc32(x_TD, weight_ED.t(), torch.float32)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:
+        ctx.save_for_backward(*inputs)
+
+    @staticmethod
+    def backward(ctx, grad_TE: torch.Tensor):
+        x_TD, weight_ED = ctx.saved_tensors
+        # The fp32 gradient as the sum of three bf16 parts, 8 significant bits each: exactly (fp32 has 24), unless a
+        # part falls below bf16's smallest normal numbers. Each GEMM below multiplies all three, so against an fp32
+        # backward only the order of the sums and the final rounding to the inputs' dtype differ. The parts are cut
+        # by clearing bits, not by rounding to bf16 and subtracting: Inductor would fuse that round trip away.
+        head_TE = _bf16_bits(grad_TE.float())
+        rest_TE = grad_TE - head_TE  # exact: the 16 bits cleared above
+        mid_TE = _bf16_bits(rest_TE)
+        parts = [t.to(x_TD.dtype) for t in (head_TE, mid_TE, rest_TE - mid_TE)]  # each exact in bf16
+        grad_x = grad_w = None
+        if ctx.needs_input_grad[0]:  # [g1 g2 g3] @ [w; w; w]: one GEMM, the parts summed in its fp32 accumulator
+            grad_x = _mm_acc32(torch.cat(parts, 1), torch.cat([weight_ED] * 3, 0), x_TD.dtype)
+        if ctx.needs_input_grad[1]:  # [E, D], small: three GEMMs to fp32 and a sum
+            grad_w = sum(_mm_acc32(part.t(), x_TD, torch.float32) for part in parts).to(weight_ED.dtype)
+        return grad_x, grad_w
+
+
+def router_logits(x_TD: torch.Tensor, weight_ED: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """[T, D] tokens and an [E, D] router weight -> [T, E] logits, in ``dtype`` (None: x's dtype, a plain linear).
+
+    ``dtype=torch.float32`` gives the logits of fp32 copies of x and the weight, as transformers' GLM-4.5 and
+    DeepSeek-V3 routers compute them (in bf16 they can choose other experts for a few tokens in a thousand). With
+    bf16 x and weight no copy is made: products of bf16 numbers are exact in fp32, so one bf16 GEMM that accumulates
+    in fp32 and writes fp32 (torch.mm's out_dtype, on CUDA) gives the fp32 GEMM's result up to the order of its
+    sums, on the tensor cores. Its backward writes the fp32 gradient of the logits exactly as the sum of three bf16
+    parts and multiplies them in bf16 GEMMs, so the gradients match an fp32 backward's up to the order of the sums
+    and their final rounding. Other dtypes: the linear of copies in ``dtype``.
+    """
+    check_tensor("x_TD", x_TD, ndim=2, kind="float")
+    check_tensor("weight_ED", weight_ED, ndim=2, kind="float")
+    if weight_ED.shape[1] != x_TD.shape[1]:
+        raise ValueError(f"weight_ED must be [E, {x_TD.shape[1]}] (x_TD's D), got shape {tuple(weight_ED.shape)}")
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise TypeError(f"dtype must be a floating-point torch.dtype or None, got {dtype!r}")
+    if dtype is None or (dtype == x_TD.dtype and dtype == weight_ED.dtype):
+        return torch.nn.functional.linear(x_TD, weight_ED)
+    if dtype == torch.float32 and x_TD.dtype == weight_ED.dtype == torch.bfloat16:
+        return _Bf16LogitsInFp32.apply(x_TD, weight_ED)
+    return torch.nn.functional.linear(x_TD.to(dtype), weight_ED.to(dtype))
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from lrmoe.functional._checks import (
 )
 from lrmoe.functional.experts import ACTIVATION_POLICIES, N_BACKWARD_STATS, plan_experts, selective_swiglu_experts
 from lrmoe.functional.quotas import POLICIES
-from lrmoe.functional.routing import Routing, route_topk
+from lrmoe.functional.routing import Routing, route_topk, router_logits
 from lrmoe.functional.scoring import METRICS
 from lrmoe.functional.selection import MODES
 
@@ -99,8 +99,9 @@ class LRMoE(nn.Module):
             n_group equal groups; with selection_bias, a [E] fp32 buffer ``gate.e_score_correction_bias`` (zeros)
             added to the scores for the choice only, for aux-loss-free balancing (``update_selection_bias``).
         router_dtype: None (default): the router's logits in the parameters' dtype, as transformers' Qwen3-MoE
-            computes them; torch.float32: from fp32 copies of x and ``gate.weight``, as its GLM-4.5 and DeepSeek-V3
-            routers do (in bf16 the two choose differently for a few tokens in a thousand).
+            computes them; torch.float32: the logits of fp32 copies of x and ``gate.weight``, as its GLM-4.5 and
+            DeepSeek-V3 routers compute them (in bf16 the two choose differently for a few tokens in a thousand);
+            for bf16 x and weights without the copies or fp32 GEMMs (lrmoe.functional.router_logits).
         shared_hidden_dim: None, or the hidden width of a dense SwiGLU ``shared_experts`` (SwiGLUMLP) whose output
             is added to the routed experts' for every token (GLM-4.5, DeepSeek-V3: moe_intermediate_size *
             n_shared_experts). Its backward is the ordinary dense one; under expert parallelism it stays
@@ -242,10 +243,7 @@ class LRMoE(nn.Module):
     def route(self, x_TD: torch.Tensor) -> Routing:
         """[T, D] tokens -> their experts and gates: the gate's logits through route_topk with the layer's options
         (also the expert-parallel layer's routing)."""
-        if self.router_dtype is None:
-            logits_TE = self.gate(x_TD)
-        else:
-            logits_TE = nn.functional.linear(x_TD.to(self.router_dtype), self.gate.weight.to(self.router_dtype))
+        logits_TE = router_logits(x_TD, self.gate.weight, self.router_dtype)
         return route_topk(
             logits_TE, self.top_k, score_func=self.score_func, norm_topk_prob=self.norm_topk_prob,
             bias_E=self.gate.e_score_correction_bias if self.selection_bias else None,

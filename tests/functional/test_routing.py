@@ -12,7 +12,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from lrmoe.functional import Routing, expert_loads, route_topk
+from lrmoe.functional import Routing, expert_loads, route_topk, router_logits
 
 # ------------------------------------------------------------------------------------------------ references
 
@@ -254,3 +254,92 @@ _L = torch.randn(3, 8)
 def test_route_topk_errors_name_the_argument(args, kwargs, exc, name):
     with pytest.raises(exc, match=name):
         route_topk(*args, **kwargs)
+
+
+# ------------------------------------------------------------------------------------------------ router_logits
+
+
+def _bf16_pair(T, D, E, seed):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, D, generator=gen).bfloat16()
+    w = (torch.randn(E, D, generator=gen) / D**0.5).bfloat16()
+    return x, w
+
+
+@given(T=st.integers(1, 40), D=st.integers(1, 96), E=st.integers(1, 24), seed=st.integers(0, 2**16))
+def test_router_logits_fp32_from_bf16_is_the_fp32_product(T, D, E, seed):
+    """Products of bf16 numbers are exact in fp32, so the logits must equal the float64 product of the bf16 values
+    up to fp32 summation error (bounded by D * 2^-24 * sum |x w|); bf16 logits miss by ~2^-9 of each logit."""
+    x, w = _bf16_pair(T, D, E, seed)
+    got = router_logits(x, w, torch.float32)
+    assert got.dtype == torch.float32 and got.shape == (T, E)
+    want = x.double() @ w.double().t()
+    bound = (D + 1) * 2.0**-24 * (x.double().abs() @ w.double().abs().t()) + 1e-30
+    assert bool(((got.double() - want).abs() <= bound).all())
+
+
+@given(T=st.integers(1, 40), D=st.integers(1, 96), E=st.integers(1, 24), seed=st.integers(0, 2**16))
+def test_router_logits_fp32_gradients_match_an_fp32_backward(T, D, E, seed):
+    """The gradients equal those of an fp32 backward through fp32 copies (transformers' GLM router): within one bf16
+    ulp of the float64 gradient, plus fp32 summation error (n * 2^-24 * sum |g x|, n the summed length)."""
+    x, w = _bf16_pair(T, D, E, seed)
+    g = torch.randn(T, E, generator=torch.Generator().manual_seed(seed + 1))
+    xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+    gx, gw = torch.autograd.grad(router_logits(xr, wr, torch.float32), (xr, wr), g)
+    assert gx.dtype == gw.dtype == torch.bfloat16
+    g64, x64, w64 = g.double(), x.double(), w.double()
+    for got, want, sums in ((gx, g64 @ w64, 3 * E * 2.0**-24 * (g64.abs() @ w64.abs())),
+                            (gw, g64.t() @ x64, (T + 3) * 2.0**-24 * (g64.abs().t() @ x64.abs()))):
+        ulp = torch.where(want == 0, 2.0**-133, 2.0 ** (torch.floor(torch.log2(want.abs())) - 7))
+        assert bool(((got.double() - want).abs() <= ulp + sums + 1e-30).all())
+
+
+def test_router_logits_fp32_gradient_keeps_the_fp32_gradients_low_bits():
+    """The backward keeps all 24 bits of the fp32 gradient: with g = (1 + 2^-9 + 2^-20, -1 - 2^-9) on two equal
+    weight rows the input gradient is 2^-20 * w, which the first bf16 part of g alone (1, -1) or the first two
+    (1 + 2^-9, -1 - 2^-9) would make 0."""
+    w = torch.tensor([[1.0, -2.0, 0.5], [1.0, -2.0, 0.5]]).bfloat16().requires_grad_()
+    x = torch.tensor([[0.25, 1.0, -3.0]]).bfloat16().requires_grad_()
+    g = torch.tensor([[1.0 + 2.0**-9 + 2.0**-20, -1.0 - 2.0**-9]])
+    gx, gw = torch.autograd.grad(router_logits(x, w, torch.float32), (x, w), g)
+    torch.testing.assert_close(gx.float(), 2.0**-20 * w.detach().float()[:1], rtol=0, atol=0)
+    torch.testing.assert_close(gw, (g.double().t() @ x.detach().double()).bfloat16(), rtol=0, atol=0)
+
+
+def test_router_logits_other_dtypes_are_a_linear_of_copies():
+    x, w = _bf16_pair(8, 16, 4, 0)
+    torch.testing.assert_close(router_logits(x, w), torch.nn.functional.linear(x, w), rtol=0, atol=0)
+    torch.testing.assert_close(router_logits(x, w, torch.bfloat16), torch.nn.functional.linear(x, w), rtol=0, atol=0)
+    got = router_logits(x.half(), w.half(), torch.float32)  # fp16: no split (its low part could underflow)
+    torch.testing.assert_close(got, torch.nn.functional.linear(x.float(), w.float()), rtol=0, atol=0)
+    got = router_logits(x.float(), w.float(), torch.float64)
+    assert got.dtype == torch.float64
+
+
+def test_router_logits_compiles_fullgraph_and_matches_eager():
+    x, w = _bf16_pair(24, 32, 8, 3)
+    g = torch.randn(24, 8)
+
+    def step(fn):
+        xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+        logits = fn(xr, wr, torch.float32)
+        return (logits, *torch.autograd.grad(logits, (xr, wr), g))
+
+    torch._dynamo.reset()
+    for got, want in zip(step(torch.compile(router_logits, fullgraph=True)), step(router_logits)):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "args, exc, name",
+    [
+        ((torch.zeros(4), torch.zeros(2, 4)), ValueError, "x_TD"),
+        ((torch.zeros(3, 4, dtype=torch.int64), torch.zeros(2, 4)), TypeError, "x_TD"),
+        ((torch.zeros(3, 4), torch.zeros(2, 5)), ValueError, "weight_ED"),
+        ((torch.zeros(3, 4), torch.zeros(2, 4), torch.int32), TypeError, "dtype"),
+        ((torch.zeros(3, 4), torch.zeros(2, 4), "float32"), TypeError, "dtype"),
+    ],
+)
+def test_router_logits_errors_name_the_argument(args, exc, name):
+    with pytest.raises(exc, match=name):
+        router_logits(*args)
