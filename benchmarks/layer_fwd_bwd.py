@@ -14,6 +14,8 @@ plain backward quotas and with quotas in multiples of 128 pairs (LRMoE's quota_a
 --block glm runs GLM-4.5-Air's block instead of Qwen3's: LRMoE with sigmoid scores, a selection bias and a shared
 expert of the routed experts' width, against transformers' Glm4MoeMoE (grouped_mm experts); --block deepseek
 DeepSeek-V3's (the same plus 8 expert groups of which 4 are chosen, gates scaled by 2.5) against DeepseekV3MoE.
+--router-dtype param float32 runs every LRMoE row with the router's logits in the parameters' dtype and in fp32
+(LRMoE's router_dtype; transformers' GLM / DeepSeek routers compute theirs in fp32), the latter tagged "fp32 router".
 --skew s biases every layer's router (skew_router: expert e's logits + s * sigma * z_e, through input feature 0,
 set to 1) so that loads are uneven; 0, the default, is the near-balanced routing of random weights.
 The GEMM floor is 6·T·k·3·d·f FLOP forward+backward (2× for forward alone) at the measured matmul rate.
@@ -185,6 +187,9 @@ def main() -> None:
     parser.add_argument("--block", choices=["qwen3", *SIGMOID_BLOCKS], default="qwen3",
                         help="glm / deepseek: GLM-4.5-Air's / DeepSeek-V3's block (sigmoid, selection bias, groups, "
                              "a shared expert) for LRMoE, transformers' Glm4MoeMoE / DeepseekV3MoE as the baseline")
+    parser.add_argument("--router-dtype", nargs="+", default=["param"], choices=["param", "float32"],
+                        help="LRMoE(router_dtype=...): param (default) the router's logits in the parameters' "
+                             "dtype (bf16), float32 as transformers' GLM-4.5 / DeepSeek-V3 routers compute them")
     args = parser.parse_args()
     if args.compiled_sample == "reference":
         selection_module._COMPILED_SAMPLE = select_within_quota_reference
@@ -207,15 +212,17 @@ def main() -> None:
     gathers = list(dict.fromkeys(args.gather_gemm))
     aligns = list(dict.fromkeys(args.quota_align))
     caps = [None if c == "none" else float(c) for c in dict.fromkeys(args.backward_capacity)]
+    routers = [None if r == "param" else getattr(torch, r) for r in dict.fromkeys(args.router_dtype)]
     layers = [
         (f"lrmoe r={r:g}" + (f" {sel}" if both and r < 1 else "") + (" tri" if gather == "triton" and len(gathers) > 1
                                                                      else "")
-         + (f" a{align}" if len(aligns) > 1 and r < 1 else "") + (f" c{cap or '-'}" if len(caps) > 1 and r < 1 else ""),
-         lambda r=r, sel=sel, align=align, cap=cap: LRMoE(
-             **shape, retain=r, selection=sel, quota_align=align, backward_capacity=cap,
+         + (f" a{align}" if len(aligns) > 1 and r < 1 else "") + (f" c{cap or '-'}" if len(caps) > 1 and r < 1 else "")
+         + (" fp32 router" if len(routers) > 1 and router is not None else ""),
+         lambda r=r, sel=sel, align=align, cap=cap, router=router: LRMoE(
+             **shape, retain=r, selection=sel, quota_align=align, backward_capacity=cap, router_dtype=router,
              **(sigmoid_block | dict(shared_hidden_dim=f) if sigmoid_block else {})), gather)
         for gather in gathers for r in args.retain for sel in (args.selection if r < 1 else args.selection[:1])
-        for align in (aligns if r < 1 else aligns[:1]) for cap in (caps if r < 1 else [None])
+        for align in (aligns if r < 1 else aligns[:1]) for cap in (caps if r < 1 else [None]) for router in routers
     ]
     if not args.skip_baselines:
         if not sigmoid_block:  # softmax routing and no shared expert: not GLM's or DeepSeek's block
