@@ -9,10 +9,11 @@ The forward's (a) reads the weight through a TMA descriptor (the default for bf1
 time the pointer loads it had before, and the two "O-contiguous" rows the same on a weight stored transposed (the
 layout the input gradient's weight.transpose(1, 2) view has), each way.
 Weight gradient (w[e] = sum outer(a[i], b[rows[i]])): the Triton kernel against (b) and (c) of the same kind
-(torch._grouped_mm 2D x 2D with offsets). The gate/up GEMM with the SwiGLU (``-up`` shapes, weight [E, 2f, d], op
-"swiglu", FLOP of the 2f-wide GEMM): (a) the Triton kernel with the gather and the SwiGLU + ||phi||^2 in its
-epilogue, writing h, phi and ||phi||^2; (b) index_select + torch._grouped_mm + the SwiGLU and ||phi||^2 compiled
-(Inductor fuses them into one pass); (c) torch._grouped_mm alone on pre-gathered rows (h only).
+(torch._grouped_mm 2D x 2D with offsets); its (a) reads a through a ragged TMA descriptor (the default for bf16),
+the row "a by pointers" through the pointer loads it had before. The gate/up GEMM with the SwiGLU (``-up`` shapes,
+weight [E, 2f, d], op "swiglu", FLOP of the 2f-wide GEMM): (a) the Triton kernel with the gather and the SwiGLU +
+||phi||^2 in its epilogue, writing h, phi and ||phi||^2; (b) index_select + torch._grouped_mm + the SwiGLU and
+||phi||^2 compiled (Inductor fuses them into one pass); (c) torch._grouped_mm alone on pre-gathered rows (h only).
 Group sizes (--groups): balanced ("bal", R/E each), "jitter" (what a router with random logits gives: each of
 R / 8 tokens picks 8 distinct experts; at 65,536 rows 512 +- ~22 a group, the spread the layer benchmarks see, which
 costs 128-row tiles a mostly empty last tile per group) and skewed ("skew", a multinomial draw with log-normal expert
@@ -25,8 +26,8 @@ run of the ninth session, timing each row once, had torch._grouped_mm on pre-gat
 earlier run and slower than gather + _grouped_mm), TFLOP/s (2·R·O·I / time), the ratio to (c) (target:
 the fused kernel at >= 0.90 of torch._grouped_mm), and the largest relative error against (b).
 --configs adds a row per launch config (fwd and wgrad): each candidate of the autotuner's lists in
-lrmoe_kernels.grouped_gemm, and the lists it had before the ninth session ("old"), timed on the same problem, with
-its relative error against (b) like every row.
+lrmoe_kernels.grouped_gemm (wgrad: the pointer path's, and the ragged-TMA path's tagged "tma"), and the lists it had
+before the ninth session ("old"), timed on the same problem, with its relative error against (b) like every row.
 Importable on a CPU machine; main() needs CUDA.
 """
 
@@ -40,6 +41,7 @@ import triton
 from lrmoe_kernels.grouped_gemm import (
     _gpu_configs,
     _outer_gpu_configs,
+    _outer_tma_gpu_configs,
     _swiglu_gpu_configs,
     gather_grouped_mm_triton,
     gather_grouped_swiglu_triton,
@@ -186,6 +188,7 @@ def main() -> None:
             }
             wgrad = {
                 "(a) triton gather-fused": lambda: grouped_outer_triton(a_RO, x_NI, rows_R, offsets_E),
+                "(a) a by pointers": lambda: grouped_outer_triton(a_RO, x_NI, rows_R, offsets_E, a_tma=False),
                 "(b) index_select+_grouped_mm": lambda: torch._grouped_mm(
                     a_RO.t(), x_NI.index_select(0, rows_R), offs=offsets_E
                 ),
@@ -195,7 +198,13 @@ def main() -> None:
                 for label, cfg in config_rows(_gpu_configs()):
                     fwd[label] = lambda cfg=cfg: gather_grouped_mm_triton(x_NI, weight_EOI, rows_R, offsets_E, cfg)
                 for label, cfg in config_rows(_outer_gpu_configs()):
-                    wgrad[label] = lambda cfg=cfg: grouped_outer_triton(a_RO, x_NI, rows_R, offsets_E, cfg)
+                    wgrad[label] = lambda cfg=cfg: grouped_outer_triton(a_RO, x_NI, rows_R, offsets_E, cfg,
+                                                                        a_tma=False)
+                for cfg in _outer_tma_gpu_configs():  # a through the ragged descriptor: tagged "tma"
+                    k = cfg.kwargs
+                    label = f"tma {k['BLOCK_M']}x{k['BLOCK_N']}x{k['BLOCK_K']} w{cfg.num_warps} s{cfg.num_stages}"
+                    wgrad[label] = lambda cfg=cfg: grouped_outer_triton(a_RO, x_NI, rows_R, offsets_E, cfg,
+                                                                        a_tma=True)
             ops = [("fwd", fwd), ("wgrad", wgrad)]
             if name.endswith("-up"):
                 ops.append(("swiglu", swiglu_fns(x_NI, x_RI, rows_R, offsets_E, O, args.configs)))

@@ -33,9 +33,15 @@ docs/performance.md). gather_grouped_swiglu reads it the same way, a gate and an
 columns a program: 0.95-1.14x of index_select + torch._grouped_mm + a compiled SwiGLU on its own, at the Qwen3
 and GLM-4.5-Air shapes (thirteenth session), but more GPU time than the unfused kernels inside the compiled layer,
 which therefore does not call it. Descriptors only on a GPU with TMA (compute capability 9.0 on); elsewhere the
-pointer path. Tried and not kept: grouped_outer reading a_RO's whole K blocks and writing its output
-through descriptors (the partial last block by masked pointer loads) was 1-7 % slower at 7 of the 8 benchmark
-problems and 2 % faster at the eighth; gather_grouped_mm with 64-row tiles (less padding past a group's end on
+pointer path. grouped_outer reads a 16-bit a_RO (the weight gradient's contiguous operand) through a ragged TMA
+descriptor (triton.tools.ragged_tma: the group's rows as a slice, zeros past its end) with its own config list:
+0.79-0.85 of torch._grouped_mm on pre-gathered rows where its pointer path ran at 0.71-0.76 (seventeenth
+session). Tried and not kept: grouped_outer reading a_RO's whole K blocks through a plain descriptor and writing its
+output through descriptors (the partial last block by masked pointer loads; the old configs) was 1-7 % slower at 7
+of the 8 benchmark problems and 2 % faster at the eighth; a device-side descriptor per group
+(tl.make_tensor_descriptor) ran as fast as the ragged one but needs a process-wide Triton allocator; Triton 3.6's
+warp specialisation of the K loop (tl.range(warp_specialize=True)) failed to compile with 4 warps and changed
+nothing with 8; gather_grouped_mm with 64-row tiles (less padding past a group's end on
 router-like group sizes, 512 +- 22 rows) ran at 0.62-0.88 of the best 128-row config (thirteenth session).
 
 What to try next on the H200:
@@ -64,6 +70,11 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .launch import known_empty, launch, tracing
+
+try:  # Triton >= 3.5: TMA over a slice of rows, zero past its end (the weight gradient's groups)
+    from triton.tools.ragged_tma import create_ragged_descriptor, load_ragged
+except ImportError:  # pragma: no cover - older Triton: grouped_outer reads a_RO by pointers
+    create_ragged_descriptor = load_ragged = None
 
 __all__ = [
     "gather_grouped_mm_triton",
@@ -124,6 +135,21 @@ def _outer_gpu_configs() -> list[triton.Config]:
     ]
 
 
+def _outer_tma_gpu_configs() -> list[triton.Config]:
+    """Candidate blocks for grouped_outer with a_RO read through a ragged TMA descriptor (_a_operand). Measured
+    (seventeenth session, one H200, 65,536 rows, E = 128, bf16, Qwen3 and GLM-4.5-Air up and down, balanced and
+    router-like groups, 14 configs; devscripts, docs/performance.md): 128 x 128 x 64 with 4 warps and 3 stages was
+    the best at 6 of the 8 problems (0.80-0.85 of torch._grouped_mm on pre-gathered rows, where the pointer path's
+    configs reached 0.71-0.76), 128 x 128 x 32 with 6 stages at the other two (0.80-0.82); 8 warps, 256-wide and
+    128-deep tiles lost 5-50 %."""
+    return [
+        triton.Config(dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64), num_warps=4, num_stages=3),
+        triton.Config(dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=32), num_warps=4, num_stages=6),
+        triton.Config(dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64), num_warps=4, num_stages=4),
+        _SMALL_CONFIG,
+    ]
+
+
 def _prune_small(configs, named_args, **kwargs):
     """Problems narrower than 128 in O or I (tests, toy models) get the smallest config only: nothing to tune,
     and every extra config is a compile. fp32 and fp64 get it too: the bf16 configs' shared memory would overflow
@@ -138,11 +164,14 @@ def _prune_small(configs, named_args, **kwargs):
 
 def _set_desc_blocks(nargs: dict) -> None:
     """A config's pre_hook (and the launchers' when they pass blocks themselves): the TMA descriptors' block
-    shape for this launch's BLOCK_N, BLOCK_K: gather_grouped_mm's weight ``w`` (B_DESC 1: [E, O, I], blocks [1,
-    BLOCK_N, BLOCK_K]; 2: its transpose, [1, BLOCK_K, BLOCK_N]). A weight passed as a tensor is left."""
+    shape for this launch's blocks: gather_grouped_mm's weight ``w`` (B_DESC 1: [E, O, I], blocks [1,
+    BLOCK_N, BLOCK_K]; 2: its transpose, [1, BLOCK_K, BLOCK_N]); grouped_outer's ragged ``a_desc`` ([1, 1,
+    BLOCK_K, BLOCK_M]). An operand passed as a tensor is left."""
     if isinstance(w := nargs.get("w"), TensorDescriptor):
         bn, bk = nargs["BLOCK_N"], nargs["BLOCK_K"]
         w.block_shape = [1, bn, bk] if nargs["B_DESC"] == 1 else [1, bk, bn]
+    if isinstance(a := nargs.get("a_desc"), TensorDescriptor):
+        a.block_shape = [1, 1, nargs["BLOCK_K"], nargs["BLOCK_M"]]
 
 
 def _with_config(kernel, configs, key=("O", "I"), prune=_prune_small):
@@ -571,11 +600,11 @@ def zero_rows_past_last_offset_(y_RO: torch.Tensor, offsets_E: torch.Tensor) -> 
 
 @triton.jit
 def _grouped_outer_kernel(
-    a_ptr, b_ptr, rows_ptr, offsets_ptr, w_ptr,
+    a_ptr, a_desc, b_ptr, rows_ptr, offsets_ptr, w_ptr,
     R, O, I, E, dtype_bytes,
     stride_ar, stride_ao, stride_bn, stride_bi, stride_we, stride_wo, stride_wi,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    UPCAST: tl.constexpr, ACC_FP64: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr, ACC_FP64: tl.constexpr, INPUT_PRECISION: tl.constexpr, A_TMA: tl.constexpr,
 ):  # fmt: skip
     # One program per (expert, BLOCK_M x BLOCK_N tile of w[e]), expert slowest: the programs of one expert run
     # together and read its rows of a and b through L2. The reduction runs over the group's rows, BLOCK_K at a
@@ -601,11 +630,15 @@ def _grouped_outer_kernel(
         r_mask = offs_r < end
         src_r = tl.load(rows_ptr + offs_r, mask=r_mask, other=0).to(tl.int64)
         # a^T tile [BLOCK_M, BLOCK_K] and gathered b tile [BLOCK_K, BLOCK_N]. Both are masked on the group's end:
-        # zero in a alone would still turn an inf or NaN in a row of b outside the group into NaN.
-        a = tl.load(
-            a_ptr + offs_m_safe[:, None] * stride_ao + offs_r[None, :].to(tl.int64) * stride_ar,
-            mask=r_mask[None, :], other=0.0,
-        )  # fmt: skip
+        # zero in a alone would still turn an inf or NaN in a row of b outside the group into NaN. A_TMA: a's tile
+        # through the ragged descriptor over the group's rows, which reads zeros past the group's end (and past O).
+        if A_TMA:
+            a = load_ragged(a_desc, start, end - start, [r0 - start, pid_m * BLOCK_M]).T
+        else:
+            a = tl.load(
+                a_ptr + offs_m_safe[:, None] * stride_ao + offs_r[None, :].to(tl.int64) * stride_ar,
+                mask=r_mask[None, :], other=0.0,
+            )  # fmt: skip
         b = tl.load(
             b_ptr + src_r[:, None] * stride_bn + offs_n_safe[None, :] * stride_bi, mask=r_mask[:, None], other=0.0
         )
@@ -620,28 +653,59 @@ def _grouped_outer_kernel(
 
 
 _grouped_outer = _with_config(_grouped_outer_kernel, _outer_gpu_configs())
+_grouped_outer_tma = _with_config(_grouped_outer_kernel, _outer_tma_gpu_configs())
+
+
+def _a_operand(a_RO: torch.Tensor, a_tma: bool | None) -> tuple:
+    """(a_desc argument, A_TMA) for _grouped_outer_kernel: a ragged TMA descriptor over a_RO's rows when ``a_tma``
+    is True, or None (the default) and it can be one: Triton's ragged_tma present, 16-bit dtype on a GPU with TMA
+    (the interpreter: any), nonempty, rows contiguous, the row stride and the base 16-byte aligned, at most 2^30
+    rows (the descriptor's limit), and not traced (as for _weight_operand). Block shape: a placeholder,
+    _set_desc_blocks sets it. a_tma=False, or a_RO that cannot be one, gives the pointer path."""
+    R, O = a_RO.shape
+    size = a_RO.element_size()
+    can = (
+        create_ragged_descriptor is not None
+        and not tracing()  # first: R may be an unbacked size while traced, which the tests below would guard on
+        and min(R, O) > 0
+        and R <= 2**30
+        and (_INTERPRET or (size == 2 and _has_tma(a_RO.device)))
+        and a_RO.stride(1) == 1
+        and a_RO.data_ptr() % 16 == 0
+        and a_RO.stride(0) * size % 16 == 0
+    )
+    if a_tma and not can:
+        raise ValueError("a_tma=True needs an a_RO TMA can read (see _a_operand)")
+    if not can or a_tma is False:
+        return a_RO, False
+    return create_ragged_descriptor(a_RO, [16, 16]), True
 
 
 def grouped_outer_triton(
     a_RO: torch.Tensor, b_NI: torch.Tensor, rows_R: torch.Tensor, offsets_E: torch.Tensor,
-    config: triton.Config | None = None,
+    config: triton.Config | None = None, a_tma: bool | None = None,
 ) -> torch.Tensor:
     """w_EOI[e] = sum over i in group e of outer(a_RO[i], b_NI[rows_R[i]]); dtype of a. No host sync.
 
     The output is allocated with torch.empty: every program stores its whole tile, zeros for empty groups.
-    ``config``: as in gather_grouped_mm_triton.
+    ``config``: as in gather_grouped_mm_triton. ``a_tma``: read a_RO through a ragged TMA descriptor (True), through
+    pointers (False), or the descriptor where it can be one (None); each way has its own autotuned config list.
     """
     _check_device(a_RO, b_NI, rows_R, offsets_E)
     R, O, I, E = rows_R.shape[0], a_RO.shape[1], b_NI.shape[1], offsets_E.shape[0]
     w_EOI = torch.empty((E, O, I), dtype=a_RO.dtype, device=a_RO.device)
     if known_empty(E, O, I):
         return w_EOI
-    kernel, fixed = _kernel_and_blocks(_grouped_outer, _grouped_outer_kernel, config)
+    a_desc, a_mode = _a_operand(a_RO, a_tma)
+    kernel, fixed = _kernel_and_blocks(_grouped_outer_tma if a_mode else _grouped_outer, _grouped_outer_kernel,
+                                       config)
+    if fixed:  # no autotuner to run the configs' pre_hook
+        _set_desc_blocks({"a_desc": a_desc, **fixed})
     grid = lambda meta: (E * triton.cdiv(O, meta["BLOCK_M"]) * triton.cdiv(I, meta["BLOCK_N"]),)  # noqa: E731
     launch(kernel, grid)(
-        a_RO, b_NI, rows_R, offsets_E, w_EOI,
+        a_RO, a_desc, b_NI, rows_R, offsets_E, w_EOI,
         R, O, I, E, a_RO.element_size(),
         *a_RO.stride(), *b_NI.stride(), *w_EOI.stride(),
-        **_dot_flags(a_RO.dtype), **fixed,
+        **_dot_flags(a_RO.dtype), **fixed, A_TMA=a_mode,
     )  # fmt: skip
     return w_EOI

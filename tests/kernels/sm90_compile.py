@@ -145,6 +145,8 @@ def run_launchers() -> None:
     gg._gather_grouped_swiglu = gg._gather_grouped_swiglu_kernel
     gg._swiglu_block_n = _as_on_gpu(gg, gg._swiglu_block_n)
     gg._weight_operand = _as_on_gpu(gg, gg._weight_operand)  # TMA descriptors for 16-bit weights only
+    gg._a_operand = _as_on_gpu(gg, gg._a_operand)  # and for 16-bit a_RO in grouped_outer
+    gg._grouped_outer_tma = gg._grouped_outer_kernel
     gg._has_tma = lambda device: True  # the sm_90 target has TMA (the CPU tensors' device does not)
     for dtype in (torch.bfloat16, torch.float32):
         # The configs the autotuner would try on this problem (fp32 and narrow problems: the smallest only).
@@ -157,6 +159,9 @@ def run_launchers() -> None:
             gg.gather_grouped_mm_triton(x, w.transpose(1, 2).contiguous().transpose(1, 2), rows, offsets)  # its
             gg.gather_grouped_mm_triton(x, w, rows, offsets, b_desc=False)  # transpose's descriptor; pointers
         for config in gg._prune_small(gg._outer_gpu_configs(), shape):
+            gg._interpreter_config = lambda c=config: dict(c.kwargs, num_warps=c.num_warps, num_stages=c.num_stages)
+            gg.grouped_outer_triton(torch.randn(48, 128).to(dtype), x, rows, offsets, a_tma=False)
+        for config in gg._prune_small(gg._outer_tma_gpu_configs(), shape):  # bf16: a_RO through the ragged TMA
             gg._interpreter_config = lambda c=config: dict(c.kwargs, num_warps=c.num_warps, num_stages=c.num_stages)
             gg.grouped_outer_triton(torch.randn(48, 128).to(dtype), x, rows, offsets)
         shape = dict(F=128, I=256, dtype_bytes=shape["dtype_bytes"])

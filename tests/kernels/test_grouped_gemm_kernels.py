@@ -17,7 +17,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 from lrmoe_kernels.grouped_gemm import (
     _gpu_configs,
+    _a_operand,
     _outer_gpu_configs,
+    _outer_tma_gpu_configs,
     _weight_operand,
     gather_grouped_mm_triton,
     gather_grouped_swiglu_triton,
@@ -85,9 +87,9 @@ def check_gather(x_NI, weight_EOI, rows_R, offsets_E, b_desc=None):
     assert (got[end:] == 0).all(), "rows past offsets[-1] must be zero"
 
 
-def check_outer(a_RO, b_NI, rows_R, offsets_E):
+def check_outer(a_RO, b_NI, rows_R, offsets_E, a_tma=None):
     want = torch.ops.lrmoe.grouped_outer(a_RO, b_NI, rows_R, offsets_E)
-    got = grouped_outer_triton(*on_device(a_RO, b_NI, rows_R, offsets_E))
+    got = grouped_outer_triton(*on_device(a_RO, b_NI, rows_R, offsets_E), a_tma=a_tma)
     assert_close(got, want, a_RO.dtype, max(1, rows_R.shape[0]))
     starts = [0] + offsets_E.tolist()[:-1]
     for e, (s, t) in enumerate(zip(starts, offsets_E.tolist())):
@@ -126,9 +128,22 @@ def test_weight_descriptor_refused_where_tma_cannot_read():
 
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_grouped_outer_equals_reference(case, dtype):
+@pytest.mark.parametrize("a_tma", [None, False], ids=["a-desc-if-possible", "a-pointers"])
+def test_grouped_outer_equals_reference(case, dtype, a_tma):
     x_NI, _, a_RO, rows_R, offsets_E = make_case(*case, dtype=dtype)
+    check_outer(a_RO, x_NI, rows_R, offsets_E, a_tma)
+
+
+def test_a_descriptor_refused_where_tma_cannot_read():
+    """a_RO rows that are not 16-byte aligned (O = 7 in bf16: 14 bytes) take the pointer path by default; asking for
+    the ragged descriptor says why it cannot. Aligned rows take the descriptor."""
+    x_NI, _, a_RO, rows_R, offsets_E = make_case(5, 24, 7, [4, 5], 1, 0, torch.bfloat16)
+    assert _a_operand(a_RO.to(DEVICE), None)[1] is False
     check_outer(a_RO, x_NI, rows_R, offsets_E)
+    with pytest.raises(ValueError, match="a_tma=True"):
+        grouped_outer_triton(*on_device(a_RO, x_NI, rows_R, offsets_E), a_tma=True)
+    x_NI, _, a_RO, rows_R, offsets_E = make_case(5, 24, 8, [4, 5], 1, 0, torch.bfloat16)
+    assert _a_operand(a_RO.to(DEVICE), None)[1] is True
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
@@ -143,18 +158,20 @@ def test_contiguous_weight_and_other_dtypes(dtype):
 LONG_GROUPS = (11, 24, 40, [70, 0, 45, 64, 33], 3, 0)
 
 
-def test_grouped_outer_whole_and_partial_blocks():
+@pytest.mark.parametrize("a_tma", [True, False])
+def test_grouped_outer_whole_and_partial_blocks(a_tma):
     x_NI, _, a_RO, rows_R, offsets_E = make_case(*LONG_GROUPS, dtype=torch.bfloat16)
-    check_outer(a_RO, x_NI, rows_R, offsets_E)
+    check_outer(a_RO, x_NI, rows_R, offsets_E, a_tma)
 
 
-def test_grouped_outer_keeps_a_nonfinite_row_in_its_group():
+@pytest.mark.parametrize("a_tma", [True, False])
+def test_grouped_outer_keeps_a_nonfinite_row_in_its_group(a_tma):
     """An inf in the first row of a group (the row a block read past the previous group's end would take in)
     must leave the other groups' gradients finite and equal to the reference; its own gets inf or NaN."""
     x_NI, _, a_RO, rows_R, offsets_E = make_case(*LONG_GROUPS, dtype=torch.bfloat16)
     a_RO[70] = float("inf")  # the first row of group 2 (group 1 is empty)
     want = torch.ops.lrmoe.grouped_outer(a_RO, x_NI, rows_R, offsets_E)
-    got = grouped_outer_triton(*on_device(a_RO, x_NI, rows_R, offsets_E)).cpu()
+    got = grouped_outer_triton(*on_device(a_RO, x_NI, rows_R, offsets_E), a_tma=a_tma).cpu()
     assert not want[2].isfinite().all() and not got[2].isfinite().all()
     others = [0, 1, 3, 4]
     assert got[others].isfinite().all()
@@ -178,11 +195,14 @@ def test_every_gather_config_equals_reference(config):
     assert (got[229:] == 0).all()
 
 
-@pytest.mark.parametrize("config", _outer_gpu_configs(), ids=_config_id)
-def test_every_outer_config_equals_reference(config):
+@pytest.mark.parametrize(("config", "a_tma"), [(c, False) for c in _outer_gpu_configs()]
+                         + [(c, True) for c in _outer_tma_gpu_configs()],
+                         ids=[_config_id(c) for c in _outer_gpu_configs()]
+                         + [f"tma-{_config_id(c)}" for c in _outer_tma_gpu_configs()])
+def test_every_outer_config_equals_reference(config, a_tma):
     x_NI, _, a_RO, rows_R, offsets_E = make_case(40, 264, 136, [70, 0, 150, 9], 5, 0, torch.bfloat16)
     want = torch.ops.lrmoe.grouped_outer(a_RO, x_NI, rows_R, offsets_E)
-    got = grouped_outer_triton(*on_device(a_RO, x_NI, rows_R, offsets_E), config=config)
+    got = grouped_outer_triton(*on_device(a_RO, x_NI, rows_R, offsets_E), config=config, a_tma=a_tma)
     assert_close(got, want, torch.bfloat16, rows_R.shape[0])
     assert (got[1] == 0).all(), "the empty group gives zeros"
 
@@ -195,10 +215,11 @@ def test_values_outside_the_groups_never_leak():
     x_NI[9, 0] = float("inf")
     a_RO[11:] = float("nan")  # the padding rows
     y_RO = gather_grouped_mm_triton(*on_device(x_NI, weight_EOI, rows_R, offsets_E))
-    w_EOI = grouped_outer_triton(*on_device(a_RO, x_NI, rows_R, offsets_E))
-    assert y_RO.isfinite().all() and w_EOI.isfinite().all()
+    for a_tma in (True, False):
+        w_EOI = grouped_outer_triton(*on_device(a_RO, x_NI, rows_R, offsets_E), a_tma=a_tma)
+        assert y_RO.isfinite().all() and w_EOI.isfinite().all()
+        check_outer(a_RO, x_NI, rows_R, offsets_E, a_tma)
     check_gather(x_NI, weight_EOI, rows_R, offsets_E)
-    check_outer(a_RO, x_NI, rows_R, offsets_E)
 
 
 def check_swiglu(x_NI, gate_up_EOI, rows_R, offsets_E, b_desc=None):
