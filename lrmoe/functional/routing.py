@@ -36,7 +36,10 @@ def _mm_acc32(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch
     (torch.mm's out_dtype for an fp32 result); elsewhere (or without out_dtype): the fp32 GEMM of fp32 copies."""
     if a.is_cuda and _MM_OUT_DTYPE:
         return torch.mm(a, b) if out_dtype == a.dtype else torch.mm(a, b, out_dtype=out_dtype)
-    return (a.float() @ b.float()).to(out_dtype)
+    out = a.float() @ b.float()
+    # No .to() when it would return its input: under torch.compile in torch 2.11 (CPU), the forward's output as
+    # such a no-op made the backward of _Bf16LogitsInFp32 wrong (every element; seen in a torch 2.11 venv).
+    return out if out_dtype == torch.float32 else out.to(out_dtype)
 
 
 def _bf16_bits(t_fp32: torch.Tensor) -> torch.Tensor:
