@@ -266,32 +266,39 @@ def _bf16_pair(T, D, E, seed):
     return x, w
 
 
+def _assert_fp32_logits(got, x, w):
+    """Products of bf16 numbers are exact in fp32, so fp32 logits of bf16 x, w equal the float64 product up to fp32
+    summation error (bounded by (D + 1) * 2^-24 * sum |x w|); bf16 logits miss by ~2^-9 of each logit."""
+    assert got.dtype == torch.float32 and got.shape == (x.shape[0], w.shape[0])
+    x64, w64 = x.double().cpu(), w.double().cpu()
+    bound = (x.shape[1] + 1) * 2.0**-24 * (x64.abs() @ w64.abs().t()) + 1e-30
+    assert bool(((got.double().cpu() - x64 @ w64.t()).abs() <= bound).all())
+
+
+def _assert_fp32_backward(gx, gw, x, w, g):
+    """Gradients equal to an fp32 backward's through fp32 copies (transformers' GLM router): within one bf16 ulp of
+    the float64 gradient, plus fp32 summation error (n * 2^-24 * sum |g x|, n the summed length)."""
+    assert gx.dtype == gw.dtype == torch.bfloat16
+    g64, x64, w64 = g.double().cpu(), x.double().cpu(), w.double().cpu()
+    T, E = g.shape
+    for got, want, sums in ((gx, g64 @ w64, 3 * E * 2.0**-24 * (g64.abs() @ w64.abs())),
+                            (gw, g64.t() @ x64, (T + 3) * 2.0**-24 * (g64.abs().t() @ x64.abs()))):
+        ulp = torch.where(want == 0, 2.0**-133, 2.0 ** (torch.floor(torch.log2(want.abs())) - 7))
+        assert bool(((got.double().cpu() - want).abs() <= ulp + sums + 1e-30).all())
+
+
 @given(T=st.integers(1, 40), D=st.integers(1, 96), E=st.integers(1, 24), seed=st.integers(0, 2**16))
 def test_router_logits_fp32_from_bf16_is_the_fp32_product(T, D, E, seed):
-    """Products of bf16 numbers are exact in fp32, so the logits must equal the float64 product of the bf16 values
-    up to fp32 summation error (bounded by D * 2^-24 * sum |x w|); bf16 logits miss by ~2^-9 of each logit."""
     x, w = _bf16_pair(T, D, E, seed)
-    got = router_logits(x, w, torch.float32)
-    assert got.dtype == torch.float32 and got.shape == (T, E)
-    want = x.double() @ w.double().t()
-    bound = (D + 1) * 2.0**-24 * (x.double().abs() @ w.double().abs().t()) + 1e-30
-    assert bool(((got.double() - want).abs() <= bound).all())
+    _assert_fp32_logits(router_logits(x, w, torch.float32), x, w)
 
 
 @given(T=st.integers(1, 40), D=st.integers(1, 96), E=st.integers(1, 24), seed=st.integers(0, 2**16))
 def test_router_logits_fp32_gradients_match_an_fp32_backward(T, D, E, seed):
-    """The gradients equal those of an fp32 backward through fp32 copies (transformers' GLM router): within one bf16
-    ulp of the float64 gradient, plus fp32 summation error (n * 2^-24 * sum |g x|, n the summed length)."""
     x, w = _bf16_pair(T, D, E, seed)
     g = torch.randn(T, E, generator=torch.Generator().manual_seed(seed + 1))
     xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
-    gx, gw = torch.autograd.grad(router_logits(xr, wr, torch.float32), (xr, wr), g)
-    assert gx.dtype == gw.dtype == torch.bfloat16
-    g64, x64, w64 = g.double(), x.double(), w.double()
-    for got, want, sums in ((gx, g64 @ w64, 3 * E * 2.0**-24 * (g64.abs() @ w64.abs())),
-                            (gw, g64.t() @ x64, (T + 3) * 2.0**-24 * (g64.abs().t() @ x64.abs()))):
-        ulp = torch.where(want == 0, 2.0**-133, 2.0 ** (torch.floor(torch.log2(want.abs())) - 7))
-        assert bool(((got.double() - want).abs() <= ulp + sums + 1e-30).all())
+    _assert_fp32_backward(*torch.autograd.grad(router_logits(xr, wr, torch.float32), (xr, wr), g), x, w, g)
 
 
 def test_router_logits_fp32_gradient_keeps_the_fp32_gradients_low_bits():
@@ -343,3 +350,33 @@ def test_router_logits_compiles_fullgraph_and_matches_eager():
 def test_router_logits_errors_name_the_argument(args, exc, name):
     with pytest.raises(exc, match=name):
         router_logits(*args)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("compiled", [False, True])
+def test_cuda_fp32_router_logits_from_bf16_and_never_sync(compiled):
+    """On CUDA the logits and the backward's three parts run as bf16 GEMMs with fp32 accumulation (torch.mm's
+    out_dtype) where the CPU multiplies fp32 copies: the same bounds against float64, and no host synchronisation."""
+    import lrmoe.functional.routing as routing_module
+
+    assert routing_module._MM_OUT_DTYPE  # the tensor-core path is what runs here
+    torch._dynamo.reset()
+    x, w = _bf16_pair(512, 256, 64, 0)
+    g = torch.randn(512, 64, generator=torch.Generator().manual_seed(1))
+    xc, wc, gc = x.cuda(), w.cuda(), g.cuda()
+    fn = torch.compile(router_logits, fullgraph=True) if compiled else router_logits
+
+    def step():
+        xr, wr = xc.clone().requires_grad_(), wc.clone().requires_grad_()
+        logits = fn(xr, wr, torch.float32)
+        return (logits, *torch.autograd.grad(logits, (xr, wr), gc))
+
+    step()  # first call: lazy initialisation and compilation may synchronise
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        logits, gx, gw = step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    _assert_fp32_logits(logits, x, w)
+    _assert_fp32_backward(gx, gw, x, w, g)
