@@ -64,7 +64,8 @@ class _Bf16LogitsInFp32(torch.autograd.Function):
         # The fp32 gradient as the sum of three bf16 parts, 8 significant bits each: exactly (fp32 has 24), unless a
         # part falls below bf16's smallest normal numbers. Each GEMM below multiplies all three, so against an fp32
         # backward only the order of the sums and the final rounding to the inputs' dtype differ. The parts are cut
-        # by clearing bits, not by rounding to bf16 and subtracting: Inductor would fuse that round trip away.
+        # by clearing bits, not by rounding to bf16 and subtracting the rounded value: compiled, Inductor may keep
+        # such a round trip in fp32 (with it, the compiled gradients differed from eager's by up to 2^-7).
         head_TE = _bf16_bits(grad_TE.float())
         rest_TE = grad_TE - head_TE  # exact: the 16 bits cleared above
         mid_TE = _bf16_bits(rest_TE)

@@ -165,4 +165,3 @@ def test_cuda_glm_block_equals_cpu_and_never_syncs(compiled, fwd_bwd):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert torch.isfinite(x.grad).all()
-
