@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from conftest import interpreter_numpy_problem
+from interpreter_versions import interpreter_numpy_problem
 
 
 @pytest.mark.parametrize(
