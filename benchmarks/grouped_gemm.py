@@ -66,19 +66,20 @@ OLD_CONFIGS = [(128, 128, 64, 8, 4), (128, 256, 64, 8, 3), (64, 128, 64, 4, 4), 
                (64, 64, 32, 4, 3)]
 
 
-def config_rows(current: list) -> list[tuple[str, triton.Config]]:
-    """(label, config) for --configs: the current candidates, then the old ones not among them."""
+def config_rows(current: list, tag: str = "cfg", old: bool = True) -> list[tuple[str, triton.Config]]:
+    """(label, config) for --configs: the current candidates (labelled ``tag``), then, with ``old``, the old ones not
+    among them."""
     def key(c):
         return (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], c.num_warps, c.num_stages)
 
     def label(k, tag):
         return f"{tag} {k[0]}x{k[1]}x{k[2]} w{k[3]} s{k[4]}"
 
-    rows = [(label(key(c), "cfg"), c) for c in current]
+    rows = [(label(key(c), tag), c) for c in current]
     have = {key(c) for c in current}
-    old = [k for k in OLD_CONFIGS if k not in have]
+    missing = [k for k in OLD_CONFIGS if old and k not in have]
     return rows + [(label(k, "old"), triton.Config(dict(BLOCK_M=k[0], BLOCK_N=k[1], BLOCK_K=k[2]), num_warps=k[3],
-                                                   num_stages=k[4])) for k in old]
+                                                   num_stages=k[4])) for k in missing]
 
 
 GROUPS = ("bal", "jitter", "skew")
@@ -200,9 +201,7 @@ def main() -> None:
                 for label, cfg in config_rows(_outer_gpu_configs()):
                     wgrad[label] = lambda cfg=cfg: grouped_outer_triton(a_RO, x_NI, rows_R, offsets_E, cfg,
                                                                         a_tma=False)
-                for cfg in _outer_tma_gpu_configs():  # a through the ragged descriptor: tagged "tma"
-                    k = cfg.kwargs
-                    label = f"tma {k['BLOCK_M']}x{k['BLOCK_N']}x{k['BLOCK_K']} w{cfg.num_warps} s{cfg.num_stages}"
+                for label, cfg in config_rows(_outer_tma_gpu_configs(), tag="tma", old=False):  # a through TMA
                     wgrad[label] = lambda cfg=cfg: grouped_outer_triton(a_RO, x_NI, rows_R, offsets_E, cfg,
                                                                         a_tma=True)
             ops = [("fwd", fwd), ("wgrad", wgrad)]
