@@ -106,6 +106,12 @@ def check_group_routing(num_experts: int, top_k: int, n_group: int | None, topk_
         )
 
 
+def check_float_dtype(name: str, dtype: object) -> None:
+    """None or a floating-point torch.dtype: ``router_logits``' ``dtype``, ``LRMoE``'s ``router_dtype``."""
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise TypeError(f"{name} must be a floating-point torch.dtype or None, got {dtype!r}")
+
+
 def check_scaling(scaling: float, name: str = "scaling") -> None:
     """A finite number > 0 named ``name``: ``route_topk``'s ``scaling``, ``LRMoE``'s ``routed_scaling_factor`` and
     ``update_selection_bias``' ``rate``. Comparisons, not math.isfinite: under torch.compile(dynamic=True) a

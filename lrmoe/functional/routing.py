@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lrmoe.functional._checks import check_choice, check_group_routing, check_scaling, check_tensor
+from lrmoe.functional._checks import check_choice, check_float_dtype, check_group_routing, check_scaling, check_tensor
 from lrmoe.ops.routing import topk_ids
 
 __all__ = ["Routing", "route_topk", "expert_loads", "router_logits"]
@@ -93,8 +93,7 @@ def router_logits(x_TD: torch.Tensor, weight_ED: torch.Tensor, dtype: torch.dtyp
     check_tensor("weight_ED", weight_ED, ndim=2, kind="float")
     if weight_ED.shape[1] != x_TD.shape[1]:
         raise ValueError(f"weight_ED must be [E, {x_TD.shape[1]}] (x_TD's D), got shape {tuple(weight_ED.shape)}")
-    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
-        raise TypeError(f"dtype must be a floating-point torch.dtype or None, got {dtype!r}")
+    check_float_dtype("dtype", dtype)
     if dtype is None or (dtype == x_TD.dtype and dtype == weight_ED.dtype):
         return torch.nn.functional.linear(x_TD, weight_ED)
     if dtype == torch.float32 and x_TD.dtype == weight_ED.dtype == torch.bfloat16:

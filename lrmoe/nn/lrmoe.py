@@ -18,6 +18,7 @@ from torch import nn
 from lrmoe.functional._checks import (
     check_backward_capacity,
     check_choice,
+    check_float_dtype,
     check_group_routing,
     check_retain,
     check_scaling,
@@ -166,8 +167,7 @@ class LRMoE(nn.Module):
         check_choice("activations", activations, ACTIVATION_POLICIES)
         check_group_routing(num_experts, top_k, n_group, topk_group)
         check_scaling(routed_scaling_factor, "routed_scaling_factor")
-        if router_dtype is not None and not (isinstance(router_dtype, torch.dtype) and router_dtype.is_floating_point):
-            raise TypeError(f"router_dtype must be a floating-point torch.dtype or None, got {router_dtype!r}")
+        check_float_dtype("router_dtype", router_dtype)
         if not isinstance(selection_bias, bool):
             raise TypeError(f"selection_bias must be a bool, got {type(selection_bias).__name__}")
         if shared_hidden_dim is not None and (isinstance(shared_hidden_dim, bool)
