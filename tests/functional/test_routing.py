@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from cuda_sync import no_host_sync
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -372,11 +373,7 @@ def test_cuda_fp32_router_logits_from_bf16_and_never_sync(compiled):
         return (logits, *torch.autograd.grad(logits, (xr, wr), gc))
 
     step()  # first call: lazy initialisation and compilation may synchronise
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with no_host_sync():
         logits, gx, gw = step()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
     _assert_fp32_logits(logits, x, w)
     _assert_fp32_backward(gx, gw, x, w, g)

@@ -13,11 +13,12 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
+from cuda_sync import no_host_sync
 from hypothesis import given
 from hypothesis import strategies as st
 from lrmoe_kernels.grouped_gemm import (
-    _gpu_configs,
     _a_operand,
+    _gpu_configs,
     _outer_gpu_configs,
     _outer_tma_gpu_configs,
     _weight_operand,
@@ -329,10 +330,6 @@ def test_no_host_sync():
     x_NI, weight_EOI, a_RO, rows_R, offsets_E = on_device(*make_case(7, 40, 24, [3, 0, 18], 2, 0, torch.bfloat16))
     gather_grouped_mm_triton(x_NI, weight_EOI, rows_R, offsets_E)  # first calls autotune, which synchronises
     grouped_outer_triton(a_RO, x_NI, rows_R, offsets_E)
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with no_host_sync():
         gather_grouped_mm_triton(x_NI, weight_EOI, rows_R, offsets_E)
         grouped_outer_triton(a_RO, x_NI, rows_R, offsets_E)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")

@@ -13,6 +13,7 @@ import os
 
 import pytest
 import torch
+from cuda_sync import no_host_sync
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -111,12 +112,8 @@ def test_pinned_source_is_read_in_place_without_host_sync():
     src = torch.randn(1000, 1536).to(torch.bfloat16).pin_memory()
     rows = torch.randint(0, 1000, (700,), device="cuda")
     gather_host_rows_triton(src, rows)  # first call compiles
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with no_host_sync():
         got = gather_host_rows_triton(src, rows)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
     assert torch.equal(got.cpu(), src.index_select(0, rows.cpu()))
     with pytest.raises(ValueError, match="pinned"):
         gather_host_rows_triton(torch.randn(4, 3), rows[:2] % 4)  # pageable memory is not mapped to the device

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from cuda_sync import no_host_sync
 
 from lrmoe.functional import compact_and_gemm
 from lrmoe.nn import LRMoE
@@ -86,13 +87,8 @@ def test_no_host_sync_in_forward_backward(dtype, retain, selection, backward_cap
     fn = torch.compile(layer, fullgraph=True) if compiled else layer  # compiled: the kernels inlined in the graph
     x = torch.randn(512, 128, device="cuda", dtype=dtype, requires_grad=True)
     fn(x).sum().backward()  # first call: lazy initialisation and kernel compilation may synchronise
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        out = fn(x)
-        out.sum().backward()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+    with no_host_sync():
+        fn(x).sum().backward()
     assert torch.isfinite(x.grad).all()
 
 
@@ -107,7 +103,6 @@ def test_offload_gives_the_gradients_of_save_keeps_h_pinned_and_never_syncs(dtyp
         x = torch.randn(T, D, device="cuda", dtype=dtype, requires_grad=True)
         c = torch.randn_like(x)
         layer(x).sum().backward()  # first call: lazy initialisation, kernel compilation, the side stream
-        torch.cuda.synchronize()
         for t in (x, *layer.parameters()):
             t.grad = None
         saved[activations] = kept = []
@@ -117,13 +112,10 @@ def test_offload_gives_the_gradients_of_save_keeps_h_pinned_and_never_syncs(dtyp
             return t
 
         torch.manual_seed(1)
-        torch.cuda.set_sync_debug_mode("error")
-        try:
+        with no_host_sync():
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 out = layer(x)
             (out * c).sum().backward()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
         results[activations] = [out, x.grad, *(p.grad for p in layer.parameters())]
     for got, want in zip(results["offload"], results["save"]):
         assert torch.equal(got, want)  # the same h values: bit-identical
@@ -158,10 +150,6 @@ def test_cuda_glm_block_equals_cpu_and_never_syncs(compiled, fwd_bwd):
     fn = torch.compile(layer, fullgraph=True) if compiled else layer
     x = torch.randn(512, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     fn(x).sum().backward()  # first call: lazy initialisation and kernel compilation may synchronise
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with no_host_sync():
         fn(x).sum().backward()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
     assert torch.isfinite(x.grad).all()

@@ -15,6 +15,7 @@ import warnings
 import pytest
 import torch
 import torch.distributed as dist
+from cuda_sync import no_host_sync
 from layer_step import forward_backward
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import parallelize_module
@@ -50,12 +51,8 @@ def _layer(mesh, plan_on: str, backward_blocks: bool = False) -> LRMoE:
 @pytest.mark.parametrize("max_replicas, capacity_factor", [(0, None), (0, 1.25), (2, 1.25)])
 def test_plan_does_not_synchronise_on_cuda(max_replicas, capacity_factor):
     loads_WE = torch.randint(0, 500, (4, 16), device="cuda")
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with no_host_sync():
         plan = plan_expert_parallel(loads_WE, 0.5, max_replicas=max_replicas, capacity_factor=capacity_factor)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
     assert int(plan.quotas.sum()) == int(0.5 * int(loads_WE.sum()))  # the plan was made (budget floor(r * P))
 
 

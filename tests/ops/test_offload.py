@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from cuda_sync import no_host_sync
 
 from lrmoe.ops import gather_host_rows, offload_to_host, offload_wait
 
@@ -110,14 +111,10 @@ def test_cuda_pinned_round_trip_without_host_sync(dtype, N, C):
     x = torch.randn(N, C, device="cuda").to(dtype)
     rows = torch.randint(0, N, (N // 2 + 3,), device="cuda")
     gather_host_rows(offload_to_host(x), rows)  # first call: side stream, kernel compilation
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with no_host_sync():
         host = offload_to_host(x)
         del x  # the caller may drop x at once: record_stream keeps its memory until the copy has run
         got = gather_host_rows(host, rows)  # mixed devices: the CUDA kernel
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
     assert host.device.type == "cpu" and host.is_pinned()
     assert got.device == rows.device and got.dtype == dtype
     assert torch.equal(got.cpu(), host.index_select(0, rows.cpu()))  # .cpu() synchronises: the copy is done
@@ -128,14 +125,10 @@ def test_cuda_offload_wait_orders_the_stream_after_the_copy_without_host_sync():
     x = torch.randn(4096, 1024, device="cuda")
     want = x.cpu()
     offload_to_host(x)  # first call: side stream
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with no_host_sync():
         host = offload_to_host(x)
         offload_wait(x, host, x)
         x.zero_()  # enqueued after the wait: runs after the copy has read x
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
     assert torch.equal(host, want)
 
