@@ -6,7 +6,6 @@ import contextlib
 import io
 import json
 import math
-from pathlib import Path
 
 import pytest
 
