@@ -7,10 +7,12 @@ torch._grouped_mm layer, eager and compiled, all in the same run.
 Prints one table: medians of CUDA-event timings (triton.testing.do_bench), peak memory over the timed steps, and
 the host synchronisations torch.cuda.set_sync_debug_mode("warn") reported in one step after warm-up (-1: not
 measured, CUDA graphs). --modes adds compiled-cg (torch.compile mode="reduce-overhead": CUDA graphs, no launch
-cost); --compiled-sample reference makes compiled "sample" selection trace the reference's PyTorch inline instead of
-calling the custom op (the library's default). --quota-align 1 128 runs every LRMoE row at retain < 1 with the
-plain backward quotas and with quotas in multiples of 128 pairs (LRMoE's quota_align), tagged "a1" / "a128";
---backward-capacity none 1.0 the same with LRMoE's backward_capacity (E padded blocks, batched GEMMs), tagged "c".
+cost) and compiled-ma (mode="max-autotune-no-cudagraphs": Inductor autotunes its GEMMs, its Triton grouped-GEMM
+template against torch._grouped_mm); --compiled-sample reference makes compiled "sample" selection trace the
+reference's PyTorch inline instead of calling the custom op (the library's default). --quota-align 1 128 runs every
+LRMoE row at retain < 1 with the plain backward quotas and with quotas in multiples of 128 pairs (LRMoE's
+quota_align), tagged "a1" / "a128"; --backward-capacity none 1.0 the same with LRMoE's backward_capacity (E
+padded blocks, batched GEMMs), tagged "c".
 --block glm runs GLM-4.5-Air's block instead of Qwen3's: LRMoE with sigmoid scores, a selection bias and a shared
 expert of the routed experts' width, against transformers' Glm4MoeMoE (grouped_mm experts); --block deepseek
 DeepSeek-V3's (the same plus 8 expert groups of which 4 are chosen, gates scaled by 2.5) against DeepseekV3MoE.
@@ -142,7 +144,8 @@ def _skewed_load_ratio(shape: dict, tokens: int, skew: float) -> float:
     return (loads.max() / loads.mean()).item()
 
 
-_COMPILE_MODES = {"eager": None, "compiled": None, "compiled-cg": "reduce-overhead"}
+_COMPILE_MODES = {"eager": None, "compiled": None, "compiled-cg": "reduce-overhead",
+                  "compiled-ma": "max-autotune-no-cudagraphs"}
 
 
 def count_syncs(step) -> int:
@@ -169,7 +172,9 @@ def main() -> None:
                         help="one or both: every retain < 1 runs once per selection (retain 1 selects nothing)")
     parser.add_argument("--skip-baselines", action="store_true")
     parser.add_argument("--modes", nargs="+", default=["eager", "compiled"], choices=list(_COMPILE_MODES),
-                        help="compiled-cg: torch.compile(mode='reduce-overhead'), CUDA graphs")
+                        help="compiled-cg: torch.compile(mode='reduce-overhead'), CUDA graphs; compiled-ma: "
+                             "mode='max-autotune-no-cudagraphs' (Inductor times its Triton GEMM templates against "
+                             "the ATen kernels, _grouped_mm included, and keeps the fastest)")
     parser.add_argument("--compiled-sample", default="op", choices=["reference", "op"],
                         help="what compiled 'sample' selection runs (lrmoe.functional.selection._COMPILED_SAMPLE): "
                              "the op (the default) or the reference's PyTorch traced inline")
