@@ -4,15 +4,15 @@ torch._grouped_mm layer, eager and compiled, all in the same run.
     python benchmarks/layer_fwd_bwd.py --shape qwen3-30b-a3b
     python benchmarks/layer_fwd_bwd.py --shape glm-4.5-air --selection top sample --modes compiled compiled-cg
 
-Prints one table: medians of CUDA-event timings (triton.testing.do_bench), peak memory over the timed steps, and
-the host synchronisations torch.cuda.set_sync_debug_mode("warn") reported in one step after warm-up (-1: not
-measured, CUDA graphs). --modes adds compiled-cg (torch.compile mode="reduce-overhead": CUDA graphs, no launch
-cost) and compiled-ma (mode="max-autotune-no-cudagraphs": Inductor autotunes its GEMMs, its Triton grouped-GEMM
-template against torch._grouped_mm); --compiled-sample reference makes compiled "sample" selection trace the
-reference's PyTorch inline instead of calling the custom op (the library's default). --quota-align 1 128 runs every
-LRMoE row at retain < 1 with the plain backward quotas and with quotas in multiples of 128 pairs (LRMoE's
-quota_align), tagged "a1" / "a128"; --backward-capacity none 1.0 the same with LRMoE's backward_capacity (E
-padded blocks, batched GEMMs), tagged "c".
+Prints one table: medians of CUDA-event timings (triton.testing.do_bench), peak memory over the timed steps, and the
+host synchronisations torch.cuda.set_sync_debug_mode("warn") reported in one step after warm-up (-1: not measured,
+CUDA graphs). --modes adds compiled-cg (torch.compile mode="reduce-overhead": CUDA graphs, no launch cost) and
+compiled-ma (mode="max-autotune-no-cudagraphs": Inductor autotunes its GEMMs, its Triton grouped-GEMM template
+against torch._grouped_mm, and its generated kernels' launch parameters); --compiled-sample reference makes compiled
+"sample" selection trace the reference's PyTorch inline instead of calling the custom op (the library's default).
+--quota-align 1 128 runs every LRMoE row at retain < 1 with the plain backward quotas and with quotas in multiples
+of 128 pairs (LRMoE's quota_align), tagged "a1" / "a128"; --backward-capacity none 1.0 the same with LRMoE's
+backward_capacity (E padded blocks, batched GEMMs), tagged "c".
 --block glm runs GLM-4.5-Air's block instead of Qwen3's: LRMoE with sigmoid scores, a selection bias and a shared
 expert of the routed experts' width, against transformers' Glm4MoeMoE (grouped_mm experts); --block deepseek
 DeepSeek-V3's (the same plus 8 expert groups of which 4 are chosen, gates scaled by 2.5) against DeepseekV3MoE.
