@@ -153,9 +153,11 @@ class LRMoE(nn.Module):
         router_dtype: torch.dtype | None = None,
     ):
         super().__init__()
-        for name, value in (("dim", dim), ("hidden_dim", hidden_dim), ("num_experts", num_experts),
-                            ("quota_align", quota_align)):
-            if not isinstance(value, int) or value < 1:
+        sizes = [("dim", dim), ("hidden_dim", hidden_dim), ("num_experts", num_experts), ("quota_align", quota_align)]
+        if shared_hidden_dim is not None:
+            sizes.append(("shared_hidden_dim", shared_hidden_dim))
+        for name, value in sizes:
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         if not isinstance(top_k, int) or not 1 <= top_k <= num_experts:
             raise ValueError(f"top_k must be an int in [1, num_experts={num_experts}], got {top_k!r}")
@@ -170,9 +172,6 @@ class LRMoE(nn.Module):
         check_float_dtype("router_dtype", router_dtype)
         if not isinstance(selection_bias, bool):
             raise TypeError(f"selection_bias must be a bool, got {type(selection_bias).__name__}")
-        if shared_hidden_dim is not None and (isinstance(shared_hidden_dim, bool)
-                                              or not isinstance(shared_hidden_dim, int) or shared_hidden_dim < 1):
-            raise ValueError(f"shared_hidden_dim must be a positive int or None, got {shared_hidden_dim!r}")
         self.dim, self.hidden_dim, self.num_experts, self.top_k = dim, hidden_dim, num_experts, top_k
         self.retain, self.metric, self.selection, self.policy = retain, metric, selection, policy
         self.min_retain, self.score_func, self.norm_topk_prob = min_retain, score_func, norm_topk_prob

@@ -363,6 +363,7 @@ def test_sample_is_reproducible_with_seed_and_generator():
         (dict(num_experts=0, top_k=1), "num_experts"),
         (dict(quota_align=0), "quota_align"),
         (dict(quota_align=64.0), "quota_align"),
+        (dict(quota_align=True), "quota_align"),  # a bool is an int in Python, not a size
     ],
 )
 def test_bad_configuration_raises_naming_the_argument(kwargs, match):
