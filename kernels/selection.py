@@ -175,10 +175,12 @@ def _compact_kernel(
     first = tl.load(order_ptr + start, mask=in_p, other=0)
     before = tl.load(cum_ptr + start, mask=in_p, other=0.0) - tl.load(p_ptr + first, mask=in_p, other=0.0)
     cum_hi = tl.load(cum_ptr + i, mask=in_p, other=0.0) - before
-    u = tl.load(u_ptr + g, mask=in_p, other=0.0).to(tl.float64)
+    # The interval starts where the previous member's (same arithmetic, same clamps) ends; the group's first at 0.
+    cum_prev = tl.load(cum_ptr + i - 1, mask=in_p & (rank > 0), other=0.0) - before
+    u = tl.load(u_ptr + g, mask=in_p, other=0.5)  # fp64, clamped by the launcher
     take_d = take.to(tl.float64)
-    cum_lo = tl.minimum(tl.maximum(cum_hi - p, 0.0), take_d)  # >= 0: a slot can never be -1
-    cum_hi = tl.where(rank == size - 1, take_d, tl.minimum(cum_hi, take_d))
+    cum_lo = tl.where(rank == 0, 0.0, tl.minimum(tl.maximum(cum_prev, 0.0), take_d))
+    cum_hi = tl.where(rank == size - 1, take_d, tl.minimum(tl.maximum(cum_hi, 0.0), take_d))
     slot = tl.math.ceil(cum_lo - u).to(tl.int64)
     kept = (tl.math.ceil(cum_hi - u).to(tl.int64) > slot) & (slot < take)
     w = (1.0 / p).to(tl.float32)
@@ -551,13 +553,15 @@ def compact(
     p_P: torch.Tensor,
     cum_P: torch.Tensor,
     uniform_G: torch.Tensor,
+    u_margin: float,
 ) -> None:
     """Mode "sample": write the kept pairs into pair_ids_R / weights_R (in place), from the group order, fp64 p in
     pair order, the inclusive cumulative sum of p in the group order over all groups, and the uniforms per group
-    (any float dtype, read as fp64)."""
+    (any float dtype, read as fp64 and clamped to [u_margin, 1 - u_margin] here, G values)."""
     P = order_P.shape[0]
     if known_empty(P):
         return
+    uniform_G = uniform_G.double().clamp(u_margin, 1.0 - u_margin)
     launch(_compact_kernel, (triton.cdiv(P, BLOCK),))(
         order_P, group_ids_P, plan["starts"], plan["sizes"], plan["takes"], plan["bases"], p_P, cum_P, uniform_G,
         pair_ids_R, weights_R, P, pair_ids_R.shape[0], BLOCK=BLOCK, num_warps=4,

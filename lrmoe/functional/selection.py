@@ -78,8 +78,9 @@ def select_within_quota(
             pairs by pair id), never written out of bounds.
         mode: "top" or "sample".
         generator: RNG for "sample" (the global one when None), one uniform draw per group.
-        uniform_G: [G] pre-drawn uniforms in [0, 1) for "sample", instead of drawing; lets a caller draw in the
-            forward pass and select in backward reproducibly.
+        uniform_G: [G] pre-drawn float uniforms in [0, 1) for "sample", instead of drawing; lets a caller draw in
+            the forward pass and select in backward reproducibly. Clamped to [2^-30, 1 - 2^-30]
+            (lrmoe.ops.selection.U_MARGIN says why).
         group_order_P: [P] int64, the stable ascending argsort of ``group_ids_P`` (pairs by group, pair id
             within), when the caller already has it (an MoE layer sorts its pairs by expert for the forward
             dispatch). Both modes select in this order; given, the selection does not sort the group ids again
@@ -105,8 +106,10 @@ def select_within_quota(
         )
     if not isinstance(max_rows, int) or isinstance(max_rows, bool) or max_rows < 0:
         raise ValueError(f"max_rows must be a non-negative Python int, got {max_rows!r}")
-    if uniform_G is not None and (uniform_G.dim() != 1 or uniform_G.shape[0] != quotas_G.shape[0]):
-        raise ValueError(f"uniform_G must have shape [{quotas_G.shape[0]}], got {tuple(uniform_G.shape)}")
+    if uniform_G is not None:
+        check_tensor("uniform_G", uniform_G, kind="float")
+        if uniform_G.dim() != 1 or uniform_G.shape[0] != quotas_G.shape[0]:
+            raise ValueError(f"uniform_G must have shape [{quotas_G.shape[0]}], got {tuple(uniform_G.shape)}")
     if max_group_size is not None and (not isinstance(max_group_size, int) or isinstance(max_group_size, bool)
                                        or max_group_size < 0):
         raise ValueError(f"max_group_size must be a non-negative Python int or None, got {max_group_size!r}")

@@ -7,7 +7,8 @@ max_group_size=None, group_ends=None) -> (pair_ids, weights, counts, offsets)``
     pair_ids [R] int64, weights [R] fp32, counts [G] int32, offsets [G] int32: the contract of
     lrmoe.functional.select_within_quota (its docstring and the Selection dataclass describe the layout), which
     checks the arguments and draws ``uniform`` for mode "sample" when the caller gave none, so the op itself is
-    deterministic: mode "sample" requires ``uniform`` [G]; mode "top" ignores it. ``group_order`` [P] int64, when
+    deterministic: mode "sample" requires ``uniform`` [G] in [0, 1) (clamped to [U_MARGIN, 1 - U_MARGIN], see
+    there); mode "top" ignores it. ``group_order`` [P] int64, when
     given, is the stable ascending argsort of ``group_ids`` (pairs by group, pair id within), which both modes
     select in; the op then does not sort the group ids itself. Not checked (that would need a sync).
     ``group_ends`` [G] int32/int64, when given, are the cumulative group sizes (group g's members end at
@@ -43,6 +44,7 @@ from lrmoe.ops._kernels import inline_when_compiled, kernel_module
 
 __all__ = [
     "MODES",
+    "U_MARGIN",
     "argsort_ids",
     "group_sizes",
     "nan_as_inf",
@@ -54,6 +56,13 @@ __all__ = [
 ]
 
 MODES = ("top", "sample")
+
+U_MARGIN = 2.0**-30
+"""Mode "sample" clamps each group's uniform into [U_MARGIN, 1 - U_MARGIN]. The points u + m then lie at least
+U_MARGIN inside every unit interval, far above the fp64 rounding of the cumulative probabilities (about 1e-11 at
+a running sum of 1e5), so a pair with p = 1, whose interval starts at an integer up to rounding, is always hit;
+at u = 0 (torch.rand draws it once in 2^24) rounding could shift the point past the interval's start and lose the
+pair. The clamp changes an inclusion probability by at most 2^-30."""
 
 
 def _check_mode(mode: str, uniform_G: torch.Tensor | None) -> None:
@@ -133,16 +142,17 @@ def select_within_quota_reference(
         p_P = probabilities(scores_P, gid_P, take_G, sizes_G, starts_G)
         p_sorted = p_P[order_P]
         cum_hi = _segment_cumsum(p_sorted, g_P, starts_G)
-        cum_lo = cum_hi - p_sorted
         # Pin each group's last cumulative value to its quota so rounding can neither add nor lose a point.
         rank_P = torch.arange(gid_P.shape[0], device=device) - starts_G[g_P]
         is_last = rank_P == sizes_G[g_P] - 1
-        cum_hi = torch.where(is_last, take_G[g_P].double(), cum_hi.clamp(max=take_G[g_P].double()))
-        # Clamped at 0 too: a difference rounded below 0 with u near 1 would give slot -1, i.e. the previous
-        # group's last row.
-        cum_lo = torch.minimum(cum_lo.clamp(min=0.0), take_G[g_P].double())
+        take_P = take_G[g_P].double()
+        cum_hi = torch.where(is_last, take_P, torch.minimum(cum_hi.clamp(min=0.0), take_P))
+        # Each pair's interval starts where the previous member's ends, and the group's first at exactly 0, so
+        # the intervals tile [0, take) whatever the rounding: every point u + m hits exactly one pair, u = 0
+        # included (cum_hi - p could round to 1e-16 for the first member and miss the point 0).
+        cum_lo = torch.where(rank_P == 0, 0.0, torch.cat([cum_hi.new_zeros(1), cum_hi[:-1]]))
         # Points u, u+1, ..., u+take-1; pair i is hit by point m iff cum_lo <= u + m < cum_hi. Its slot is m.
-        u_P = uniform_G.double()[g_P]
+        u_P = uniform_G.double()[g_P].clamp(U_MARGIN, 1.0 - U_MARGIN)
         slot_P = torch.ceil(cum_lo - u_P).long()
         kept_P = (torch.ceil(cum_hi - u_P).long() > slot_P) & (slot_P < take_G[g_P])
         weights_P = (1.0 / p_sorted).float()
@@ -287,7 +297,7 @@ def select_within_quota_triton(
     # (torch.cumsum's fp64 rounding); the compaction subtracts each group's start from it.
     cum_P = torch.cumsum(p_P[order_P], 0)
     kernels.compact(order_P, gids_P, plan, pair_ids_R, weights_R, p_P=p_P, cum_P=cum_P,
-                    uniform_G=uniform_G.contiguous())
+                    uniform_G=uniform_G.contiguous(), u_margin=U_MARGIN)
     return pair_ids_R, weights_R, plan["counts"], plan["offsets"]
 
 

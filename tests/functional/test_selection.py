@@ -18,6 +18,7 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 from lrmoe.functional import Selection, inclusion_probabilities, select_within_quota
+from lrmoe.ops.selection import U_MARGIN
 
 INF = float("inf")
 
@@ -86,10 +87,11 @@ def ref_systematic(p, gids, quotas, uniforms):
         mem = _members(gids, g)
         take = _take(quota, len(mem))
         kept, cum = [], 0.0
+        u = min(max(uniforms[g], U_MARGIN), 1.0 - U_MARGIN)  # the op's documented clamp
         for i in mem:
             lo, hi = cum, cum + p[i]
             cum = hi
-            if any(lo <= uniforms[g] + m < hi for m in range(take)):
+            if any(lo <= u + m < hi for m in range(take)):
                 kept.append(i)
         out.append(kept)
     return out
@@ -271,6 +273,31 @@ def test_sample_matches_systematic_sampling_reference(case):
     np.testing.assert_array_equal(sel.weights[:n].numpy(), (1.0 / p_lib[kept]).float().numpy())
 
 
+@given(selection_cases(), st.sampled_from([0.0, 5e-324, 1e-300, 1e-17, 1.0 - 2.0**-53]))
+@example(([0.5, 0.1, 0.9, 0.3, 0.7, 0.2], [0, 1, 0, 1, 0, 1], [2, 1], 3, torch.int64, 0), 0.0)
+@example(([1.0, 1.0, 0.25, 0.75, 4.0], [0, 0, 0, 0, 0], [4], 5, torch.int64, 0), 0.0)
+def test_sample_keeps_the_quota_and_the_sure_pairs_at_extreme_uniforms(case, u):
+    # torch.rand returns exactly 0 once in 2^24 draws. A group after the first starts its cumulative sum at a
+    # running total minus the previous groups' sum, which need not round to 0, and a pair with p = 1 starts its
+    # interval at an integer only up to rounding: a point u + m at such an end must still hit the right pair, or
+    # the group keeps one pair fewer than its quota (first example) or drops a sure pair (second: score 4 has
+    # p = 1, its interval [3, 4) after p summing to 3 in some rounding).
+    scores, gids, quotas, max_rows, gid_dtype, _ = case
+    u_G = [u] * len(quotas)
+    sel = select_within_quota(
+        *_tensors(scores, gids, quotas, gid_dtype), max_rows=max_rows, mode="sample",
+        uniform_G=torch.tensor(u_G, dtype=torch.float64),
+    )
+    _check_layout(sel, gids, quotas, max_rows)
+    want = ref_systematic(ref_probabilities(scores, gids, quotas), gids, quotas, u_G)
+    for g, grp in enumerate(want):
+        assert len(grp) == _take(quotas[g], len(_members(gids, g)))
+    assert sel.pair_ids.tolist() == _expected_buffer(want, max_rows)[0]
+    if sum(len(grp) for grp in want) <= max_rows:  # every kept pair fits the buffer: the sure ones are in it
+        p = inclusion_probabilities(*_tensors(scores, gids, quotas, gid_dtype))
+        assert set(torch.nonzero(p == 1.0).flatten().tolist()) <= set(sel.pair_ids.tolist())
+
+
 @given(selection_cases())
 def test_sample_with_generator_is_reproducible(case):
     scores, gids, quotas, max_rows, _, seed = case
@@ -419,6 +446,8 @@ _S, _G, _Q = torch.rand(5), torch.tensor([0, 1, 0, 1, 1]), torch.tensor([1, 2])
         ((_S, _G, _Q), {"max_rows": torch.tensor(4)}, ValueError, "max_rows"),
         ((_S, _G, _Q), {"max_rows": 4, "mode": "best"}, ValueError, "mode"),
         ((_S, _G, _Q), {"max_rows": 4, "mode": "sample", "uniform_G": torch.rand(3)}, ValueError, "uniform_G"),
+        ((_S, _G, _Q), {"max_rows": 4, "mode": "sample", "uniform_G": [0.1, 0.2]}, TypeError, "uniform_G"),
+        ((_S, _G, _Q), {"max_rows": 4, "mode": "sample", "uniform_G": torch.tensor([0, 1])}, TypeError, "uniform_G"),
         ((_S, _G, _Q), {"max_rows": 4, "group_order_P": torch.arange(4)}, ValueError, "group_order_P"),
         ((_S, _G, _Q), {"max_rows": 4, "group_order_P": torch.arange(5).int()}, TypeError, "group_order_P"),
         ((_S, _G, _Q), {"max_rows": 4, "group_order_P": torch.arange(5.0)}, TypeError, "group_order_P"),

@@ -93,6 +93,9 @@ def test_int32_group_ids_and_extreme_uniforms():
         assert_same(scores, [0] * 8, [3], 8, uniform=[u], gid_dtype=torch.int32)
     for u in (0.0, 0.3, 1.0 - 2.0**-24):  # fp32 uniforms (the layers draw them so), read as fp64 by both
         assert_same(scores, [0] * 8, [3], 8, uniform=[u], u_dtype=torch.float32)
+    # u = 0 in every group after the first: its first interval must start at exactly 0 (a review found the
+    # reference keeping one pair fewer than the quota there).
+    assert_same([0.5, 0.1, 0.9, 0.3, 0.7, 0.2], [0, 1, 0, 1, 0, 1], [2, 1], 3, uniform=[0.0, 0.0])
 
 
 def test_many_groups_loop_the_plan_kernel():
