@@ -12,11 +12,12 @@ Shapes: N rows of h, R rows out, F the expert hidden dim; h is [N, 2F], gate hal
     row_sqnorm's).
 ``lrmoe::swiglu_backward(h_N2F, rows_R, dphi_RF) -> (dh_R2F, phi_RF)``
     For the rows h_i = h[rows[i]] (h itself when rows is None): the gradient of phi = silu(gate) * up with
-    respect to h given dphi, computed in fp32 and rounded to h's dtype once (sigmoid's derivative loses too much in
-    bf16), and phi itself, as ``swiglu`` gives it. The expert backward needs both of the same rows (phi for the
-    down projection's weight gradient, dh for the gate/up projection's), so one op reads h once: on CUDA one Triton
-    kernel (lrmoe_kernels.swiglu) reading the saved h in place through the row index. Rows must lie in [0, N) (not
-    checked: that would need a host sync); the CUDA kernel gives zeros for one outside, the reference fails.
+    respect to h given dphi, computed in fp32 (fp64 for fp64 h) and rounded to h's dtype once (sigmoid's
+    derivative loses too much in bf16), and phi itself, as ``swiglu`` gives it. The expert backward needs both of
+    the same rows (phi for the down projection's weight gradient, dh for the gate/up projection's), so one op reads
+    h once: on CUDA one Triton kernel (lrmoe_kernels.swiglu) reading the saved h in place through the row index.
+    Rows must lie in [0, N) (not checked: that would need a host sync); the CUDA kernel gives zeros for one
+    outside, the reference fails.
 
 The CPU kernels are the references (PyTorch); fp64 runs the references on every device. Neither op is
 differentiable (swiglu_backward is a backward already; the layers differentiate the SwiGLU themselves).
@@ -40,12 +41,13 @@ def swiglu(h_N2F: torch.Tensor) -> torch.Tensor:
 
 
 def swiglu_backward_reference(h_N2F, rows_R, dphi_RF):
-    """phi first, then dh's fp32 working set (the order lrmoe.memory models)."""
+    """phi first, then dh's fp32 working set (the order lrmoe.memory models); fp64 stays fp64."""
     h_R2F = h_N2F if rows_R is None else h_N2F.index_select(0, rows_R)
     phi_RF = swiglu(h_R2F)
-    gate, up = h_R2F.float().chunk(2, dim=-1)
+    work = torch.promote_types(h_N2F.dtype, torch.float32)
+    gate, up = h_R2F.to(work).chunk(2, dim=-1)
     sig = torch.sigmoid(gate)
-    dphi = dphi_RF.float()
+    dphi = dphi_RF.to(work)
     dgate = dphi * up * sig * (1 + gate * (1 - sig))
     dup = dphi * gate * sig
     return torch.cat([dgate, dup], dim=-1).to(h_N2F.dtype), phi_RF

@@ -78,6 +78,20 @@ def test_retain_one_equals_dense_reference(score_func, norm_topk_prob, selection
         torch.testing.assert_close(gp[name], rp[name], rtol=1e-5, atol=1e-6, msg=name)
 
 
+@pytest.mark.parametrize("score_func", ["softmax", "sigmoid"])
+def test_retain_one_equals_dense_reference_to_fp64_precision(score_func):
+    # In fp64 every gradient must agree to fp64 rounding: a reference computing any part in fp32 (the SwiGLU
+    # backward once did) shows up as errors near 1e-8.
+    layer, x, c = make(score_func=score_func)
+    layer, x, c = layer.double(), x.double(), c.double()
+    out, gx, gp = grads(layer, x, layer, c)
+    ref, rx, rp = grads(layer, x, lambda x: dense_reference(layer, x), c)
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(gx, rx, rtol=1e-12, atol=1e-14)
+    for name in rp:
+        torch.testing.assert_close(gp[name], rp[name], rtol=1e-12, atol=1e-14, msg=name)
+
+
 def test_equals_transformers_qwen3_moe_block():
     transformers = pytest.importorskip("transformers")
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
