@@ -118,3 +118,15 @@ def check_scaling(scaling: float, name: str = "scaling") -> None:
     module's float may arrive as a SymFloat."""
     if isinstance(scaling, bool) or not isinstance(scaling, (int, float, torch.SymFloat)) or not 0 < scaling < math.inf:
         raise ValueError(f"{name} must be a finite number > 0, got {scaling!r}")
+
+
+def check_replica_slots(name: str, replicas: int, num_experts: int, world_size: int) -> None:
+    """At most E - E/W replica slots per rank (E % W == 0 checked before): a rank holds at most one instance of an
+    expert, and its own E/W experts are not replicated on it. ``ExpertParallel``'s, ``plan_expert_parallel``'s and
+    the memory planner's limit."""
+    n_other = num_experts - num_experts // world_size
+    if replicas > n_other:
+        raise ValueError(
+            f"{name}={replicas} exceeds the {n_other} experts a rank does not own (E - E/W with E={num_experts}, "
+            f"W={world_size}); a rank holds at most one instance of an expert"
+        )

@@ -19,6 +19,15 @@ from lrmoe.functional._checks import check_tensor
 __all__ = ["balanced_capacity", "instance_experts", "place_hot_replicas", "route_to_replicas"]
 
 
+def _check_owned_blocks(n_exp: int, n_ranks: int, what: str) -> None:
+    """W >= 1 ranks that own E / W experts each: E a positive multiple of W. ``what`` names the arguments E and W
+    come from. An explicit error instead of the reshape's (``shape '[2, -1]' is invalid for input of size 3``) or
+    a modulo by zero."""
+    if n_ranks < 1 or n_exp < 1 or n_exp % n_ranks:
+        raise ValueError(f"{what}: need W >= 1 ranks and E a positive multiple of W (rank w owns experts "
+                         f"[w * E/W, (w + 1) * E/W)), got E={n_exp}, W={n_ranks}")
+
+
 def route_to_replicas(counts_SE: torch.Tensor, capacity_EW: torch.Tensor) -> torch.Tensor:
     """Assign pairs (counts per source x expert) to expert instances with capacities.
 
@@ -37,6 +46,8 @@ def route_to_replicas(counts_SE: torch.Tensor, capacity_EW: torch.Tensor) -> tor
     check_tensor("counts_SE", counts_SE, ndim=2, kind="int")
     check_tensor("capacity_EW", capacity_EW, ndim=2, kind="int")
     n_src, n_exp = counts_SE.shape
+    if n_src < 1:
+        raise ValueError(f"counts_SE must have at least one source (S >= 1), got shape {tuple(counts_SE.shape)}")
     if capacity_EW.shape[0] != n_exp:
         raise ValueError(
             f"capacity_EW must have E={n_exp} rows like counts_SE has columns, got shape {tuple(capacity_EW.shape)}"
@@ -66,7 +77,8 @@ def route_to_replicas(counts_SE: torch.Tensor, capacity_EW: torch.Tensor) -> tor
     excess_SE = (d_hi_SE - torch.maximum(d_lo_SE, c_hi_EW[:, -1].unsqueeze(0))).clamp(min=0)
     biggest_EW = torch.nn.functional.one_hot(cap_EW.argmax(1), n_ranks)
     eye_SW = torch.eye(n_src, n_ranks, dtype=torch.int64, device=counts_SE.device)
-    return overlap_SEW + local_SE.unsqueeze(-1) * eye_SW.unsqueeze(1) + excess_SE.unsqueeze(-1) * biggest_EW.unsqueeze(0)
+    return (overlap_SEW + local_SE.unsqueeze(-1) * eye_SW.unsqueeze(1)
+            + excess_SE.unsqueeze(-1) * biggest_EW.unsqueeze(0))
 
 
 def place_hot_replicas(loads_WE: torch.Tensor, max_replicas: int) -> torch.Tensor:
@@ -85,8 +97,7 @@ def place_hot_replicas(loads_WE: torch.Tensor, max_replicas: int) -> torch.Tenso
     if not isinstance(max_replicas, int) or isinstance(max_replicas, bool) or max_replicas < 0:
         raise ValueError(f"max_replicas must be a non-negative Python int, got {max_replicas!r}")
     n_ranks, n_exp = loads_WE.shape
-    if n_exp % n_ranks:
-        raise ValueError(f"loads_WE must be [W, E] with E % W == 0, got shape {tuple(loads_WE.shape)}")
+    _check_owned_blocks(n_exp, n_ranks, "loads_WE [W, E]")
     device = loads_WE.device
     n_local = n_exp // n_ranks
     load_E = loads_WE.sum(0).double()
@@ -112,7 +123,8 @@ def place_hot_replicas(loads_WE: torch.Tensor, max_replicas: int) -> torch.Tenso
         open_W = open_EW.index_select(0, hot).squeeze(0)
         target = torch.where(open_W, rank_load_W, inf).argmin().reshape(1)
         busiest = torch.where(hosts_EW.index_select(0, hot).squeeze(0), rank_load_W, ninf).max()
-        new_load = rank_load_W.index_select(0, target) + load_E.index_select(0, hot) / (n_inst_E.index_select(0, hot) + 1)
+        new_load = (rank_load_W.index_select(0, target)
+                    + load_E.index_select(0, hot) / (n_inst_E.index_select(0, hot) + 1))
         helps = (open_W.index_select(0, target) & (new_load < busiest)).squeeze(0)
         placed_E = (expert_E == hot) & helps  # the expert that gets an instance (none when it would not help)
         placed_W = (rank_W == target) & helps  # and the rank
@@ -125,9 +137,15 @@ def place_hot_replicas(loads_WE: torch.Tensor, max_replicas: int) -> torch.Tenso
 
 
 def instance_experts(replicas_WR: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """[W, I] int64: the expert of every instance slot, the L owned experts first, then the replicas (-1 empty)."""
+    """[W, I] int64: the expert of every instance slot, the L owned experts first, then the replicas (-1 empty).
+
+    ``num_experts`` E: a Python int, a positive multiple of W (replicas_WR's rows).
+    """
     check_tensor("replicas_WR", replicas_WR, ndim=2, kind="int")
+    if isinstance(num_experts, bool) or not isinstance(num_experts, int):
+        raise TypeError(f"num_experts must be a Python int, got {type(num_experts).__name__}")
     n_ranks = replicas_WR.shape[0]
+    _check_owned_blocks(num_experts, n_ranks, "num_experts E and replicas_WR [W, R]")
     owned_WL = torch.arange(num_experts, device=replicas_WR.device).view(n_ranks, -1)
     return torch.cat([owned_WL, replicas_WR.long()], dim=1)
 
@@ -137,8 +155,18 @@ def balanced_capacity(loads_E: torch.Tensor, experts_WI: torch.Tensor) -> torch.
 
     With it, :func:`route_to_replicas` never overflows (total capacity >= load) and spreads each expert's pairs
     evenly over its instances, each source's own instance first.
+
+    loads_E: [E] integer. experts_WI: [W, I] integer, as :func:`instance_experts` makes it (E a positive multiple
+    of W, I >= E / W); its expert ids must be in [-1, E) (not checked: that would need a sync).
     """
+    check_tensor("loads_E", loads_E, ndim=1, kind="int")
+    check_tensor("experts_WI", experts_WI, ndim=2, kind="int")
     n_exp, n_ranks = loads_E.shape[0], experts_WI.shape[0]
+    _check_owned_blocks(n_exp, n_ranks, "loads_E [E] and experts_WI [W, I]")
+    if experts_WI.shape[1] < n_exp // n_ranks:
+        raise ValueError(f"experts_WI has I={experts_WI.shape[1]} instance slots per rank, fewer than the "
+                         f"E/W={n_exp // n_ranks} experts each rank owns (E={n_exp} from loads_E, W={n_ranks}); "
+                         "loads_E and experts_WI must have the same E")
     valid_WI = experts_WI >= 0
     safe_WI = experts_WI.clamp(min=0)
     n_inst_E = torch.zeros(n_exp, dtype=torch.int64, device=loads_E.device).index_add_(

@@ -67,6 +67,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
+from lrmoe.functional._checks import check_replica_slots, check_tensor
 from lrmoe.functional.experts import (
     block_slots,
     combine,
@@ -164,6 +165,23 @@ class _Splits:
     block_rows: int = 0
 
 
+def _check_replication(max_replicas: int, capacity_factor: float | None, placement_policy: PlacementPolicy) -> None:
+    """``ExpertParallel``'s and ``plan_expert_parallel``'s replication arguments (Python values only)."""
+    if isinstance(max_replicas, bool) or not isinstance(max_replicas, int) or max_replicas < 0:
+        raise ValueError(f"max_replicas must be a non-negative int, got {max_replicas!r}")
+    if capacity_factor is not None:
+        if isinstance(capacity_factor, bool) or not isinstance(capacity_factor, (int, float)):
+            raise TypeError(f"capacity_factor must be a float >= 1 or None, got {type(capacity_factor).__name__}")
+        if not capacity_factor >= 1.0 or math.isinf(capacity_factor):  # nan fails the first comparison
+            raise ValueError(
+                f"capacity_factor must be a finite float >= 1, got {capacity_factor}: W ranks of capacity "
+                "capacity_factor * budget / W must together hold the budget"
+            )
+    if not callable(placement_policy):
+        raise TypeError(f"placement_policy must be callable (loads_WE, max_replicas) -> replicas_WR, got "
+                        f"{type(placement_policy).__name__}")
+
+
 def backward_capacity(loads_WE: torch.Tensor, retain: float, capacity_factor: float) -> torch.Tensor:
     """[W] int64, the backward capacity of every rank: ceil(capacity_factor * budget / W), budget =
     floor(retain * total pairs) (plan_quotas' budget), the same on every rank."""
@@ -192,10 +210,19 @@ def plan_expert_parallel(
     before any communication. Without replicas and capacity, instance (w, i) is expert w * L + i and the quotas
     are plan_quotas(loads_WE, retain) exactly. ``quota_align``: plan_quotas' ``align`` over the instances' totals
     (each instance's rows form one group of the receiving rank's grouped GEMMs); not with ``capacity_factor``.
+
+    Errors (on Python values, shapes and dtypes, no sync), those of ``ExpertParallel`` for the same arguments:
+    ``loads_WE`` not an integer [W, E] tensor with E a positive multiple of W, ``max_replicas`` not an int in
+    [0, E - E/W], ``capacity_factor`` neither None nor a finite float >= 1, ``placement_policy`` not callable; and
+    plan_quotas' errors for ``retain``, ``min_retain``, ``policy`` and ``quota_align``.
     """
-    if loads_WE.dim() != 2:
-        raise ValueError(f"loads_WE must be [W, E], got shape {tuple(loads_WE.shape)}")
+    check_tensor("loads_WE", loads_WE, ndim=2, kind="int")  # as plan_quotas: float loads would be truncated
+    _check_replication(max_replicas, capacity_factor, placement_policy)
     n_ranks, n_exp = loads_WE.shape
+    if n_ranks < 1 or n_exp < 1 or n_exp % n_ranks:
+        raise ValueError(f"loads_WE must be [W, E] with W >= 1 ranks and E experts a positive multiple of W (every "
+                         f"rank owns E/W experts), got shape {tuple(loads_WE.shape)}")
+    check_replica_slots("max_replicas", max_replicas, n_exp, n_ranks)
     loads_WE = loads_WE.long()
     device = loads_WE.device
     if max_replicas > 0:
@@ -764,19 +791,7 @@ class ExpertParallel(ParallelStyle):
             raise ValueError(f'plan_on must be "device" or "host", got {plan_on!r}')
         if not isinstance(backward_blocks, bool):
             raise TypeError(f"backward_blocks must be a bool, got {type(backward_blocks).__name__}")
-        if not isinstance(max_replicas, int) or isinstance(max_replicas, bool) or max_replicas < 0:
-            raise ValueError(f"max_replicas must be a non-negative int, got {max_replicas!r}")
-        if capacity_factor is not None:
-            if isinstance(capacity_factor, bool) or not isinstance(capacity_factor, (int, float)):
-                raise TypeError(f"capacity_factor must be a float >= 1 or None, got {type(capacity_factor).__name__}")
-            if not capacity_factor >= 1.0 or math.isinf(capacity_factor):
-                raise ValueError(
-                    f"capacity_factor must be a finite float >= 1, got {capacity_factor}: W ranks of capacity "
-                    "capacity_factor * budget / W must together hold the budget"
-                )
-        if not callable(placement_policy):
-            raise TypeError(f"placement_policy must be callable (loads_WE, max_replicas) -> replicas_WR, got "
-                            f"{type(placement_policy).__name__}")
+        _check_replication(max_replicas, capacity_factor, placement_policy)
         self.mesh_dim_name = mesh_dim_name
         self.replication = _Replication(max_replicas, capacity_factor, placement_policy,
                                         _placement_key(placement_policy), plan_on, backward_blocks)
@@ -804,13 +819,8 @@ class ExpertParallel(ParallelStyle):
                 "must own the same number of experts (E % W == 0)"
             )
         rep = self.replication
+        check_replica_slots("max_replicas", rep.max_replicas, module.num_experts, n_ranks)
         n_local = module.num_experts // n_ranks
-        if rep.max_replicas > module.num_experts - n_local:
-            raise ValueError(
-                f"max_replicas={rep.max_replicas} exceeds the {module.num_experts - n_local} experts a rank does "
-                f"not own (E - E/W with E={module.num_experts}, W={n_ranks}); a rank holds at most one instance of "
-                "an expert"
-            )
         for name in ("gate_up_proj", "down_proj"):
             param = getattr(module.experts, name)
             if isinstance(param, DTensor):

@@ -141,6 +141,9 @@ def test_by_hand():
         (torch.ones(2, 3), torch.ones(3, 2, dtype=torch.int64), TypeError, "counts_SE"),
         (torch.ones(2, 3, dtype=torch.int64), torch.ones(3, 2), TypeError, "capacity_EW"),
         (torch.ones(3, dtype=torch.int64), torch.ones(3, 2, dtype=torch.int64), ValueError, "counts_SE"),
+        (torch.ones(2, 2, dtype=torch.bool), torch.ones(2, 2, dtype=torch.int64), TypeError, "counts_SE"),
+        # No source at all: S = W = 0 was an IndexError from the transport.
+        (torch.ones(0, 2, dtype=torch.int64), torch.ones(2, 0, dtype=torch.int64), ValueError, "counts_SE"),
     ],
 )
 def test_route_to_replicas_errors_name_the_argument(counts, cap, exc, name):
@@ -228,13 +231,54 @@ def test_instances_and_balanced_capacity():
     assert (split.sum(0) <= cap).all() and torch.equal(split.sum(-1), torch.tensor([[1, 0, 2, 3], [1, 0, 3, 4]]))
 
 
-@pytest.mark.parametrize("R, loads, name", [(-1, torch.ones(2, 4, dtype=torch.int64), "max_replicas"),
-                                             (1.5, torch.ones(2, 4, dtype=torch.int64), "max_replicas"),
-                                             (1, torch.ones(3, 4, dtype=torch.int64), "loads_WE"),
-                                             (1, torch.ones(2, 4), "loads_WE")])
-def test_place_hot_replicas_errors_name_the_argument(R, loads, name):
-    with pytest.raises((ValueError, TypeError), match=name):
+@pytest.mark.parametrize("R, loads, exc, name", [
+    (-1, torch.ones(2, 4, dtype=torch.int64), ValueError, "max_replicas"),
+    (1.5, torch.ones(2, 4, dtype=torch.int64), ValueError, "max_replicas"),
+    (True, torch.ones(2, 4, dtype=torch.int64), ValueError, "max_replicas"),  # a bool is not a count
+    (1, torch.ones(3, 4, dtype=torch.int64), ValueError, "loads_WE"),
+    (1, torch.ones(2, 4), TypeError, "loads_WE"),
+    (1, torch.ones(0, 4, dtype=torch.int64), ValueError, "loads_WE"),  # W = 0: was a ZeroDivisionError
+    (1, torch.ones(2, 0, dtype=torch.int64), ValueError, "loads_WE"),  # E = 0: was an IndexError from argmax
+])
+def test_place_hot_replicas_errors_name_the_argument(R, loads, exc, name):
+    with pytest.raises(exc, match=name):
         place_hot_replicas(loads, R)
+
+
+def test_instance_experts_keeps_int64_for_any_integer_placement():
+    inst = instance_experts(torch.tensor([[3], [-1]], dtype=torch.int32), 4)
+    assert inst.dtype == torch.int64 and inst.tolist() == [[0, 1, 3], [2, 3, -1]]
+
+
+@pytest.mark.parametrize("replicas, num_experts, exc, name", [
+    (torch.tensor([[3], [-1]]), 4.0, TypeError, "num_experts"),  # was a float32 result
+    (torch.tensor([[-1]]), True, TypeError, "num_experts"),  # was taken as 1
+    (torch.tensor([[3], [-1]]), 3, ValueError, "num_experts"),  # E % W != 0: was an opaque reshape error
+    (torch.tensor([[3], [-1]]), 0, ValueError, "num_experts"),
+    (torch.empty(0, 1, dtype=torch.int64), 4, ValueError, "replicas_WR"),  # W = 0
+    (torch.tensor([[3.0], [-1.0]]), 4, TypeError, "replicas_WR"),
+    (torch.tensor([3, -1]), 4, ValueError, "replicas_WR"),
+])
+def test_instance_experts_errors_name_the_argument(replicas, num_experts, exc, name):
+    with pytest.raises(exc, match=name):
+        instance_experts(replicas, num_experts)
+
+
+_INST = torch.tensor([[0, 1, 3], [2, 3, -1]])  # E = 4 over W = 2, one replica slot
+
+
+@pytest.mark.parametrize("loads, experts, exc, name", [
+    (torch.tensor([2.0, 0.0, 5.0, 7.0]), _INST, TypeError, "loads_E"),  # floats were truncated
+    (torch.tensor([[2, 0, 5, 7]]), _INST, ValueError, "loads_E"),
+    (torch.tensor([2, 0, 5, 7]), _INST.float(), TypeError, "experts_WI"),
+    (torch.tensor([2, 0, 5, 7]), _INST[0], ValueError, "experts_WI"),
+    (torch.tensor([2, 0, 5]), _INST, ValueError, "loads_E"),  # E % W != 0
+    (torch.tensor([2, 0, 5, 7, 1, 1, 1, 1]), _INST[:, :1], ValueError, "experts_WI"),  # I < E / W: E differs
+    (torch.tensor([2, 0, 5, 7]), torch.empty(0, 3, dtype=torch.int64), ValueError, "experts_WI"),  # W = 0
+])
+def test_balanced_capacity_errors_name_the_argument(loads, experts, exc, name):
+    with pytest.raises(exc, match=name):
+        balanced_capacity(loads, experts)
 
 
 def test_plan_makes_no_tensor_from_host_data_on_a_device(monkeypatch):

@@ -298,15 +298,24 @@ def test_plan_moved_to_the_device_in_one_copy_keeps_every_tensor(capacity_factor
 # ------------------------------------------------------------------------------------------------ bad configs
 
 
+# The replication arguments ExpertParallel and plan_expert_parallel share (one check for both).
+_BAD_REPLICATION = [
+    ({"max_replicas": -1}, ValueError, "max_replicas"),
+    ({"max_replicas": 1.5}, ValueError, "max_replicas"),
+    ({"max_replicas": True}, ValueError, "max_replicas"),  # a bool is not a count
+    ({"capacity_factor": 0.5}, ValueError, "capacity_factor"),  # too small to hold the budget
+    ({"capacity_factor": -1.0}, ValueError, "capacity_factor"),
+    ({"capacity_factor": float("nan")}, ValueError, "capacity_factor"),
+    ({"capacity_factor": float("inf")}, ValueError, "capacity_factor"),
+    ({"capacity_factor": "2"}, TypeError, "capacity_factor"),
+    ({"capacity_factor": True}, TypeError, "capacity_factor"),
+    ({"placement_policy": "hot"}, TypeError, "placement_policy"),
+]
+
+
 @pytest.mark.parametrize(
     "kwargs, exc, name",
-    [
-        ({"max_replicas": -1}, ValueError, "max_replicas"),
-        ({"max_replicas": 1.5}, ValueError, "max_replicas"),
-        ({"capacity_factor": 0.5}, ValueError, "capacity_factor"),  # too small to hold the budget
-        ({"capacity_factor": float("nan")}, ValueError, "capacity_factor"),
-        ({"capacity_factor": "2"}, TypeError, "capacity_factor"),
-        ({"placement_policy": "hot"}, TypeError, "placement_policy"),
+    _BAD_REPLICATION + [
         ({"plan_on": "gpu"}, ValueError, "plan_on"),
         ({"backward_blocks": 1}, TypeError, "backward_blocks"),
     ],
@@ -314,6 +323,46 @@ def test_plan_moved_to_the_device_in_one_copy_keeps_every_tensor(capacity_factor
 def test_style_arguments_are_checked(kwargs, exc, name):
     with pytest.raises(exc, match=name):
         ExpertParallel(**kwargs)
+
+
+_LOADS_WE = torch.tensor([[9, 0, 3, 1], [4, 4, 0, 8]])  # W = 2 ranks, E = 4 experts
+
+
+def _no_replicas(loads_WE, max_replicas):
+    return torch.full((loads_WE.shape[0], int(max_replicas)), -1, dtype=torch.int64)
+
+
+@pytest.mark.parametrize(
+    "loads, kwargs, exc, name",
+    [(_LOADS_WE, kwargs, exc, name) for kwargs, exc, name in _BAD_REPLICATION] + [
+        # At most E - E/W = 2 replicas: a rank holds at most one instance of an expert (5 was accepted).
+        (_LOADS_WE, {"max_replicas": 3}, ValueError, "max_replicas"),
+        # True as 1 replica slot, with a policy that does not check it (the default refuses bools itself).
+        (_LOADS_WE, {"max_replicas": True, "placement_policy": _no_replicas}, ValueError, "max_replicas"),
+        (_LOADS_WE.float() + 0.7, {}, TypeError, "loads_WE"),  # plan_quotas refuses floats; they were truncated
+        (_LOADS_WE.bool(), {}, TypeError, "loads_WE"),
+        (_LOADS_WE[:, :3], {}, ValueError, "loads_WE"),  # E % W != 0: was an opaque reshape error
+        (_LOADS_WE[:0], {}, ValueError, "loads_WE"),  # W = 0
+        (_LOADS_WE[0], {}, ValueError, "loads_WE"),
+    ],
+)
+def test_plan_arguments_are_checked_as_the_style_checks_them(loads, kwargs, exc, name):
+    """plan_expert_parallel is public: it refuses what ExpertParallel refuses (capacity_factor 0.5 planned too few
+    quotas, -1 or nan none at all), before planning."""
+    from lrmoe.nn.expert_parallel import plan_expert_parallel
+
+    with pytest.raises(exc, match=name):
+        plan_expert_parallel(loads, 0.5, **kwargs)
+
+
+def test_plan_accepts_the_limits_and_any_integer_loads():
+    from lrmoe.nn.expert_parallel import plan_expert_parallel
+
+    want = plan_expert_parallel(_LOADS_WE, 0.5, max_replicas=2, capacity_factor=1)  # E - E/W, an int factor
+    got = plan_expert_parallel(_LOADS_WE.int(), 0.5, max_replicas=2, capacity_factor=1.0)
+    assert want.instances.shape == (2, 4)
+    for a, b in zip(dataclasses.astuple(want), dataclasses.astuple(got)):
+        assert (a is None and b is None) or (a.dtype == b.dtype == torch.int64 and torch.equal(a, b))
 
 
 def _configurations(rank, world):
