@@ -80,7 +80,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lrmoe.functional._checks import check_backward_capacity, check_choice, check_retain
+from lrmoe.functional._checks import check_backward_capacity, check_choice, check_replica_slots, check_retain
 from lrmoe.functional.experts import backward_capacity_rows, retained_rows_bound
 
 __all__ = [
@@ -235,22 +235,66 @@ def balanced_rows(config: MemoryConfig, retain: float, recv: int | None = None,
     )
 
 
-def rows_from_plan(loads_WE: torch.Tensor, quotas_WE: torch.Tensor, rank: int) -> Rows:
-    """Exact rows of rank ``rank`` from an expert-parallel plan ([W, E] loads and quotas, experts in contiguous
-    blocks of L = E / W per rank, as ``ExpertParallel`` lays them out). Reads the tensors on the host."""
-    if loads_WE.dim() != 2 or loads_WE.shape != quotas_WE.shape:
-        raise ValueError(f"loads_WE and quotas_WE must both be [W, E], got {tuple(loads_WE.shape)} and "
-                         f"{tuple(quotas_WE.shape)}")
-    n_ranks, n_exp = loads_WE.shape
-    if n_exp % n_ranks or not 0 <= rank < n_ranks:
-        raise ValueError(f"need E % W == 0 and 0 <= rank < W, got E={n_exp}, W={n_ranks}, rank={rank}")
-    lo, hi = rank * (n_exp // n_ranks), (rank + 1) * (n_exp // n_ranks)
+def rows_from_plan(plan, *args, rank: int | None = None) -> Rows:
+    """Exact rows of rank ``rank`` in one expert-parallel step, read on the host. Two forms:
+
+    ``rows_from_plan(plan, rank)``: ``plan`` is an ``ExpertParallelPlan`` (``plan_expert_parallel``) or the
+        ``ExpertParallelStats`` of the layer's last step (``layer.stats()``): anything with [S, W, I]
+        ``assignment`` (forward rows) and ``instance_quotas`` (retained rows) per (source, rank, instance slot).
+        Exact with replicas: N and M are the rows of this rank's I instances, its L owned experts and its replica
+        slots (``stats().rank_loads[rank]`` and ``rank_backward_loads[rank]``); P and R are the pairs this rank
+        routes and the retained ones it sends, wherever they run.
+    ``rows_from_plan(loads_WE, quotas_WE, rank)``: [W, E] per-expert loads and quotas (``layer.ep_loads``,
+        ``layer.ep_quotas``), N and M from the experts rank ``rank`` owns (contiguous blocks of L = E / W). Exact
+        only without replicas (``max_replicas=0``): these matrices sum each expert's rows over its instances, so
+        with replicas they count a replica's rows on the expert's owner, and nothing in them tells. With replicas
+        use the first form.
+    """
+    if isinstance(plan, torch.Tensor):
+        if len(args) not in (1, 2) or (len(args) == 2) == (rank is not None):
+            raise TypeError("rows_from_plan(loads_WE, quotas_WE, rank) takes the [W, E] loads and quotas and one rank")
+        loads_WE, quotas_WE = plan, args[0]
+        rank = args[1] if len(args) == 2 else rank
+        if not isinstance(quotas_WE, torch.Tensor):
+            raise TypeError(f"quotas_WE must be a [W, E] tensor like loads_WE, got {type(quotas_WE).__name__}")
+        if loads_WE.dim() != 2 or loads_WE.shape != quotas_WE.shape:
+            raise ValueError(f"loads_WE and quotas_WE must both be [W, E], got {tuple(loads_WE.shape)} and "
+                             f"{tuple(quotas_WE.shape)}")
+        n_ranks, n_exp = loads_WE.shape
+        _check_rank(rank, n_ranks)
+        if n_exp % n_ranks:
+            raise ValueError(f"loads_WE must be [W, E] with E % W == 0, got E={n_exp}, W={n_ranks}")
+        lo, hi = rank * (n_exp // n_ranks), (rank + 1) * (n_exp // n_ranks)
+        return Rows(
+            pairs=int(loads_WE[rank].sum()),
+            recv=int(loads_WE[:, lo:hi].sum()),
+            sent_retained=int(quotas_WE[rank].sum()),
+            recv_retained=int(quotas_WE[:, lo:hi].sum()),
+        )
+    if len(args) + (rank is not None) != 1:
+        raise TypeError("rows_from_plan(plan, rank) takes an ExpertParallelPlan or ExpertParallelStats and one rank")
+    rank = args[0] if args else rank
+    assign_SWI = getattr(plan, "assignment", None)
+    quotas_SWI = getattr(plan, "instance_quotas", None)
+    if not isinstance(assign_SWI, torch.Tensor) or not isinstance(quotas_SWI, torch.Tensor):
+        raise TypeError(f"plan must be an ExpertParallelPlan or ExpertParallelStats (tensors assignment and "
+                        f"instance_quotas), or pass [W, E] loads_WE and quotas_WE; got {type(plan).__name__}")
+    shape = tuple(assign_SWI.shape)
+    if len(shape) != 3 or shape[0] != shape[1] or tuple(quotas_SWI.shape) != shape:
+        raise ValueError(f"plan.assignment and plan.instance_quotas must both be [S, W, I] with S == W, got "
+                         f"{shape} and {tuple(quotas_SWI.shape)}")
+    _check_rank(rank, shape[1])
     return Rows(
-        pairs=int(loads_WE[rank].sum()),
-        recv=int(loads_WE[:, lo:hi].sum()),
-        sent_retained=int(quotas_WE[rank].sum()),
-        recv_retained=int(quotas_WE[:, lo:hi].sum()),
+        pairs=int(assign_SWI[rank].sum()),  # every pair of source ``rank`` runs on exactly one instance
+        recv=int(assign_SWI[:, rank].sum()),
+        sent_retained=int(quotas_SWI[rank].sum()),
+        recv_retained=int(quotas_SWI[:, rank].sum()),
     )
+
+
+def _check_rank(rank, n_ranks: int) -> None:
+    if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < n_ranks:
+        raise ValueError(f"rank must be an int in [0, W={n_ranks}), got {rank!r}")
 
 
 @dataclass(frozen=True)
@@ -340,7 +384,8 @@ def layer_memory(
     Args:
         config: the layer and rank (:class:`MemoryConfig`).
         retain: backward retention target in (0, 1]; sizes the retained-row buffers when ``rows`` is None.
-        replicas: extra expert instances this rank holds (W > 1 only).
+        replicas: replica slots this rank holds (W > 1 only), ``ExpertParallel``'s ``max_replicas`` (every slot
+            holds weights, zeros where the step placed none); at most the E - E/W experts the rank does not own.
         policy: activation policy, "save", "recompute" or "offload" (LRMoE's ``activations``).
         rows: row counts, e.g. from :func:`rows_from_plan`; default :func:`balanced_rows`.
         backward_capacity: LRMoE's (one device): the backward on E blocks of C rows with batched GEMMs; the
@@ -352,6 +397,7 @@ def layer_memory(
         raise ValueError(f"replicas must be a non-negative int, got {replicas!r}")
     if replicas and config.world_size == 1:
         raise ValueError("replicas need expert parallelism (world_size > 1): on one device every expert is local")
+    check_replica_slots("replicas", replicas, config.num_experts, config.world_size)
     if backward_capacity is not None and config.world_size > 1:
         raise ValueError("backward_capacity is the single-device layer's (world_size 1)")
     rows = balanced_rows(config, retain, backward_capacity=backward_capacity) if rows is None else rows
@@ -604,8 +650,10 @@ def plan_memory(
 ) -> MemoryPlan:
     """Choose replicas per rank and the backward capacity so that the modelled peak fits ``budget_bytes``.
 
-    Candidates are every (retain, replicas) with retain in ``retain_choices`` and replicas in 0..max_replicas,
-    with rows from :func:`balanced_rows` (``recv_rows``: the forward rows N this rank computes, default P).
+    Candidates are every (retain, replicas) with retain in ``retain_choices`` and replicas in 0..max_replicas
+    (``max_replicas`` at most E - E/W, the experts a rank does not own, as ``ExpertParallel`` requires; more
+    raises ValueError), with rows from :func:`balanced_rows` (``recv_rows``: the forward rows N this rank
+    computes, default P).
     The first candidate that fits, in the preference order, is chosen:
         prefer="retain" (default): highest retain first, then most replicas. Gradient fidelity before speed:
             replicas are given up before any backward row is.
@@ -622,6 +670,7 @@ def plan_memory(
         raise ValueError(f"max_replicas must be a non-negative int, got {max_replicas!r}")
     if max_replicas and config.world_size == 1:
         raise ValueError("max_replicas > 0 needs world_size > 1: on one device every expert is local")
+    check_replica_slots("max_replicas", max_replicas, config.num_experts, config.world_size)
     check_choice("prefer", prefer, PREFERENCES)
     choices = sorted(set(retain_choices), reverse=True)
     if not choices:

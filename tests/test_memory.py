@@ -7,7 +7,9 @@ the model's output.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import math
 import re
 import weakref
 
@@ -23,13 +25,14 @@ from lrmoe.memory import (
     ADAMW_FP32,
     ADAMW_FP32_MASTER,
     MemoryConfig,
+    Rows,
     balanced_rows,
     expert_parallel_kwargs,
     layer_memory,
     plan_memory,
     rows_from_plan,
 )
-from lrmoe.nn import ExpertParallel, LRMoE
+from lrmoe.nn import ExpertParallel, ExpertParallelStats, LRMoE
 from lrmoe.nn.expert_parallel import backward_capacity, plan_expert_parallel
 
 SHAPES = [(5, 8, 6, 4, 2), (17, 12, 10, 6, 3), (9, 16, 8, 8, 8), (1, 4, 4, 3, 1)]  # T, D, F, E, K
@@ -323,6 +326,86 @@ def test_rows_from_plan_counts_this_ranks_rows():
     assert rows.recv_retained == int(quotas[:, 2:].sum())
 
 
+def test_rows_from_plan_counts_a_replicas_rows_on_the_rank_that_runs_them():
+    # W = 2, E = 4 (rank 0 owns experts 0-1, rank 1 experts 2-3), one replica slot per rank: rank 1 holds a
+    # replica of expert 0. By the documented routing (balanced_capacity: ceil(load / instances) per instance;
+    # route_to_replicas: each source first fills its own rank's instance, the rest goes in source order to the
+    # remaining capacity in rank order), expert 0's 6 + 10 = 16 pairs have two instances of 8: source 0 keeps its
+    # 6 on rank 0, source 1 keeps 8 on its replica and sends its other 2 to rank 0.
+    loads_WE = torch.tensor([[6, 1, 0, 2], [10, 0, 3, 0]])
+    plan = plan_expert_parallel(loads_WE, 1.0, max_replicas=1,
+                                placement_policy=lambda loads, r: torch.tensor([[-1], [0]]))
+    expected = {0: (9, 6 + 2 + 1), 1: (13, 8 + 3 + 2)}  # rank: (pairs routed, forward rows of its instances)
+    for rank, (pairs, recv) in expected.items():
+        # retain 1: every row is retained, so the backward rows are the forward ones.
+        assert rows_from_plan(plan, rank) == Rows(pairs=pairs, recv=recv, sent_retained=pairs, recv_retained=recv)
+        assert rows_from_plan(plan, rank=rank) == rows_from_plan(plan, rank)
+    # layer.stats() carries the same per-instance tensors (the rest does not matter here).
+    stats = ExpertParallelStats(**{f.name: getattr(plan, f.name, torch.zeros((), dtype=torch.int64))
+                                   for f in dataclasses.fields(ExpertParallelStats)})
+    assert [rows_from_plan(stats, w).recv for w in (0, 1)] == [9, 13]
+    # The [W, E] form counts expert 0's 16 rows on its owner: 17 and 5 instead of 9 and 13 (hence the plan form).
+    assert rows_from_plan(plan.loads, plan.quotas, 0).recv == 16 + 1
+
+
+@given(world=st.integers(2, 4), per_rank=st.integers(1, 4), data=st.data(), skew=st.floats(0, 4),
+       retain=st.sampled_from([1.0, 0.75, 0.5, 0.25]), capacity_factor=st.sampled_from([None, 1.0, 1.5]),
+       seed=st.integers(0, 2**16))
+def test_rows_from_plan_with_replicas_keeps_every_rank_within_its_instances_capacities(world, per_rank, data, skew,
+                                                                                       retain, capacity_factor,
+                                                                                       seed):
+    n_exp, n_local = world * per_rank, per_rank
+    max_replicas = data.draw(st.integers(0, n_exp - n_local))
+    gen = torch.Generator().manual_seed(seed)
+    probs_WE = torch.softmax(skew * torch.randn(world, n_exp, generator=gen), dim=1)
+    ids = torch.multinomial(probs_WE, 24, replacement=True, generator=gen)
+    loads_WE = torch.stack([torch.bincount(row, minlength=n_exp) for row in ids])
+    plan = plan_expert_parallel(loads_WE, retain, max_replicas=max_replicas, capacity_factor=capacity_factor)
+    rows = [rows_from_plan(plan, w) for w in range(world)]
+    # Forward: each instance takes at most ceil(load / instances) rows (balanced_capacity), counted here from the
+    # placement alone; every pair runs somewhere, so the ranks' rows add up to all pairs.
+    inst_WI = plan.instances
+    n_inst_E = torch.stack([(inst_WI == e).sum() for e in range(n_exp)])
+    share_E = -(-loads_WE.sum(0) // n_inst_E)
+    for w, r in enumerate(rows):
+        assert r.pairs == int(loads_WE[w].sum())
+        assert r.recv <= sum(int(share_E[e]) for e in inst_WI[w].tolist() if e >= 0)
+        assert r.sent_retained == int(plan.quotas[w].sum())  # the per-expert quotas of source w
+    assert sum(r.recv for r in rows) == int(loads_WE.sum())
+    # Backward: every retained row is sent by one rank and taken by one; without a capacity they are the budget
+    # floor(retain * pairs) (plan_quotas), with one at most that, and no rank's instances take more than its
+    # capacity.
+    kept = sum(r.recv_retained for r in rows)
+    assert kept == sum(r.sent_retained for r in rows)
+    budget = math.floor(retain * int(loads_WE.sum()))
+    if capacity_factor is None:
+        assert kept == budget
+    else:
+        cap = backward_capacity(loads_WE, retain, capacity_factor)
+        assert kept <= budget and all(r.recv_retained <= int(cap[w]) for w, r in enumerate(rows))
+    if max_replicas == 0:  # instances are the owned experts: the [W, E] form is exact too
+        assert rows == [rows_from_plan(plan.loads, plan.quotas, w) for w in range(world)]
+
+
+def test_rows_from_plan_refuses_what_it_cannot_read():
+    loads_WE = torch.tensor([[4, 0, 1, 1], [0, 2, 3, 0]])
+    plan = plan_expert_parallel(loads_WE, 0.5, max_replicas=1)
+    with pytest.raises(ValueError, match=r"rank must be an int in \[0, W=2\), got 2"):
+        rows_from_plan(plan, 2)
+    with pytest.raises(ValueError, match="rank must be an int"):
+        rows_from_plan(plan.loads, plan.quotas, rank=True)
+    with pytest.raises(TypeError, match="plan must be an ExpertParallelPlan or ExpertParallelStats"):
+        rows_from_plan(loads_WE.tolist(), 0)
+    with pytest.raises(TypeError, match=r"rows_from_plan\(plan, rank\)"):
+        rows_from_plan(plan, 0, rank=0)
+    with pytest.raises(TypeError, match=r"rows_from_plan\(loads_WE, quotas_WE, rank\)"):
+        rows_from_plan(plan.loads, plan.quotas)  # no rank
+    with pytest.raises(ValueError, match=r"must both be \[W, E\]"):
+        rows_from_plan(plan.loads, plan.quotas[:1], 0)
+    with pytest.raises(ValueError, match=r"must both be \[S, W, I\]"):
+        rows_from_plan(dataclasses.replace(plan, instance_quotas=plan.instance_quotas[:, :, :1]), 0)
+
+
 # ---------------------------------------------------------------------------------------------- planner
 
 configs = st.builds(
@@ -348,7 +431,7 @@ def _candidates(cfg, max_replicas, retain_choices, prefer):
        prefer=st.sampled_from(["retain", "replicas"]), data=st.data())
 def test_planner_picks_the_first_fitting_candidate_and_is_monotone(cfg, max_replicas, retain_choices, prefer,
                                                                    data):
-    max_replicas = max_replicas if cfg.world_size > 1 else 0
+    max_replicas = min(max_replicas, cfg.num_experts - cfg.local_experts)  # 0 on one device
     cands = _candidates(cfg, max_replicas, retain_choices, prefer)
     lo, hi = min(c[2] for c in cands), max(c[2] for c in cands)
     budgets = sorted(data.draw(st.lists(st.integers(lo, hi + 100), min_size=2, max_size=2)))
@@ -368,7 +451,7 @@ def test_planner_picks_the_first_fitting_candidate_and_is_monotone(cfg, max_repl
 
 @given(cfg=configs, max_replicas=st.integers(0, 3), retain_choices=choices, short=st.integers(1, 10**6))
 def test_planner_error_states_the_exact_shortfall(cfg, max_replicas, retain_choices, short):
-    max_replicas = max_replicas if cfg.world_size > 1 else 0
+    max_replicas = min(max_replicas, cfg.num_experts - cfg.local_experts)  # 0 on one device
     cheapest = min(c[2] for c in _candidates(cfg, max_replicas, retain_choices, "retain"))
     plan_memory(cfg, cheapest, max_replicas=max_replicas, retain_choices=retain_choices)  # fits exactly
     with pytest.raises(ValueError) as err:
@@ -376,6 +459,26 @@ def test_planner_error_states_the_exact_shortfall(cfg, max_replicas, retain_choi
     msg = str(err.value)
     assert f"budget_bytes={cheapest - short}" in msg
     assert int(re.search(r"is (\d+) bytes short", msg).group(1)) == short
+
+
+def test_replicas_are_at_most_the_experts_a_rank_does_not_own():
+    # W = 2 ranks of E = 8 experts: each owns 4, so it can hold replicas of the other 4 and no more, as
+    # ExpertParallel(max_replicas=...) requires.
+    cfg = MemoryConfig(8, 4, 8, 2, 16, world_size=2)
+    n_other = 8 - 8 // 2
+    layer_memory(cfg, replicas=n_other)
+    plan = plan_memory(cfg, 10**9, max_replicas=n_other)
+    assert plan.replicas == n_other  # the budget fits them all
+    assert expert_parallel_kwargs(plan)["max_replicas"] == n_other
+    ExpertParallel(**expert_parallel_kwargs(plan))
+    with pytest.raises(ValueError, match=r"replicas=5 exceeds the 4 experts a rank does not own \(E - E/W with E=8, "
+                                         r"W=2\)"):
+        layer_memory(cfg, replicas=n_other + 1)
+    with pytest.raises(ValueError, match=r"max_replicas=5 exceeds the 4 experts a rank does not own"):
+        plan_memory(cfg, 10**9, max_replicas=n_other + 1)
+    # The review's case: E = 4 on 2 ranks leaves 2 experts to replicate, not 5.
+    with pytest.raises(ValueError, match=r"max_replicas=5 exceeds the 2 experts"):
+        plan_memory(MemoryConfig(8, 4, 4, 2, 16, world_size=2), 10**9, max_replicas=5)
 
 
 def test_planner_trades_replicas_for_retain_at_the_qwen3_shape():
