@@ -167,7 +167,13 @@ def route_topk(
     expert_ids_TK = topk_ids(choice_TE, top_k)  # ties to the lower expert id, on every device
     gates_TK = scores_TE.gather(1, expert_ids_TK)
     if norm_topk_prob:
-        gates_TK = gates_TK / gates_TK.sum(-1, keepdim=True)
+        denom_T1 = gates_TK.sum(-1, keepdim=True)
+        if score_func == "sigmoid":
+            # As transformers' sigmoid routers (DeepSeek-V3, GLM-4.5): + 1e-20, so k scores that all underflow to
+            # 0 give gates 0, not NaN; it vanishes in the rounding of any sum above ~1e-13. Softmax needs none: its
+            # best score is at least 1/E.
+            denom_T1 = denom_T1 + 1e-20
+        gates_TK = gates_TK / denom_T1
     if scaling != 1.0:
         gates_TK = gates_TK * scaling
     return Routing(expert_ids=expert_ids_TK, gates=gates_TK, scores=scores_TE)

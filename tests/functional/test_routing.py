@@ -163,6 +163,17 @@ def test_group_limited_routing_excludes_best_expert_of_a_weak_group():
     assert 0 in plain.expert_ids[0].tolist()
 
 
+def test_sigmoid_gates_of_underflowing_scores_are_finite_as_in_transformers():
+    # Sigmoid scores that underflow (logit -200: exactly 0 in fp32) or nearly so (-60: ~1e-26). transformers'
+    # DeepSeek-V3 / GLM-4.5 routers divide by sum + 1e-20: gates 0 and ~s / 1e-20, never NaN.
+    logits = torch.tensor([[-200.0, -200.0, -300.0, -250.0], [-60.0, -61.0, -200.0, -200.0]])
+    r = route_topk(logits, 2, score_func="sigmoid")
+    assert torch.isfinite(r.gates).all()
+    s = torch.sigmoid(logits).gather(1, r.expert_ids)
+    torch.testing.assert_close(r.gates, s / (s.sum(-1, keepdim=True) + 1e-20), rtol=1e-6, atol=0)
+    assert r.gates[0].eq(0).all() and r.gates[1].gt(0).all()
+
+
 def test_bias_changes_choice_not_gates():
     torch.manual_seed(0)
     logits = torch.randn(7, 6)
