@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from lrmoe.functional._checks import check_choice, check_retain, check_tensor
+from lrmoe.functional._checks import check_choice, check_retain, check_same_size, check_tensor
 from lrmoe.ops.quotas import one_hot, per_rank, waterfill, waterfill_reference
 
 __all__ = ["apportion", "plan_quotas"]
@@ -31,7 +31,8 @@ def plan_quotas(
     """Plan per-(source, group) backward quotas from routed loads. A group is an expert or an expert instance.
 
     Args:
-        loads_SE: [S, G] (or [G]) integer, pairs routed from each source rank to each group.
+        loads_SE: [S, G] (or [G]) integer, pairs routed from each source rank to each group. A negative load
+            counts as 0 (refusing it would need a sync).
         retain: fraction of all pairs backward keeps, in (0, 1]. The budget is floor(retain * total load).
         min_retain: every group keeps at least ceil(min_retain * its load) pairs; in [0, retain].
         policy: "waterfill" trims only the groups above a common level lambda: a group keeps
@@ -92,9 +93,10 @@ def plan_quotas(
     if retain >= 1.0 and capacity is None:
         # Every pair kept: quota == load whatever the policy and floors (the invariant above), with no planning.
         # A copy: the result never aliases the input (ops such as lrmoe::ep_plan return it).
-        return loads_SE.to(torch.int64, copy=True)
+        return loads_SE.to(torch.int64, copy=True).clamp_(min=0)
     one_source = loads_SE.dim() == 1
-    loads_SE = loads_SE.long().reshape(-1, n_groups)
+    # Negative loads (no router gives them; refusing them would need a sync) count as 0.
+    loads_SE = loads_SE.long().reshape(1 if one_source else loads_SE.shape[0], n_groups).clamp(min=0)
     loads_E = loads_SE.sum(0)
     budget = (loads_E.sum().double() * retain).floor().long()
     # ceil(min_retain * load), with a small slack so that 0.3 * 10 = 3.0000000000000004 stays 3 (zeros, with no
@@ -192,14 +194,19 @@ def apportion(total_G: torch.Tensor, weights_SG: torch.Tensor) -> torch.Tensor:
 
     Exact integer arithmetic: row s gets floor(total * w_s / sum w) plus one for the ``total - sum floor`` rows
     with the largest remainders (ties to the lower row). When total_G <= sum of weights, no row gets more than
-    its weight. A column whose weights sum to zero gets zeros.
+    its weight. A column whose weights sum to zero gets zeros. Both integer tensors, total_G [G] and weights_SG
+    [S, G]; weights >= 0 (not checked: that would need a sync).
     """
+    check_tensor("total_G", total_G, ndim=1, kind="int")
+    check_tensor("weights_SG", weights_SG, ndim=2, kind="int")
+    check_same_size("total_G", total_G, 0, "weights_SG", weights_SG, 1)
     weights_SG = weights_SG.long()
     num_SG = total_G.long().unsqueeze(0) * weights_SG
-    den_G = weights_SG.sum(0).clamp(min=1)
+    sum_G = weights_SG.sum(0)
+    den_G = sum_G.clamp(min=1)
     base_SG = torch.div(num_SG, den_G, rounding_mode="floor")
     rem_SG = num_SG - base_SG * den_G
-    short_G = total_G - base_SG.sum(0)
+    short_G = torch.where(sum_G > 0, total_G - base_SG.sum(0), 0)
     order_SG = torch.argsort(rem_SG, dim=0, descending=True, stable=True)
     rows_SG = torch.arange(weights_SG.shape[0], device=weights_SG.device).unsqueeze(1).expand_as(order_SG)
     rank_SG = torch.empty_like(order_SG).scatter_(0, order_SG, rows_SG)

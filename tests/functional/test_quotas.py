@@ -261,6 +261,41 @@ def test_apportion_largest_remainder(totals, S, data):
             assert {s for s in range(S) if col[s] > math.floor(Fraction(tot * w[s], W))} == extra
 
 
+def test_apportion_gives_a_zero_weight_column_zeros_whatever_its_total():
+    # The docstring's promise; the largest-remainder step once handed the total out as ones to the first rows.
+    out = apportion(torch.tensor([5, 4]), torch.tensor([[0, 1], [0, 3]]))
+    assert out[:, 0].tolist() == [0, 0] and out[:, 1].tolist() == [1, 3]
+
+
+@pytest.mark.parametrize(
+    "total, weights, exc, name",
+    [
+        (torch.tensor([2.0]), torch.tensor([[1], [1]]), TypeError, "total_G"),
+        (torch.tensor([2]), torch.tensor([[1.0], [1.0]]), TypeError, "weights_SG"),
+        (torch.tensor([2]), torch.tensor([1, 1]), ValueError, "weights_SG"),
+        (torch.tensor([2, 1]), torch.tensor([[1], [1]]), ValueError, "total_G"),
+    ],
+)
+def test_apportion_errors_name_the_argument(total, weights, exc, name):
+    with pytest.raises(exc, match=name):
+        apportion(total, weights)
+
+
+@pytest.mark.parametrize("retain", [1.0, 0.75, 0.5])
+@pytest.mark.parametrize("policy", ["waterfill", "proportional"])
+def test_negative_loads_count_as_zero(retain, policy):
+    # No router gives a negative load and refusing one would need a sync: the plan is that of load 0.
+    got = plan_quotas(torch.tensor([[5, -3, 4], [2, 6, -1]]), retain, policy=policy)
+    assert torch.equal(got, plan_quotas(torch.tensor([[5, 0, 4], [2, 6, 0]]), retain, policy=policy))
+    assert (got >= 0).all()
+
+
+@pytest.mark.parametrize("shape", [(0,), (3, 0)])
+def test_no_groups_gives_an_empty_plan(shape):
+    got = plan_quotas(torch.zeros(shape, dtype=torch.int64), 0.5)
+    assert got.shape == shape and got.dtype == torch.int64
+
+
 # ------------------------------------------------------------------------------------------------ align
 
 
