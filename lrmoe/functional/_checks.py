@@ -34,6 +34,13 @@ def check_tensor(
     return t
 
 
+def check_int(name: str, value: object, min_value: int = 1) -> int:
+    """A Python int (not a bool) >= ``min_value``: counts such as ``num_experts``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < min_value:
+        raise ValueError(f"{name} must be a Python int >= {min_value}, got {value!r}")
+    return value
+
+
 def check_choice(name: str, value: object, choices: Iterable[str]) -> str:
     choices = tuple(choices)
     if value not in choices:

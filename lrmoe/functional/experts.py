@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lrmoe.functional._checks import check_backward_capacity, check_choice, check_retain, check_tensor
+from lrmoe.functional._checks import check_backward_capacity, check_choice, check_int, check_retain, check_tensor
 from lrmoe.functional.quotas import POLICIES, plan_quotas
 from lrmoe.functional.routing import expert_loads
 from lrmoe.functional.scoring import METRICS, score_pairs
@@ -130,6 +130,9 @@ def plan_experts(
     to the experts below C, and the plan keeps min(floor(retain * P), sum of min(load, C)) pairs. Needs retain < 1,
     policy "waterfill", ``quota_align`` 1 and pairs grouped by expert.
     """
+    check_tensor("expert_ids_TK", expert_ids_TK, ndim=2, kind="int")
+    check_int("num_experts", num_experts)
+    check_choice("selection", selection, MODES)
     check_backward_capacity(backward_capacity, retain, quota_align, source_ids_T is not None, policy)
     uniform = None
     if source_ids_T is None:

@@ -13,7 +13,14 @@ from dataclasses import dataclass
 
 import torch
 
-from lrmoe.functional._checks import check_choice, check_float_dtype, check_group_routing, check_scaling, check_tensor
+from lrmoe.functional._checks import (
+    check_choice,
+    check_float_dtype,
+    check_group_routing,
+    check_int,
+    check_scaling,
+    check_tensor,
+)
 from lrmoe.ops.routing import topk_ids
 
 __all__ = ["Routing", "route_topk", "expert_loads", "router_logits"]
@@ -94,6 +101,9 @@ def router_logits(x_TD: torch.Tensor, weight_ED: torch.Tensor, dtype: torch.dtyp
     if weight_ED.shape[1] != x_TD.shape[1]:
         raise ValueError(f"weight_ED must be [E, {x_TD.shape[1]}] (x_TD's D), got shape {tuple(weight_ED.shape)}")
     check_float_dtype("dtype", dtype)
+    if dtype is None and x_TD.dtype != weight_ED.dtype:
+        raise TypeError(f"x_TD ({x_TD.dtype}) and weight_ED ({weight_ED.dtype}) must have the same dtype when dtype is "
+                        "None (a plain linear); pass dtype to compute in one")
     if dtype is None or (dtype == x_TD.dtype and dtype == weight_ED.dtype):
         return torch.nn.functional.linear(x_TD, weight_ED)
     if dtype == torch.float32 and x_TD.dtype == weight_ED.dtype == torch.bfloat16:
@@ -142,7 +152,7 @@ def route_topk(
     check_tensor("logits_TE", logits_TE, ndim=2, kind="float")
     check_choice("score_func", score_func, ("softmax", "sigmoid"))
     n_experts = logits_TE.shape[1]
-    if not isinstance(top_k, int) or not 1 <= top_k <= n_experts:
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= n_experts:
         raise ValueError(f"top_k must be an int in [1, num_experts={n_experts}], got {top_k!r}")
     if bias_E is not None:
         check_tensor("bias_E", bias_E, ndim=1, kind="float")
@@ -180,7 +190,12 @@ def route_topk(
 
 
 def expert_loads(expert_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """Pairs routed to each expert: [E] int64. scatter_add, not bincount (bincount syncs on CUDA)."""
+    """Pairs routed to each expert: [E] int64. scatter_add, not bincount (bincount syncs on CUDA).
+
+    ``expert_ids``: integer tensor of any shape, ids in [0, num_experts) (not checked: that would need a sync).
+    """
+    check_tensor("expert_ids", expert_ids, kind="int")
+    check_int("num_experts", num_experts)
     flat = expert_ids.reshape(-1)
     return torch.zeros(num_experts, dtype=torch.int64, device=flat.device).scatter_add_(
         0, flat, torch.ones_like(flat, dtype=torch.int64)

@@ -13,7 +13,7 @@ from cuda_sync import no_host_sync
 from hypothesis import given
 from hypothesis import strategies as st
 
-from lrmoe.functional import Routing, expert_loads, route_topk, router_logits
+from lrmoe.functional import Routing, expert_loads, plan_experts, route_topk, router_logits
 
 # ------------------------------------------------------------------------------------------------ references
 
@@ -229,6 +229,40 @@ def test_expert_loads_is_bincount(T, E, seed):
     np.testing.assert_array_equal(loads.numpy(), np.bincount(ids.numpy().ravel(), minlength=E))
 
 
+@pytest.mark.parametrize(
+    "ids, E, exc, name",
+    [
+        (torch.zeros(3, 2, dtype=torch.int64), 0, ValueError, "num_experts"),
+        (torch.zeros(3, 2, dtype=torch.int64), 2.5, ValueError, "num_experts"),
+        (torch.zeros(3, 2, dtype=torch.int64), True, ValueError, "num_experts"),
+        (torch.zeros(3, 2), 4, TypeError, "expert_ids"),
+    ],
+)
+def test_expert_loads_errors_name_the_argument(ids, E, exc, name):
+    with pytest.raises(exc, match=name):
+        expert_loads(ids, E)
+
+
+_IDS = torch.tensor([[0, 1], [2, 3], [1, 2]])
+
+
+@pytest.mark.parametrize(
+    "args, kwargs, exc, name",
+    [
+        # 1-D ids would broadcast against source_ids_T into loads of more pairs than the tokens route.
+        ((torch.tensor([3, 2, 0, 2, 2]), 4), {"retain": 0.5, "source_ids_T": torch.zeros(5, dtype=torch.int64)},
+         ValueError, "expert_ids_TK"),
+        ((_IDS.float(), 4), {}, TypeError, "expert_ids_TK"),
+        ((_IDS, 0), {}, ValueError, "num_experts"),
+        ((_IDS, 4.0), {}, ValueError, "num_experts"),
+        ((_IDS, 4), {"selection": "x"}, ValueError, "selection"),
+    ],
+)
+def test_plan_experts_errors_name_the_argument(args, kwargs, exc, name):
+    with pytest.raises(exc, match=name):
+        plan_experts(*args, **kwargs)
+
+
 # ------------------------------------------------------------------------------------------------ errors
 
 _L = torch.randn(3, 8)
@@ -241,6 +275,7 @@ _L = torch.randn(3, 8)
         ((_L, 0), {}, ValueError, "top_k"),
         ((_L, -1), {}, ValueError, "top_k"),
         ((_L, 2.0), {}, ValueError, "top_k"),
+        ((_L, True), {}, ValueError, "top_k"),
         ((torch.randn(8), 2), {}, ValueError, "logits_TE"),
         ((torch.randn(2, 3, 8), 2), {}, ValueError, "logits_TE"),
         ((torch.zeros(3, 8, dtype=torch.int64), 2), {}, TypeError, "logits_TE"),
@@ -357,6 +392,7 @@ def test_router_logits_compiles_fullgraph_and_matches_eager():
         ((torch.zeros(3, 4), torch.zeros(2, 5)), ValueError, "weight_ED"),
         ((torch.zeros(3, 4), torch.zeros(2, 4), torch.int32), TypeError, "dtype"),
         ((torch.zeros(3, 4), torch.zeros(2, 4), "float32"), TypeError, "dtype"),
+        ((torch.zeros(3, 4), torch.zeros(2, 4, dtype=torch.float64)), TypeError, "weight_ED"),
     ],
 )
 def test_router_logits_errors_name_the_argument(args, exc, name):
