@@ -19,8 +19,9 @@ from dataclasses import dataclass
 
 import torch
 
-from lrmoe.functional._checks import check_choice, check_tensor
-from lrmoe.ops.selection import MODES, group_sizes, nan_as_inf, probabilities
+from lrmoe.functional._checks import check_choice, check_same_size, check_tensor
+from lrmoe.ops.selection import MODES
+from lrmoe.ops.selection import inclusion_probabilities as inclusion_probabilities_op
 from lrmoe.ops.selection import select_within_quota as select_within_quota_op
 
 __all__ = ["Selection", "select_within_quota", "inclusion_probabilities", "MODES"]
@@ -148,11 +149,11 @@ def inclusion_probabilities(scores_P: torch.Tensor, group_ids_P: torch.Tensor, q
 
     Within a group: +inf scores first (probability 1, the first quota of them by pair id); then p = min(1, c *
     sqrt(score)) with c chosen so the group's probabilities sum to its quota; if the positive scores cannot fill
-    the quota, the rest is spread uniformly over the zero-score pairs.
+    the quota, the rest is spread uniformly over the zero-score pairs. Not differentiable (one op,
+    ``lrmoe::inclusion_probabilities``: a compiled graph does not recompile as P grows).
     """
     check_tensor("scores_P", scores_P, ndim=1, kind="float")
     check_tensor("group_ids_P", group_ids_P, ndim=1, kind="int")
     check_tensor("quotas_G", quotas_G, ndim=1, kind="int")
-    gid_P = group_ids_P.long()
-    sizes_G, starts_G, take_G = group_sizes(gid_P, quotas_G)
-    return probabilities(nan_as_inf(scores_P), gid_P, take_G, sizes_G, starts_G)
+    check_same_size("scores_P", scores_P, 0, "group_ids_P", group_ids_P, 0)
+    return inclusion_probabilities_op(scores_P.detach(), group_ids_P, quotas_G)

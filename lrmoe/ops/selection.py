@@ -47,6 +47,7 @@ __all__ = [
     "U_MARGIN",
     "argsort_ids",
     "group_sizes",
+    "inclusion_probabilities",
     "nan_as_inf",
     "probabilities",
     "sample_weights",
@@ -339,6 +340,21 @@ def _(scores, group_ids, quotas, max_rows, mode, uniform, group_order=None, max_
         scores.new_empty((G,), dtype=torch.int32),
         scores.new_empty((G,), dtype=torch.int32),
     )
+
+
+@torch.library.custom_op("lrmoe::inclusion_probabilities", mutates_args=())
+def inclusion_probabilities(scores: torch.Tensor, group_ids: torch.Tensor, quotas: torch.Tensor) -> torch.Tensor:
+    """[P] fp64, mode "sample"'s inclusion probabilities (``probabilities``), on every device. An op so that a
+    compiled graph holds it whole: traced, the reference's scan loops ceil(log2 P) times, so every new power of
+    two of P would recompile."""
+    gid_P = group_ids.long()
+    sizes_G, starts_G, take_G = group_sizes(gid_P, quotas)
+    return probabilities(nan_as_inf(scores), gid_P, take_G, sizes_G, starts_G)
+
+
+@inclusion_probabilities.register_fake
+def _(scores, group_ids, quotas):
+    return scores.new_empty(scores.shape, dtype=torch.float64)
 
 
 def _select_setup(ctx, inputs, output):

@@ -207,3 +207,37 @@ def test_argsort_ids_is_the_stable_int64_argsort():
     ids = torch.randint(0, 300, (5000,), generator=torch.Generator().manual_seed(0))
     assert torch.equal(argsort_ids(ids), torch.argsort(ids, stable=True))
     assert torch.equal(argsort_ids(ids.int()), torch.argsort(ids, stable=True))
+
+
+# ------------------------------------------------------------------------------------- lrmoe::inclusion_probabilities
+
+
+def test_inclusion_probabilities_opcheck():
+    from lrmoe.ops.selection import inclusion_probabilities as op
+
+    scores, gids, quotas, _ = _inputs()
+    torch.library.opcheck(op, (scores, gids, quotas))
+
+
+def test_compiled_inclusion_probabilities_do_not_recompile_as_the_pair_count_grows():
+    # Traced inline, the reference's segmented scan loops ceil(log2 P) times: each new power of two of P was a
+    # recompile, and fullgraph failed at the recompile limit (found in review). As one op: one dynamic graph.
+    from lrmoe.functional import inclusion_probabilities
+
+    torch._dynamo.reset()
+    counts = torch._dynamo.utils.counters
+    counts.clear()
+    fn = torch.compile(inclusion_probabilities, fullgraph=True)
+    g = torch.Generator().manual_seed(0)
+    for P in (10, 12, 20, 40, 70, 130, 260, 520, 1030, 2050, 4100):
+        scores, gids = torch.rand(P, generator=g), torch.randint(0, 4, (P,), generator=g)
+        quotas = torch.full((4,), 3)
+        assert torch.equal(fn(scores, gids, quotas), inclusion_probabilities(scores, gids, quotas))
+    assert counts["stats"]["unique_graphs"] <= 2, dict(counts["stats"])
+
+
+def test_inclusion_probabilities_refuse_mismatched_sizes():
+    from lrmoe.functional import inclusion_probabilities
+
+    with pytest.raises(ValueError, match="group_ids_P"):
+        inclusion_probabilities(torch.rand(5), torch.zeros(6, dtype=torch.int64), torch.tensor([1]))
