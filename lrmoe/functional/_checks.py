@@ -34,6 +34,15 @@ def check_tensor(
     return t
 
 
+def check_same_device(**tensors: torch.Tensor | None) -> None:
+    """Every given tensor on one device (None skipped). Meta tensors among real ones must be refused here: a custom
+    op would dispatch to its fake kernel and return uninitialised memory."""
+    named = [(name, t) for name, t in tensors.items() if t is not None]
+    if len({t.device for _, t in named}) > 1:
+        where = ", ".join(f"{name} on {t.device}" for name, t in named)
+        raise ValueError(f"tensors must be on one device, got {where}")
+
+
 def check_int(name: str, value: object, min_value: int = 1) -> int:
     """A Python int (not a bool) >= ``min_value``: counts such as ``num_experts``."""
     if isinstance(value, bool) or not isinstance(value, int) or value < min_value:

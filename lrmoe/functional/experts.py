@@ -20,7 +20,14 @@ from dataclasses import dataclass
 
 import torch
 
-from lrmoe.functional._checks import check_backward_capacity, check_choice, check_int, check_retain, check_tensor
+from lrmoe.functional._checks import (
+    check_backward_capacity,
+    check_choice,
+    check_int,
+    check_retain,
+    check_same_device,
+    check_tensor,
+)
 from lrmoe.functional.quotas import POLICIES, plan_quotas
 from lrmoe.functional.routing import expert_loads
 from lrmoe.functional.scoring import METRICS, score_pairs
@@ -224,6 +231,8 @@ def selective_swiglu_experts(
     check_tensor("down_EDF", down_EDF, ndim=3, kind="float")
     check_tensor("expert_ids_TK", expert_ids_TK, ndim=2, kind="int")
     check_tensor("gates_TK", gates_TK, ndim=2, kind="float")
+    check_same_device(x_TD=x_TD, gate_up_EFD=gate_up_EFD, down_EDF=down_EDF, expert_ids_TK=expert_ids_TK,
+                      gates_TK=gates_TK)
     check_retain(retain, min_retain)
     check_choice("metric", metric, METRICS)
     check_choice("selection", selection, MODES)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from lrmoe.functional._checks import check_tensor
+from lrmoe.functional._checks import check_same_device, check_tensor
 from lrmoe.ops import gather_grouped_mm
 
 __all__ = ["compact_and_gemm"]
@@ -33,6 +33,7 @@ def compact_and_gemm(
     check_tensor("weight_EOI", weight_EOI, ndim=3, kind="float")
     check_tensor("rows_R", rows_R, ndim=1, kind="int")
     check_tensor("offsets_E", offsets_E, ndim=1, kind="int")
+    check_same_device(x_NI=x_NI, weight_EOI=weight_EOI, rows_R=rows_R, offsets_E=offsets_E)
     if weight_EOI.shape[2] != x_NI.shape[1]:
         raise ValueError(
             f"weight_EOI must be [E, O, I={x_NI.shape[1]}] to multiply x_NI {tuple(x_NI.shape)}, "

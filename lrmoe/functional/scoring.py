@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from lrmoe.functional._checks import check_choice, check_tensor
+from lrmoe.functional._checks import check_choice, check_same_device, check_tensor
 from lrmoe.ops.scoring import non_finite_mask
 from lrmoe.ops.scoring import score_pairs as score_pairs_op
 
@@ -41,6 +41,7 @@ def score_pairs(
     check_tensor("gates_TK", gates_TK, ndim=2, kind="float")
     check_tensor("grad_out_TD", grad_out_TD, ndim=2, kind="float")
     check_tensor("phi_sqnorm_TK", phi_sqnorm_TK, ndim=2, kind="float")
+    check_same_device(gates_TK=gates_TK, grad_out_TD=grad_out_TD, phi_sqnorm_TK=phi_sqnorm_TK)
     check_choice("metric", metric, METRICS)
     if grad_out_TD.shape[0] != gates_TK.shape[0]:
         raise ValueError(

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lrmoe.functional._checks import check_choice, check_same_size, check_tensor
+from lrmoe.functional._checks import check_choice, check_same_device, check_same_size, check_tensor
 from lrmoe.ops.selection import MODES
 from lrmoe.ops.selection import inclusion_probabilities as inclusion_probabilities_op
 from lrmoe.ops.selection import select_within_quota as select_within_quota_op
@@ -128,6 +128,8 @@ def select_within_quota(
             raise ValueError(f"group_ends_G must have the shape of quotas_G {tuple(quotas_G.shape)}, got "
                              f"{tuple(group_ends_G.shape)}")
 
+    check_same_device(scores_P=scores_P, group_ids_P=group_ids_P, quotas_G=quotas_G, uniform_G=uniform_G,
+                      group_order_P=group_order_P, group_ends_G=group_ends_G)
     if mode == "sample" and uniform_G is None:
         # Drawn here, not in the op, so that lrmoe::select_within_quota is deterministic given its inputs.
         uniform_G = torch.rand(quotas_G.shape[0], generator=generator, device=scores_P.device)

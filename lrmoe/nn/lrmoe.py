@@ -21,6 +21,7 @@ from lrmoe.functional._checks import (
     check_float_dtype,
     check_group_routing,
     check_retain,
+    check_same_device,
     check_scaling,
 )
 from lrmoe.functional.experts import ACTIVATION_POLICIES, N_BACKWARD_STATS, plan_experts, selective_swiglu_experts
@@ -210,6 +211,9 @@ class LRMoE(nn.Module):
     _probe_dtype = torch.float32
 
     def _check_input(self, x: torch.Tensor) -> None:
+        if not isinstance(x, torch.Tensor) or x.dim() == 0:
+            raise ValueError(f"x must be a tensor [..., dim={self.dim}], got "
+                             f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
         if x.shape[-1] != self.dim:
             raise ValueError(f"x must have last dimension dim={self.dim}, got shape {tuple(x.shape)}")
         if x.dtype != self.experts.gate_up_proj.dtype:
@@ -217,6 +221,8 @@ class LRMoE(nn.Module):
                 f"x has dtype {x.dtype} but the layer's parameters are {self.experts.gate_up_proj.dtype}; "
                 "cast one of them (e.g. layer.to(x.dtype))"
             )
+        check_same_device(x=x, gate_weight=self.gate.weight, gate_up_proj=self.experts.gate_up_proj,
+                          down_proj=self.experts.down_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check_input(x)

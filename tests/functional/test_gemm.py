@@ -133,6 +133,8 @@ def test_empty_buffer_and_all_empty_groups():
         (torch.randn(3, 2), torch.randn(2, 4, 2), torch.zeros(1), torch.tensor([1, 1]), TypeError, "rows_R"),
         (torch.randn(3, 2), torch.randn(2, 4, 2), torch.zeros(1, dtype=torch.int64), torch.tensor([1.0, 1.0]),
          TypeError, "offsets_E"),
+        (torch.randn(3, 2), torch.randn(2, 4, 2, device="meta"), torch.zeros(1, dtype=torch.int64),
+         torch.tensor([1, 1]), ValueError, "weight_EOI on meta"),
     ],
 )
 def test_compact_and_gemm_errors_name_the_argument(x, w, rows, offsets, exc, name):

@@ -137,6 +137,7 @@ def test_lrm_by_hand():
         (torch.rand(3, 2), torch.rand(3, 5, 1), torch.rand(3, 2), {}, ValueError, "grad_out_TD"),
         (torch.ones(3, 2, dtype=torch.int64), torch.rand(3, 5), torch.rand(3, 2), {}, TypeError, "gates_TK"),
         (torch.rand(3, 2), torch.rand(3, 5), torch.rand(3, 2), {"metric": "l1"}, ValueError, "metric"),
+        (torch.rand(3, 2), torch.rand(3, 5, device="meta"), torch.rand(3, 2), {}, ValueError, "grad_out_TD on meta"),
     ],
 )
 def test_score_pairs_errors_name_the_argument(gates, g, phi, kwargs, exc, name):

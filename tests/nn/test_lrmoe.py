@@ -392,6 +392,13 @@ def test_bad_input_raises():
         layer(torch.randn(3, D + 1))
     with pytest.raises(TypeError, match="dtype"):
         layer(torch.randn(3, D, dtype=torch.float64))
+    with pytest.raises(ValueError, match="x must be a tensor"):
+        layer(torch.tensor(1.0))
+    # Experts left on the meta device (a partial checkpoint load): a custom op would run its fake kernel and
+    # return uninitialised memory, so the layer refuses before any op runs.
+    layer.experts.to_empty(device="meta")
+    with pytest.raises(ValueError, match="gate_up_proj on meta"):
+        layer(torch.randn(3, D))
 
 
 def test_forward_without_grad_leaves_rng_untouched():
