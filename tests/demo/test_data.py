@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import torch
 
-from lrmoe.demo.data import heldout_batches, load_stdlib_corpus, load_text_corpus, sample_batch, stdlib_source_files
+from lrmoe.demo.data import (
+    heldout_batches,
+    load_prose_corpus,
+    load_stdlib_corpus,
+    load_text_corpus,
+    sample_batch,
+    stdlib_source_files,
+)
 
 
 def test_stdlib_files_are_sorted_sources_without_tests_or_site_packages():
@@ -48,3 +55,16 @@ def test_heldout_batches_are_fixed_and_cover_the_split():
     assert len(batches) == 3 and all(b.shape == (4, 33) for b in batches)
     assert torch.equal(batches[0][0], data_N[:33].long())
     assert torch.equal(batches[-1][-1], data_N[-33:].long())
+
+
+def test_prose_corpus_holds_out_docstrings_even_when_the_topics_alone_fill_the_cap(monkeypatch):
+    # Python 3.12's pydoc topics alone pass the quick preset's 500 kB: the topics then filled the whole budget,
+    # nothing was held out, and the demo failed building an empty tensor (seen on the GPU machine).
+    import pydoc_data.topics
+
+    big = {f"topic{i:02d}": ("word " * 20_000) for i in range(10)}  # 10 x 100 kB
+    monkeypatch.setattr(pydoc_data.topics, "topics", big)
+    corpus = load_prose_corpus(500_000)
+    assert corpus.heldout_N.numel() > 0
+    # Topics up to half the cap train (two of 100 kB fit under 250 kB, a third would not); docstrings the rest.
+    assert bytes(corpus.train_N.tolist()).count(b"word " * 20_000) == 2
