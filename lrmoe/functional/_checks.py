@@ -58,11 +58,11 @@ def check_choice(name: str, value: object, choices: Iterable[str]) -> str:
 
 
 def check_retain(retain: float, min_retain: float = 0.0) -> None:
-    if isinstance(retain, torch.Tensor) or not isinstance(retain, (int, float)):
+    if isinstance(retain, (torch.Tensor, bool)) or not isinstance(retain, (int, float)):
         raise TypeError(f"retain must be a Python float in (0, 1], got {type(retain).__name__}")
     if not 0.0 < retain <= 1.0:
         raise ValueError(f"retain must be in (0, 1], got {retain}")
-    if isinstance(min_retain, torch.Tensor) or not isinstance(min_retain, (int, float)):
+    if isinstance(min_retain, (torch.Tensor, bool)) or not isinstance(min_retain, (int, float)):
         raise TypeError(f"min_retain must be a Python float in [0, retain], got {type(min_retain).__name__}")
     if not 0.0 <= min_retain <= retain:
         raise ValueError(f"min_retain must be in [0, retain={retain}], got {min_retain}")

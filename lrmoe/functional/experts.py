@@ -89,6 +89,10 @@ def retained_rows_bound(n_pairs: int, n_experts: int, retain: float) -> int:
     floor is ceil(min_retain * load) <= retain * load + 1, so the floors need at most retain * P + E and the
     bound always holds (plan_quotas' invariants).
     """
+    # Comparisons only: under torch.compile(dynamic=True) n_pairs may be a SymInt and retain a SymFloat.
+    if n_pairs < 0 or n_experts < 0 or not 0 < retain <= 1:
+        raise ValueError(f"retained_rows_bound needs n_pairs >= 0, n_experts >= 0 and retain in (0, 1], got "
+                         f"n_pairs={n_pairs}, n_experts={n_experts}, retain={retain}")
     if retain >= 1.0:
         return n_pairs
     return min(n_pairs, int(retain * n_pairs) + n_experts)
@@ -99,6 +103,10 @@ def backward_capacity_rows(n_tokens: int, top_k: int, n_experts: int, retain: fl
     floor(retain * P) / E), the balanced quota times ``factor``, rounded up to a multiple of 8 (16-byte rows for the
     batched GEMMs), at least 1, and at most T (no expert is routed more than T pairs; 0 rows for 0 tokens). Every
     expert keeps at most C pairs."""
+    if n_tokens < 0 or top_k < 1 or n_experts < 1 or not 0 < retain <= 1 or not 1 <= factor < math.inf:
+        raise ValueError(f"backward_capacity_rows needs n_tokens >= 0, top_k >= 1, n_experts >= 1, retain in (0, 1] "
+                         f"and a finite factor >= 1, got n_tokens={n_tokens}, top_k={top_k}, n_experts={n_experts}, "
+                         f"retain={retain}, factor={factor}")
     budget = math.floor(retain * n_tokens * top_k)
     rows = -(-math.ceil(factor * budget / n_experts) // 8) * 8
     return min(n_tokens, max(1, rows))
@@ -233,6 +241,11 @@ def selective_swiglu_experts(
     check_tensor("gates_TK", gates_TK, ndim=2, kind="float")
     check_same_device(x_TD=x_TD, gate_up_EFD=gate_up_EFD, down_EDF=down_EDF, expert_ids_TK=expert_ids_TK,
                       gates_TK=gates_TK)
+    if stats_probe is not None:
+        check_tensor("stats_probe", stats_probe, ndim=1, kind="float")
+        if stats_probe.shape[0] != N_BACKWARD_STATS:
+            raise ValueError(f"stats_probe must have shape [{N_BACKWARD_STATS}] (one slot per backward statistic), "
+                             f"got {tuple(stats_probe.shape)}")
     check_retain(retain, min_retain)
     check_choice("metric", metric, METRICS)
     check_choice("selection", selection, MODES)

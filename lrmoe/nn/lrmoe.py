@@ -20,6 +20,7 @@ from lrmoe.functional._checks import (
     check_choice,
     check_float_dtype,
     check_group_routing,
+    check_int,
     check_retain,
     check_same_device,
     check_scaling,
@@ -61,6 +62,8 @@ class SwiGLUExperts(nn.Module):
 
     def __init__(self, num_experts: int, dim: int, hidden_dim: int):
         super().__init__()
+        for name, value in (("num_experts", num_experts), ("dim", dim), ("hidden_dim", hidden_dim)):
+            check_int(name, value)
         self.num_experts, self.dim, self.hidden_dim = num_experts, dim, hidden_dim
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * hidden_dim, dim))
         self.down_proj = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
@@ -158,9 +161,8 @@ class LRMoE(nn.Module):
         if shared_hidden_dim is not None:
             sizes.append(("shared_hidden_dim", shared_hidden_dim))
         for name, value in sizes:
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
-        if not isinstance(top_k, int) or not 1 <= top_k <= num_experts:
+            check_int(name, value)
+        if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= num_experts:
             raise ValueError(f"top_k must be an int in [1, num_experts={num_experts}], got {top_k!r}")
         check_retain(retain, min_retain)
         check_choice("metric", metric, METRICS)
@@ -171,8 +173,11 @@ class LRMoE(nn.Module):
         check_group_routing(num_experts, top_k, n_group, topk_group)
         check_scaling(routed_scaling_factor, "routed_scaling_factor")
         check_float_dtype("router_dtype", router_dtype)
-        if not isinstance(selection_bias, bool):
-            raise TypeError(f"selection_bias must be a bool, got {type(selection_bias).__name__}")
+        for name, value in (("selection_bias", selection_bias), ("norm_topk_prob", norm_topk_prob)):
+            if not isinstance(value, bool):
+                raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+        if generator is not None and not isinstance(generator, torch.Generator):
+            raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
         self.dim, self.hidden_dim, self.num_experts, self.top_k = dim, hidden_dim, num_experts, top_k
         self.retain, self.metric, self.selection, self.policy = retain, metric, selection, policy
         self.min_retain, self.score_func, self.norm_topk_prob = min_retain, score_func, norm_topk_prob

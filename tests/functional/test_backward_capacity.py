@@ -16,6 +16,7 @@ from lrmoe.functional.experts import (
     backward_capacity_rows,
     pad_to_blocks,
     plan_experts,
+    retained_rows_bound,
     selective_swiglu_experts,
 )
 from lrmoe.nn import LRMoE
@@ -148,6 +149,30 @@ def test_bad_backward_capacity_is_refused_by_the_layer_and_the_function(kwargs, 
     x, w_gu, w_d, ids, gates = _problem(8, 16, 12, 6, 2, 0.0, seed=0)
     with pytest.raises(ValueError, match=match):
         selective_swiglu_experts(x, w_gu, w_d, ids, gates, **kwargs)
+
+
+@pytest.mark.parametrize("args, name", [
+    ((8, 2, 0, 0.5, 1.0), "n_experts"), ((8, 2, 4, 0.5, float("inf")), "factor"),
+    ((8, 2, 4, 0.5, float("nan")), "factor"), ((8, 2, 4, 0.5, 0.5), "factor"), ((8, 2, 4, 1.5, 1.0), "retain"),
+    ((-1, 2, 4, 0.5, 1.0), "n_tokens"),
+])
+def test_backward_capacity_rows_refuses_what_has_no_capacity(args, name):
+    with pytest.raises(ValueError, match=name):
+        backward_capacity_rows(*args)
+
+
+@pytest.mark.parametrize("args", [(-1, 4, 0.5), (8, -1, 0.5), (8, 4, -0.5), (8, 4, 0.0)])
+def test_retained_rows_bound_refuses_negative_counts_and_retain_outside_0_1(args):
+    with pytest.raises(ValueError, match="retained_rows_bound"):
+        retained_rows_bound(*args)
+
+
+def test_selective_swiglu_experts_checks_the_probe_and_devices():
+    x, w_gu, w_d, ids, gates = _problem(8, 16, 12, 6, 2, 0.0, seed=0)
+    with pytest.raises(ValueError, match="stats_probe"):
+        selective_swiglu_experts(x, w_gu, w_d, ids, gates, retain=0.5, stats_probe=torch.zeros(2, requires_grad=True))
+    with pytest.raises(ValueError, match="down_EDF on meta"):
+        selective_swiglu_experts(x, w_gu, w_d.to("meta"), ids, gates, retain=0.5)
 
 
 def test_backward_capacity_is_refused_with_pairs_grouped_by_source():

@@ -378,12 +378,26 @@ def test_sample_is_reproducible_with_seed_and_generator():
         (dict(quota_align=0), "quota_align"),
         (dict(quota_align=64.0), "quota_align"),
         (dict(quota_align=True), "quota_align"),  # a bool is an int in Python, not a size
+        (dict(top_k=True), "top_k"),
+        (dict(retain=True), "retain"),
+        (dict(norm_topk_prob="x"), "norm_topk_prob"),
+        (dict(generator=1), "generator"),
     ],
 )
 def test_bad_configuration_raises_naming_the_argument(kwargs, match):
     args = dict(dim=D, hidden_dim=FF, num_experts=E, top_k=K) | kwargs
     with pytest.raises((ValueError, TypeError), match=match):
         LRMoE(**args)
+
+
+@pytest.mark.parametrize("sizes", [(0, D, FF), (E, 0, FF), (E, D, 0), (E, D, 2.0), (E, True, FF)])
+def test_swiglu_experts_refuse_bad_sizes(sizes):
+    from lrmoe.nn.lrmoe import SwiGLUExperts
+
+    name = ("num_experts", "dim", "hidden_dim")[next(i for i, v in enumerate(sizes) if v != (E, D, FF)[i]
+                                                      or type(v) is not int)]
+    with pytest.raises(ValueError, match=name):
+        SwiGLUExperts(*sizes)
 
 
 def test_bad_input_raises():
