@@ -19,6 +19,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from lrmoe.functional._checks import (
     check_backward_capacity,
@@ -573,6 +574,7 @@ class _SelectiveSwiGLU(torch.autograd.Function):
         return out_TD
 
     @staticmethod
+    @once_differentiable  # its ops have no gradients: a second order would be silently incomplete
     def backward(ctx, grad_out_TD):
         (x_TD, gate_up_EFD, down_EDF, gates_TK, expert_ids_TK, quotas_G, uniform_G,
          h_saved, y_PD, phi_sq_TK, order_P, inv_P, offsets_E, group_ids_P) = ctx.saved_tensors

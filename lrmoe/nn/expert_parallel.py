@@ -63,6 +63,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch import nn
+from torch.autograd.function import once_differentiable
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
@@ -88,7 +89,7 @@ from lrmoe.functional.replicas import (
     route_to_replicas,
 )
 from lrmoe.functional.routing import expert_loads
-from lrmoe.nn.lrmoe import LRMoE
+from lrmoe.nn.lrmoe import LRMoE, recomputing
 from lrmoe.ops import argsort_ids, gather_grouped_mm, gather_scale_rows, swiglu_sqnorm
 
 __all__ = ["ExpertParallel", "ExpertParallelPlan", "ExpertParallelStats", "backward_capacity", "plan_expert_parallel"]
@@ -546,6 +547,7 @@ class _ExpertParallelSwiGLU(torch.autograd.Function):
         return out_TD
 
     @staticmethod
+    @once_differentiable  # its ops have no gradients: a second order would be silently incomplete
     def backward(ctx, grad_out_TD):
         (gate_up_IFD, down_IDF, gates_TK, group_P, assign_SWI, quotas_SWI, uniform_G,
          y_PD, phi_sq_TK, order_P, inv_order_P, x_recv_ND, h_saved, inv_perm_N) = ctx.saved_tensors
@@ -906,7 +908,7 @@ class _ExpertParallelMixin:
             splits = _host_splits(plan, ep, n_local, rep.backward_blocks)  # the step's one host synchronisation
         n_inst = plan.instances.shape[1]
         dense = self.retain >= 1.0 and rep.capacity_factor is None
-        if probe is not None and self.selection == "sample" and not dense:
+        if self._draws_uniform(probe) and self.selection == "sample" and not dense:
             # This rank's uniforms, one draw of [G] (one per instance; G = E without replicas) from the layer's
             # generator (the global RNG when None).
             uniform_G = torch.rand(ep.size * n_inst, generator=self.generator, device=x.device)
@@ -931,23 +933,24 @@ class _ExpertParallelMixin:
             gate_up_IFD, down_IDF = gate_up_LFD, down_LDF
 
         row_bytes = self.dim * x.element_size()
-        with torch.no_grad():
-            self.ep_loads.copy_(loads_WE)
-            self.ep_quotas.copy_(plan.quotas)
-            self.ep_instances.copy_(plan.instances)
-            self.ep_assignment.copy_(plan.assignment)
-            self.ep_instance_quotas.copy_(plan.instance_quotas)
-            if plan.capacity is None:
-                self.ep_capacity.fill_(-1)
-            else:
-                self.ep_capacity.copy_(plan.capacity)
-            self.last_loads.copy_(loads_WE.sum(0))
-            self.last_quotas.copy_(plan.quotas.sum(0))
-            self.ep_forward_bytes[0].fill_(_peer_bytes(splits.fwd_send, row_bytes, ep.rank))
-            self.ep_forward_bytes[1].fill_(_peer_bytes(splits.fwd_recv, row_bytes + _EXTRA_BYTES, ep.rank))
-            if rep.max_replicas:
-                self.ep_forward_bytes[2].fill_(_peer_bytes(splits.rep_send, weight_bytes, ep.rank))
-                self.ep_forward_bytes[3].fill_(_peer_bytes(splits.rep_recv, weight_bytes, ep.rank))
+        if not recomputing():  # keep the last forward's plan and bytes (lrmoe.nn.lrmoe.recomputing)
+            with torch.no_grad():
+                self.ep_loads.copy_(loads_WE)
+                self.ep_quotas.copy_(plan.quotas)
+                self.ep_instances.copy_(plan.instances)
+                self.ep_assignment.copy_(plan.assignment)
+                self.ep_instance_quotas.copy_(plan.instance_quotas)
+                if plan.capacity is None:
+                    self.ep_capacity.fill_(-1)
+                else:
+                    self.ep_capacity.copy_(plan.capacity)
+                self.last_loads.copy_(loads_WE.sum(0))
+                self.last_quotas.copy_(plan.quotas.sum(0))
+                self.ep_forward_bytes[0].fill_(_peer_bytes(splits.fwd_send, row_bytes, ep.rank))
+                self.ep_forward_bytes[1].fill_(_peer_bytes(splits.fwd_recv, row_bytes + _EXTRA_BYTES, ep.rank))
+                if rep.max_replicas:
+                    self.ep_forward_bytes[2].fill_(_peer_bytes(splits.rep_send, weight_bytes, ep.rank))
+                    self.ep_forward_bytes[3].fill_(_peer_bytes(splits.rep_recv, weight_bytes, ep.rank))
 
         # No backward will run without a probe: then "offload" would copy h to the host for nothing.
         activations = "recompute" if self.activations == "offload" and probe is None else self.activations

@@ -57,6 +57,13 @@ class LRMoEStats:
         return self.retained_pairs.float() / self.total_pairs.clamp(min=1).float()
 
 
+def recomputing() -> bool:
+    """True while autograd recomputes a forward inside a backward (activation checkpointing, eagerly): the layers
+    then keep their last forward's plan (``stats()``, ``update_selection_bias``) instead of the recomputed
+    micro-batch's. A compiled graph's recompute never reruns the buffer writes, so it is False there."""
+    return not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1
+
+
 class SwiGLUExperts(nn.Module):
     """E SwiGLU experts stored as fused 3-D tensors, as transformers' Qwen3MoeExperts stores them."""
 
@@ -236,12 +243,14 @@ class LRMoE(nn.Module):
         probe = self._probe_for(x)
         plan = plan_experts(
             routing.expert_ids, self.num_experts, retain=self.retain, min_retain=self.min_retain,
-            policy=self.policy, selection=self.selection, generator=self.generator, draw_uniform=probe is not None,
-            quota_align=self.quota_align, backward_capacity=self.backward_capacity,
+            policy=self.policy, selection=self.selection, generator=self.generator,
+            draw_uniform=self._draws_uniform(probe), quota_align=self.quota_align,
+            backward_capacity=self.backward_capacity,
         )
-        with torch.no_grad():
-            self.last_loads.copy_(plan.loads)
-            self.last_quotas.copy_(plan.quotas)
+        if not recomputing():
+            with torch.no_grad():
+                self.last_loads.copy_(plan.loads)
+                self.last_quotas.copy_(plan.quotas)
         out_TD = selective_swiglu_experts(
             x_TD, self.experts.gate_up_proj, self.experts.down_proj, routing.expert_ids,
             routing.gates.to(x.dtype), retain=self.retain, metric=self.metric, selection=self.selection,
@@ -284,6 +293,13 @@ class LRMoE(nn.Module):
         if self._stats_probe.device != x.device:  # only when x is not where the module is (eager use)
             self._stats_probe = self._new_probe(x.device)
         return self._stats_probe
+
+    def _draws_uniform(self, probe: torch.Tensor | None) -> bool:
+        """Whether this forward draws the sampling uniforms: when a backward will run, and in training mode always,
+        as dropout draws. A reentrant activation checkpoint runs the first forward without grad and recomputes it
+        with the RNG state restored: drawing in both keeps the global RNG where an unchecked step leaves it.
+        Evaluation (eval() without grad) leaves the RNG untouched."""
+        return probe is not None or self.training
 
     def _new_probe(self, device: torch.device) -> torch.Tensor:
         return torch.zeros(self._probe_size, dtype=self._probe_dtype, device=device, requires_grad=True)

@@ -409,17 +409,21 @@ def test_bad_input_raises():
         layer(torch.randn(3, D))
 
 
-def test_forward_without_grad_leaves_rng_untouched():
+def test_eval_forward_without_grad_leaves_rng_untouched():
     layer, x, _ = make(retain=0.5, selection="sample")
+    layer.eval()
     torch.manual_seed(5)
     with torch.no_grad():
         layer(x)
     after_eval = torch.rand(3)
     torch.manual_seed(5)
     assert torch.equal(torch.rand(3), after_eval)
-    torch.manual_seed(5)
-    layer(x.requires_grad_(True))  # a training forward draws the sampling uniforms
-    assert not torch.equal(torch.rand(3), after_eval)
+    for train, needs_grad in ((True, False), (False, True)):  # training mode draws as dropout does; so does grad
+        layer.train(train)
+        torch.manual_seed(5)
+        with torch.set_grad_enabled(needs_grad):
+            layer(x.detach().requires_grad_(needs_grad))
+        assert not torch.equal(torch.rand(3), after_eval), (train, needs_grad)
 
 
 @pytest.mark.parametrize("retain, activations, backward_capacity",
@@ -438,3 +442,55 @@ def test_a_batch_of_no_tokens_gives_empty_outputs_and_zero_gradients(retain, act
         assert p.grad is None or not p.grad.any(), name
     stats = layer.stats()
     assert int(stats.total_pairs) == 0 and int(stats.retained_pairs) == 0
+
+
+# ------------------------------------------------------------------------------------------------ training loops
+
+
+def test_second_order_gradients_raise_instead_of_being_incomplete():
+    # The expert backward's ops have no gradients of their own: a gradient penalty through the layer would get
+    # silently wrong parameter gradients (a review measured errors of ~1 at retain 1), so it must raise.
+    layer = LRMoE(D, FF, E, K).double()
+    x = torch.randn(T, D, dtype=torch.float64, requires_grad=True)
+    (gx,) = torch.autograd.grad(layer(x).sin().sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        gx.square().sum().backward()
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_checkpointed_micro_batches_keep_the_last_forwards_plan(use_reentrant):
+    # Two checkpointed micro-batches, one backward: the recomputes (x2's, then x1's) must not overwrite the plan
+    # stats() and update_selection_bias read, which is the last forward's (x2's).
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    layer = LRMoE(D, FF, E, K, retain=0.5)
+    x1, x2 = torch.randn(T, D, requires_grad=True), torch.randn(T, D, requires_grad=True)  # reentrant needs it
+    layer(x2 * 1)
+    want_loads, want_quotas = layer.last_loads.clone(), layer.last_quotas.clone()
+    loss = sum(checkpoint(layer, x, use_reentrant=use_reentrant).square().sum() for x in (x1, x2))
+    assert torch.equal(layer.last_loads, want_loads)
+    loss.backward()
+    stats = layer.stats()
+    assert torch.equal(stats.loads, want_loads) and torch.equal(stats.quotas, want_quotas)
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_checkpointed_sampling_step_leaves_the_rng_where_an_unchecked_one_does(use_reentrant):
+    # A reentrant checkpoint runs the first forward without grad; the layer must draw its uniforms there too
+    # (training mode), or every later random draw (dropout, the next step's uniforms) shifts by one.
+    from torch.utils.checkpoint import checkpoint
+
+    def step(ckpt):
+        torch.manual_seed(1)
+        layer = LRMoE(D, FF, E, K, retain=0.5, selection="sample")
+        x = torch.randn(T, D, requires_grad=True)
+        y = checkpoint(layer, x, use_reentrant=use_reentrant) if ckpt else layer(x)
+        y.square().sum().backward()
+        return torch.rand(4), x.grad, layer.experts.down_proj.grad
+
+    after_plain, gx_plain, gw_plain = step(False)
+    after_ckpt, gx_ckpt, gw_ckpt = step(True)
+    assert torch.equal(after_plain, after_ckpt)
+    torch.testing.assert_close(gx_ckpt, gx_plain, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(gw_ckpt, gw_plain, rtol=1e-6, atol=1e-7)
