@@ -94,21 +94,26 @@ def router_logits(x_TD: torch.Tensor, weight_ED: torch.Tensor, dtype: torch.dtyp
     in fp32 and writes fp32 (torch.mm's out_dtype, on CUDA) gives the fp32 GEMM's result up to the order of its
     sums, on the tensor cores. Its backward writes the fp32 gradient of the logits exactly as the sum of three bf16
     parts and multiplies them in bf16 GEMMs, so the gradients match an fp32 backward's up to the order of the sums
-    and their final rounding. Other dtypes: the linear of copies in ``dtype``.
+    and their final rounding. Other dtypes: the linear of copies in ``dtype``. Under torch.autocast the plain
+    linear (``dtype`` None) autocasts like any; a ``dtype`` given is kept (autocast is off for it).
     """
     check_tensor("x_TD", x_TD, ndim=2, kind="float")
     check_tensor("weight_ED", weight_ED, ndim=2, kind="float")
     if weight_ED.shape[1] != x_TD.shape[1]:
         raise ValueError(f"weight_ED must be [E, {x_TD.shape[1]}] (x_TD's D), got shape {tuple(weight_ED.shape)}")
     check_float_dtype("dtype", dtype)
-    if dtype is None and x_TD.dtype != weight_ED.dtype:
+    if dtype is None and x_TD.dtype != weight_ED.dtype and not torch.is_autocast_enabled(x_TD.device.type):
         raise TypeError(f"x_TD ({x_TD.dtype}) and weight_ED ({weight_ED.dtype}) must have the same dtype when dtype is "
                         "None (a plain linear); pass dtype to compute in one")
-    if dtype is None or (dtype == x_TD.dtype and dtype == weight_ED.dtype):
-        return torch.nn.functional.linear(x_TD, weight_ED)
-    if dtype == torch.float32 and x_TD.dtype == weight_ED.dtype == torch.bfloat16:
-        return _Bf16LogitsInFp32.apply(x_TD, weight_ED)
-    return torch.nn.functional.linear(x_TD.to(dtype), weight_ED.to(dtype))
+    if dtype is None:
+        return torch.nn.functional.linear(x_TD, weight_ED)  # as any linear, under autocast too
+    # A dtype asked for is kept under torch.autocast as well (autocast would run the linear in its own dtype).
+    with torch.autocast(x_TD.device.type, enabled=False):
+        if dtype == x_TD.dtype and dtype == weight_ED.dtype:
+            return torch.nn.functional.linear(x_TD, weight_ED)
+        if dtype == torch.float32 and x_TD.dtype == weight_ED.dtype == torch.bfloat16:
+            return _Bf16LogitsInFp32.apply(x_TD, weight_ED)
+        return torch.nn.functional.linear(x_TD.to(dtype), weight_ED.to(dtype))
 
 
 @dataclass(frozen=True)

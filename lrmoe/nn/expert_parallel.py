@@ -89,7 +89,7 @@ from lrmoe.functional.replicas import (
     route_to_replicas,
 )
 from lrmoe.functional.routing import expert_loads
-from lrmoe.nn.lrmoe import LRMoE, recomputing
+from lrmoe.nn.lrmoe import LRMoE, compute_dtype, recomputing
 from lrmoe.ops import argsort_ids, gather_grouped_mm, gather_scale_rows, swiglu_sqnorm
 
 __all__ = ["ExpertParallel", "ExpertParallelPlan", "ExpertParallelStats", "backward_capacity", "plan_expert_parallel"]
@@ -919,7 +919,8 @@ class _ExpertParallelMixin:
         rank_P, slot_P = pair_destinations(routing.expert_ids, plan.routes[ep.rank], slots_EW)
         group_P = rank_P * n_inst + slot_P
 
-        gate_up_LFD, down_LDF = gate_up.to_local(), down.to_local()
+        dtype = compute_dtype(x)  # torch.autocast's, else x's
+        gate_up_LFD, down_LDF = gate_up.to_local().to(dtype), down.to_local().to(dtype)
         weight_bytes = 0
         if rep.max_replicas:
             # Replica weights from their owners, differentiably: their gradients return and sum into the shards.
@@ -932,7 +933,7 @@ class _ExpertParallelMixin:
         else:
             gate_up_IFD, down_IDF = gate_up_LFD, down_LDF
 
-        row_bytes = self.dim * x.element_size()
+        row_bytes = self.dim * dtype.itemsize
         if not recomputing():  # keep the last forward's plan and bytes (lrmoe.nn.lrmoe.recomputing)
             with torch.no_grad():
                 self.ep_loads.copy_(loads_WE)
@@ -956,10 +957,11 @@ class _ExpertParallelMixin:
         activations = "recompute" if self.activations == "offload" and probe is None else self.activations
         cfg = _Config(retain=self.retain, dense=dense, metric=self.metric, selection=self.selection,
                       generator=self.generator, activations=activations, blocked=rep.backward_blocks)
-        out_TD = _ExpertParallelSwiGLU.apply(
-            x_TD, gate_up_IFD, down_IDF, routing.gates.to(x.dtype), group_P, plan.assignment, plan.instance_quotas,
-            plan.uniform, probe, cfg, splits, ep,
-        )
+        with torch.autocast(x.device.type, enabled=False):  # the experts run in ``dtype`` exactly
+            out_TD = _ExpertParallelSwiGLU.apply(
+                x_TD.to(dtype), gate_up_IFD, down_IDF, routing.gates.to(dtype), group_P, plan.assignment,
+                plan.instance_quotas, plan.uniform, probe, cfg, splits, ep,
+            )
         return self.add_shared(x_TD, out_TD).view(x.shape)
 
     def stats(self) -> ExpertParallelStats:

@@ -57,6 +57,13 @@ class LRMoEStats:
         return self.retained_pairs.float() / self.total_pairs.clamp(min=1).float()
 
 
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The routed experts' dtype: torch.autocast's for x's device when it is on there (x and the expert weights are
+    cast to it, differentiably, so fp32 weights get fp32 gradients), else x's (the parameters' dtype)."""
+    device = x.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+
+
 def recomputing() -> bool:
     """True while autograd recomputes a forward inside a backward (activation checkpointing, eagerly): the layers
     then keep their last forward's plan (``stats()``, ``update_selection_bias``) instead of the recomputed
@@ -228,10 +235,10 @@ class LRMoE(nn.Module):
                              f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
         if x.shape[-1] != self.dim:
             raise ValueError(f"x must have last dimension dim={self.dim}, got shape {tuple(x.shape)}")
-        if x.dtype != self.experts.gate_up_proj.dtype:
+        if x.dtype != self.experts.gate_up_proj.dtype and not torch.is_autocast_enabled(x.device.type):
             raise TypeError(
                 f"x has dtype {x.dtype} but the layer's parameters are {self.experts.gate_up_proj.dtype}; "
-                "cast one of them (e.g. layer.to(x.dtype))"
+                "cast one of them (e.g. layer.to(x.dtype)), or run the layer under torch.autocast"
             )
         check_same_device(x=x, gate_weight=self.gate.weight, gate_up_proj=self.experts.gate_up_proj,
                           down_proj=self.experts.down_proj)
@@ -251,12 +258,15 @@ class LRMoE(nn.Module):
             with torch.no_grad():
                 self.last_loads.copy_(plan.loads)
                 self.last_quotas.copy_(plan.quotas)
-        out_TD = selective_swiglu_experts(
-            x_TD, self.experts.gate_up_proj, self.experts.down_proj, routing.expert_ids,
-            routing.gates.to(x.dtype), retain=self.retain, metric=self.metric, selection=self.selection,
-            policy=self.policy, min_retain=self.min_retain, plan=plan, generator=self.generator,
-            stats_probe=probe, activations=self.activations, backward_capacity=self.backward_capacity,
-        )
+        dtype = compute_dtype(x)
+        with torch.autocast(x.device.type, enabled=False):  # the experts run in ``dtype`` exactly
+            out_TD = selective_swiglu_experts(
+                x_TD.to(dtype), self.experts.gate_up_proj.to(dtype), self.experts.down_proj.to(dtype),
+                routing.expert_ids, routing.gates.to(dtype), retain=self.retain, metric=self.metric,
+                selection=self.selection, policy=self.policy, min_retain=self.min_retain, plan=plan,
+                generator=self.generator, stats_probe=probe, activations=self.activations,
+                backward_capacity=self.backward_capacity,
+            )
         return self.add_shared(x_TD, out_TD).view(x.shape)
 
     def route(self, x_TD: torch.Tensor) -> Routing:

@@ -424,3 +424,14 @@ def test_cuda_fp32_router_logits_from_bf16_and_never_sync(compiled):
         logits, gx, gw = step()
     _assert_fp32_logits(logits, x, w)
     _assert_fp32_backward(gx, gw, x, w, g)
+
+
+def test_router_logits_keep_the_dtype_asked_for_under_autocast():
+    # router_dtype=torch.float32 promises logits of fp32 copies; autocast would otherwise run the linear in bf16.
+    x, w = torch.randn(6, 8), torch.randn(4, 8)
+    want = router_logits(x, w, torch.float32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = router_logits(x, w, torch.float32)
+        plain = router_logits(x, w)  # no dtype: a plain linear, which autocasts
+    assert got.dtype == torch.float32 and torch.equal(got, want)
+    assert plain.dtype == torch.bfloat16

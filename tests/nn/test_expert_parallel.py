@@ -131,6 +131,43 @@ def test_glm_style_routing_and_shared_experts_match_single_device():
     run_ranks(2, _matches_reference, [(1.0, "top", 0, 1), (0.75, "sample", 2, 1), (0.5, "top", 4, 1)], glm)
 
 
+def _autocast_equals_a_bf16_copy(rank, world, max_replicas):
+    # Under torch.autocast(bf16) with fp32 parameters, the experts run in bf16 on bf16 casts of x and the local
+    # weights (and of replicas fetched from them): the same numbers as a bf16 copy of the layer, with the expert
+    # gradients reaching the fp32 shards.
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(7)
+    ref = LRMoE(D, FF, E, K, retain=0.5, selection="top", shared_hidden_dim=4)
+    with torch.no_grad():
+        ref.gate.weight[0] = 1.0  # expert 0 (on rank 0) hot for positive tokens: a replica goes to rank 1
+    kw = dict(max_replicas=max_replicas)
+    layer = parallelize_module(copy.deepcopy(ref), mesh, ExpertParallel(**kw))
+    half = parallelize_module(copy.deepcopy(ref).to(torch.bfloat16), mesh, ExpertParallel(**kw))
+    x_all = torch.randn(sum(tokens_of(r) for r in range(world)), D).abs().to(torch.bfloat16)
+    start = sum(tokens_of(r) for r in range(rank))
+    x = x_all[start:start + tokens_of(rank)]
+    x32 = x.float().requires_grad_(True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = layer(x32)
+    out.float().square().sum().backward()
+    xh = x.clone().requires_grad_(True)
+    out_h = half(xh)
+    out_h.float().square().sum().backward()
+    assert out.dtype == torch.bfloat16 and torch.equal(out, out_h)
+    assert (layer.ep_instances[:, E // world:] >= 0).any() == (max_replicas > 0)  # replicas placed when allowed
+    # x's gradient sums three paths (router, experts, shared expert): in fp32 for fp32 x, in bf16 for the copy.
+    torch.testing.assert_close(x32.grad, xh.grad.float(), rtol=2e-2, atol=2e-2)
+    for name in ("gate_up_proj", "down_proj"):
+        got, want = getattr(layer.experts, name).grad, getattr(half.experts, name).grad
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got.to_local(), want.to_local().float(), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("max_replicas", [0, 2])
+def test_autocast_runs_the_experts_in_its_dtype(max_replicas):
+    run_ranks(2, _autocast_equals_a_bf16_copy, max_replicas)
+
+
 # ---------------------------------------------------------------------------------------- backward payloads
 
 

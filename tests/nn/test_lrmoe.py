@@ -494,3 +494,29 @@ def test_checkpointed_sampling_step_leaves_the_rng_where_an_unchecked_one_does(u
     assert torch.equal(after_plain, after_ckpt)
     torch.testing.assert_close(gx_ckpt, gx_plain, rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(gw_ckpt, gw_plain, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("kwargs", [dict(), dict(retain=0.5, selection="top", activations="recompute"),
+                                    dict(score_func="sigmoid", selection_bias=True, shared_hidden_dim=8)])
+def test_autocast_runs_the_experts_as_a_bf16_copy_would(kwargs):
+    # fp32 parameters under torch.autocast(bf16): the router autocasts like any linear and the experts run in bf16
+    # on casts of x and the weights, so output and gradients are a bf16 copy's, the gradients reaching the fp32
+    # parameters in fp32 (before, a bf16 input was refused with advice to cast the layer).
+    import copy
+
+    torch.manual_seed(3)
+    layer = LRMoE(D, FF, E, K, **kwargs)
+    half = copy.deepcopy(layer).to(torch.bfloat16)
+    x = torch.randn(T, D).to(torch.bfloat16)
+    for x_in in (x, x.float()):  # a linear's bf16 output, or an fp32 residual stream
+        layer.zero_grad(set_to_none=True)
+        half.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = layer(x_in)
+        out.float().square().sum().backward()
+        out_h = half(x)
+        out_h.float().square().sum().backward()
+        assert out.dtype == torch.bfloat16 and torch.equal(out, out_h)
+        for (name, p), q in zip(layer.named_parameters(), half.parameters()):
+            assert p.grad.dtype == torch.float32, name
+            torch.testing.assert_close(p.grad, q.grad.float(), rtol=0, atol=0, msg=name)
