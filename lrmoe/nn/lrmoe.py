@@ -42,7 +42,8 @@ class LRMoEStats:
     retained_pairs, total_pairs: 0-d int64, last forward.
     score_mass_fraction: 0-d fp32, mean over the backward passes since the last ``reset_stats()`` of the
         fraction of (finite) score mass carried by the kept pairs; 1 at retain = 1; nan before any backward.
-    backward_calls: 0-d fp32, backward passes since the last ``reset_stats()``.
+    backward_calls: 0-d fp32, layer calls backpropagated since the last ``reset_stats()`` (two micro-batches and
+        one backward count 2).
     """
 
     loads: torch.Tensor
@@ -278,6 +279,18 @@ class LRMoE(nn.Module):
             bias_E=self.gate.e_score_correction_bias if self.selection_bias else None,
             scaling=self.routed_scaling_factor, n_group=self.n_group, topk_group=self.topk_group,
         )
+
+    def reset_parameters(self) -> None:
+        """Initialise as at construction: the router and a shared expert as nn.Linear does, the experts as
+        SwiGLUExperts does, a selection bias to zeros (for a layer built on the meta device, after ``to_empty``)."""
+        self.gate.reset_parameters()
+        self.experts.reset_parameters()
+        if self.shared_experts is not None:
+            for linear in (self.shared_experts.gate_proj, self.shared_experts.up_proj, self.shared_experts.down_proj):
+                linear.reset_parameters()
+        if self.selection_bias:
+            with torch.no_grad():
+                self.gate.e_score_correction_bias.zero_()
 
     @torch.no_grad()
     def update_selection_bias(self, rate: float) -> None:

@@ -520,3 +520,22 @@ def test_autocast_runs_the_experts_as_a_bf16_copy_would(kwargs):
         for (name, p), q in zip(layer.named_parameters(), half.parameters()):
             assert p.grad.dtype == torch.float32, name
             torch.testing.assert_close(p.grad, q.grad.float(), rtol=0, atol=0, msg=name)
+
+
+def test_reset_parameters_initialises_a_layer_materialised_from_meta():
+    # torchtitan's pattern: build on the meta device, to_empty() on the real one, then initialise. Every parameter
+    # and the selection bias must be set (to_empty leaves memory uninitialised).
+    with torch.device("meta"):
+        layer = LRMoE(D, FF, E, K, score_func="sigmoid", selection_bias=True, shared_hidden_dim=8)
+    layer.to_empty(device="cpu")
+    with torch.no_grad():
+        for t in (*layer.parameters(), layer.gate.e_score_correction_bias):
+            t.fill_(float("nan"))
+    torch.manual_seed(0)
+    layer.reset_parameters()
+    assert torch.equal(layer.gate.e_score_correction_bias, torch.zeros(E))
+    for name, p in layer.named_parameters():
+        fan_in = p.shape[-1]
+        assert torch.isfinite(p).all() and p.abs().max() <= 1 / math.sqrt(fan_in), name
+        assert p.std() > 0.25 / math.sqrt(fan_in), name  # drawn, not left constant
+    assert torch.isfinite(layer(torch.randn(T, D))).all()
