@@ -235,66 +235,35 @@ def balanced_rows(config: MemoryConfig, retain: float, recv: int | None = None,
     )
 
 
-def rows_from_plan(plan, *args, rank: int | None = None) -> Rows:
-    """Exact rows of rank ``rank`` in one expert-parallel step, read on the host. Two forms:
+def rows_from_plan(plan, rank: int) -> Rows:
+    """Exact rows of rank ``rank`` in one expert-parallel step, read on the host.
 
-    ``rows_from_plan(plan, rank)``: ``plan`` is an ``ExpertParallelPlan`` (``plan_expert_parallel``) or the
-        ``ExpertParallelStats`` of the layer's last step (``layer.stats()``): anything with [S, W, I]
-        ``assignment`` (forward rows) and ``instance_quotas`` (retained rows) per (source, rank, instance slot).
-        Exact with replicas: N and M are the rows of this rank's I instances, its L owned experts and its replica
-        slots (``stats().rank_loads[rank]`` and ``rank_backward_loads[rank]``); P and R are the pairs this rank
-        routes and the retained ones it sends, wherever they run.
-    ``rows_from_plan(loads_WE, quotas_WE, rank)``: [W, E] per-expert loads and quotas (``layer.ep_loads``,
-        ``layer.ep_quotas``), N and M from the experts rank ``rank`` owns (contiguous blocks of L = E / W). Exact
-        only without replicas (``max_replicas=0``): these matrices sum each expert's rows over its instances, so
-        with replicas they count a replica's rows on the expert's owner, and nothing in them tells. With replicas
-        use the first form.
+    ``plan``: an ``ExpertParallelPlan`` (``plan_expert_parallel``) or the ``ExpertParallelStats`` of the layer's
+    last step (``layer.stats()``): anything with [S, W, I] ``assignment`` (forward rows) and ``instance_quotas``
+    (retained rows) per (source, rank, instance slot). Exact with replicas: N and M are the rows of this rank's I
+    instances, its L owned experts and its replica slots (``stats().rank_loads[rank]`` and
+    ``rank_backward_loads[rank]``); P and R are the pairs this rank routes and the retained ones it sends, wherever
+    they run. (The [W, E] loads and quotas cannot say this: with replicas they count a replica's rows on the
+    expert's owner.)
     """
-    if isinstance(plan, torch.Tensor):
-        if len(args) not in (1, 2) or (len(args) == 2) == (rank is not None):
-            raise TypeError("rows_from_plan(loads_WE, quotas_WE, rank) takes the [W, E] loads and quotas and one rank")
-        loads_WE, quotas_WE = plan, args[0]
-        rank = args[1] if len(args) == 2 else rank
-        if not isinstance(quotas_WE, torch.Tensor):
-            raise TypeError(f"quotas_WE must be a [W, E] tensor like loads_WE, got {type(quotas_WE).__name__}")
-        if loads_WE.dim() != 2 or loads_WE.shape != quotas_WE.shape:
-            raise ValueError(f"loads_WE and quotas_WE must both be [W, E], got {tuple(loads_WE.shape)} and "
-                             f"{tuple(quotas_WE.shape)}")
-        n_ranks, n_exp = loads_WE.shape
-        _check_rank(rank, n_ranks)
-        if n_exp % n_ranks:
-            raise ValueError(f"loads_WE must be [W, E] with E % W == 0, got E={n_exp}, W={n_ranks}")
-        lo, hi = rank * (n_exp // n_ranks), (rank + 1) * (n_exp // n_ranks)
-        return Rows(
-            pairs=int(loads_WE[rank].sum()),
-            recv=int(loads_WE[:, lo:hi].sum()),
-            sent_retained=int(quotas_WE[rank].sum()),
-            recv_retained=int(quotas_WE[:, lo:hi].sum()),
-        )
-    if len(args) + (rank is not None) != 1:
-        raise TypeError("rows_from_plan(plan, rank) takes an ExpertParallelPlan or ExpertParallelStats and one rank")
-    rank = args[0] if args else rank
     assign_SWI = getattr(plan, "assignment", None)
     quotas_SWI = getattr(plan, "instance_quotas", None)
     if not isinstance(assign_SWI, torch.Tensor) or not isinstance(quotas_SWI, torch.Tensor):
         raise TypeError(f"plan must be an ExpertParallelPlan or ExpertParallelStats (tensors assignment and "
-                        f"instance_quotas), or pass [W, E] loads_WE and quotas_WE; got {type(plan).__name__}")
+                        f"instance_quotas; [W, E] loads and quotas cannot place a replica's rows), got "
+                        f"{type(plan).__name__}")
     shape = tuple(assign_SWI.shape)
     if len(shape) != 3 or shape[0] != shape[1] or tuple(quotas_SWI.shape) != shape:
         raise ValueError(f"plan.assignment and plan.instance_quotas must both be [S, W, I] with S == W, got "
                          f"{shape} and {tuple(quotas_SWI.shape)}")
-    _check_rank(rank, shape[1])
+    if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < shape[1]:
+        raise ValueError(f"rank must be an int in [0, W={shape[1]}), got {rank!r}")
     return Rows(
         pairs=int(assign_SWI[rank].sum()),  # every pair of source ``rank`` runs on exactly one instance
         recv=int(assign_SWI[:, rank].sum()),
         sent_retained=int(quotas_SWI[rank].sum()),
         recv_retained=int(quotas_SWI[:, rank].sum()),
     )
-
-
-def _check_rank(rank, n_ranks: int) -> None:
-    if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < n_ranks:
-        raise ValueError(f"rank must be an int in [0, W={n_ranks}), got {rank!r}")
 
 
 @dataclass(frozen=True)
