@@ -33,6 +33,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from lrmoe.demo.cli import _PRESETS, _positive_int
+
 __all__ = ["Job", "grid_jobs", "run_jobs", "load_results", "delta_ppl", "report", "add_study_parser"]
 
 GRIDS = ("table2", "figure5")
@@ -107,15 +109,23 @@ def job_argv(job: Job, out_dir: Path, args: argparse.Namespace) -> list[str]:
     return argv
 
 
-def run_jobs(jobs: list[Job], out_dir: Path, args: argparse.Namespace) -> list[Job]:
-    """Run the jobs whose logs are missing, ``args.parallel`` at a time; a continued job waits for its seed's
-    pretraining. Stops starting jobs after ``args.time_limit`` seconds. Returns the jobs that failed."""
+def run_jobs(jobs: list[Job], out_dir: Path, args: argparse.Namespace) -> dict[Job, str]:
+    """Run the jobs whose logs are missing, ``args.parallel`` at a time; a continued job waits until its seed's
+    pretraining has written the checkpoint and is neither pending nor running (a re-run rewrites it). A pretraining
+    run whose checkpoint is gone runs again. Stops starting jobs after ``args.time_limit`` seconds. Returns the
+    jobs that failed or could not run, with why."""
     (out_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
+    pretrain = {j.seed: j for j in jobs if j.is_pretrain}
     pending = [j for j in jobs if not _log_file(out_dir, j).exists()]
+    for job in jobs:
+        first = pretrain.get(job.seed)
+        if job in pending and job.regime == "continued" and first is not None and first not in pending \
+                and not _checkpoint(out_dir, job.seed).exists():
+            pending.insert(0, first)  # its log is there but not the checkpoint the continued jobs start from
     print(f"study: {len(jobs)} jobs, {len(jobs) - len(pending)} already done, {len(pending)} to run", flush=True)
     start = time.monotonic()
     running: dict[Job, subprocess.Popen] = {}
-    failed: list[Job] = []
+    failed: dict[Job, str] = {}
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     while pending or running:
         for job, proc in list(running.items()):
@@ -123,14 +133,23 @@ def run_jobs(jobs: list[Job], out_dir: Path, args: argparse.Namespace) -> list[J
                 del running[job]
                 ok = proc.returncode == 0 and _log_file(out_dir, job).exists()
                 if not ok:
-                    failed.append(job)
+                    failed[job] = f"see {out_dir / job.name / 'stdout.log'}"
                 print(f"[{time.monotonic() - start:7.1f} s] {'done' if ok else 'FAILED'} {job.name}", flush=True)
         out_of_time = args.time_limit and time.monotonic() - start > args.time_limit
-        ready = [j for j in pending if j.regime != "continued" or _checkpoint(out_dir, j.seed).exists()]
-        blocked = [j for j in pending if j not in ready and Job("scratch", 1.0, "lrm", "sample", j.seed) in failed]
-        for job in blocked:
+        ready, blocked = [], []
+        for job in pending:
+            first = pretrain.get(job.seed)
+            if job.regime != "continued":
+                ready.append(job)
+            elif first in failed:
+                blocked.append((job, "not run: its pretraining failed"))
+            elif first is None and not _checkpoint(out_dir, job.seed).exists():
+                blocked.append((job, f"not run: no pretraining job and no {_checkpoint(out_dir, job.seed)}"))
+            elif first not in pending and first not in running:
+                ready.append(job)
+        for job, why in blocked:
             pending.remove(job)
-            failed.append(job)
+            failed[job] = why
         while ready and len(running) < args.parallel and not out_of_time:
             job = ready.pop(0)
             pending.remove(job)
@@ -190,8 +209,12 @@ def report(out_dir: Path) -> str:
     regimes = [r for r in ("scratch", "continued") if (r, "dense", 1.0) in results]
     for regime in regimes:
         dense = results[(regime, "dense", 1.0)]
-        final = [math.exp(log["heldout_loss"]) for log in dense.values()]
-        lines += [f"### Regime {regime}: dense backward, final held-out perplexity {_mean_sd(final, signed=False)}", ""]
+        # A diverged run logs its NaN loss as null: infinite perplexity, left out of the mean and named.
+        final = [math.exp(log["heldout_loss"]) if log["heldout_loss"] is not None else math.inf
+                 for log in dense.values()]
+        diverged = sorted(seed for seed, log in dense.items() if log["heldout_loss"] is None)
+        lines += [f"### Regime {regime}: dense backward, final held-out perplexity {_mean_sd(final, signed=False)}"
+                  + (f"; diverged seeds {diverged}" if diverged else ""), ""]
         lines += ["| retain | method | mean ΔPPL over the run | final ΔPPL | seeds |", "| --- | --- | --- | --- | --- |"]
         keys = sorted((k for k in results if k[0] == regime and k[1] != "dense"), key=lambda k: (-k[2], k[1]))
         for key in keys:
@@ -307,20 +330,30 @@ def add_study_parser(subparsers: argparse._SubParsersAction) -> None:
     run.add_argument("--grid", nargs="+", choices=GRIDS, default=list(GRIDS))
     run.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     run.add_argument("--device", default="cpu")
-    run.add_argument("--preset", default="study", help="model and run size passed to every demo job")
-    run.add_argument("--steps", type=int, help="steps of the scratch runs (default: the preset's)")
-    run.add_argument("--continued-steps", type=int, default=300,
+    run.add_argument("--preset", default="study", choices=sorted(_PRESETS),
+                     help="model and run size passed to every demo job")
+    run.add_argument("--steps", type=_positive_int, help="steps of the scratch runs (default: the preset's)")
+    run.add_argument("--continued-steps", type=_positive_int, default=300,
                      help="steps of the continued runs (default 300: ~1 pass over the 2.1 MB prose corpus)")
     run.add_argument("--continued-lr", type=float, default=1e-3, help="peak learning rate of continued training")
-    run.add_argument("--parallel", type=int, default=1, help="jobs at a time")
-    run.add_argument("--threads", type=int, default=1, help="CPU threads per job")
+    run.add_argument("--parallel", type=_positive_int, default=1, help="jobs at a time")
+    run.add_argument("--threads", type=_positive_int, default=1, help="CPU threads per job")
     run.add_argument("--time-limit", type=float, default=0, help="start no job after this many seconds (0: none)")
     run.add_argument("--only", help="run only jobs whose name contains this text")
     run.add_argument("--out", default="runs/study")
     run.set_defaults(handler=_run_command)
     rep = commands.add_parser("report", help="tables and plots of the finished jobs")
     rep.add_argument("out", nargs="?", default="runs/study")
-    rep.set_defaults(handler=lambda args: print(report(Path(args.out))) or 0)
+    rep.set_defaults(handler=_report_command)
+
+
+def _report_command(args: argparse.Namespace) -> int:
+    out_dir = Path(args.out)
+    if not out_dir.is_dir():
+        raise SystemExit(f"lrmoe study report: no study directory {out_dir}")
+    text = report(out_dir)
+    print(text if text.strip() else f"lrmoe study report: no finished jobs under {out_dir}")
+    return 0 if text.strip() else 1
 
 
 def _run_command(args: argparse.Namespace) -> int:
@@ -334,7 +367,7 @@ def _run_command(args: argparse.Namespace) -> int:
             for c in selected)]
         jobs = list(dict.fromkeys(needed + selected))
     failed = run_jobs(jobs, out_dir, args)
-    for job in failed:
-        print(f"failed: {job.name} (see {out_dir / job.name / 'stdout.log'})")
+    for job, why in failed.items():
+        print(f"failed: {job.name} ({why})")
     print(report(out_dir))
     return 1 if failed else 0

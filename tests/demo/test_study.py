@@ -75,3 +75,77 @@ def test_tiny_study_runs_resumes_and_reports(tmp_path):
     with contextlib.redirect_stdout(buffer):
         assert main(argv) == 0
     assert "3 already done, 0 to run" in buffer.getvalue()
+
+
+def _fake_jobs(monkeypatch, tmp_path):
+    """job_argv replaced by a short process that logs when it starts and ends, then writes the job's log (and the
+    checkpoint, for pretraining), so that the scheduling is tested without training anything."""
+    import sys
+
+    import lrmoe.demo.study as study
+
+    def fake_argv(job, out_dir, args):
+        outputs = [str(study._log_file(out_dir, job))] + ([str(study._checkpoint(out_dir, job.seed))]
+                                                           if job.is_pretrain else [])
+        code = ("import sys, time, pathlib; t = time.time(); time.sleep(0.3)\n"
+                "for p in sys.argv[2:]:\n"
+                "    pathlib.Path(p).parent.mkdir(parents=True, exist_ok=True); pathlib.Path(p).write_text('{}')\n"
+                "open(sys.argv[1], 'a').write(f'{t} {time.time()}\\n')")
+        return [sys.executable, "-c", code, str(tmp_path / (job.name.replace("/", "_") + ".times")), *outputs]
+
+    monkeypatch.setattr(study, "job_argv", fake_argv)
+    return study
+
+
+def _times(tmp_path, job):
+    return [tuple(map(float, line.split())) for line in
+            (tmp_path / (job.name.replace("/", "_") + ".times")).read_text().splitlines()]
+
+
+def test_continued_jobs_wait_for_a_rerun_pretraining_and_a_lost_checkpoint_reruns_it(monkeypatch, tmp_path):
+    import argparse
+
+    study = _fake_jobs(monkeypatch, tmp_path)
+    jobs = [Job("scratch", 1.0, "lrm", "sample", 0), Job("continued", 1.0, "lrm", "sample", 0),
+            Job("continued", 0.5, "lrm", "top", 0)]
+    out = tmp_path / "study"
+    args = argparse.Namespace(parallel=3, time_limit=60)
+    # Pretraining's log is there but its checkpoint is not: it must run again (this hung before), and the
+    # continued jobs must start after it ends (they started at once, from whatever checkpoint was there).
+    study._log_file(out, jobs[0]).parent.mkdir(parents=True)
+    study._log_file(out, jobs[0]).write_text("{}")
+    assert study.run_jobs(jobs, out, args) == {}
+    (pre_start, pre_end), = _times(tmp_path, jobs[0])
+    for job in jobs[1:]:
+        (start, _), = _times(tmp_path, job)
+        assert start >= pre_end
+    # A second call finds everything done and runs nothing.
+    assert study.run_jobs(jobs, out, args) == {} and len(_times(tmp_path, jobs[0])) == 1
+
+
+def test_continued_jobs_without_any_pretraining_fail_with_a_reason(monkeypatch, tmp_path):
+    import argparse
+
+    study = _fake_jobs(monkeypatch, tmp_path)
+    job = Job("continued", 0.5, "lrm", "top", 0)
+    failed = study.run_jobs([job], tmp_path / "study", argparse.Namespace(parallel=1, time_limit=60))
+    assert list(failed) == [job] and "no pretraining job" in failed[job]
+
+
+@pytest.mark.parametrize("flag, value", [("--parallel", "0"), ("--threads", "0"), ("--steps", "0"),
+                                         ("--continued-steps", "0"), ("--preset", "bogus")])
+def test_study_run_refuses_bad_arguments_up_front(flag, value, tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        main(["study", "run", flag, value, "--out", str(tmp_path)])
+    assert flag in capsys.readouterr().err
+
+
+def test_report_names_diverged_dense_seeds_and_refuses_a_missing_directory(tmp_path):
+    for seed, loss in ((0, math.log(4.0)), (1, None)):
+        path = tmp_path / Job("scratch", 1.0, "lrm", "sample", seed).name / "retain_1.json"
+        path.parent.mkdir(parents=True)
+        path.write_text(json.dumps(_log({0: 5.0, 10: loss}, retain=1.0)))
+    text = report(tmp_path)
+    assert "4.0000 ± 0.0000 (n=1)" in text and "diverged seeds [1]" in text
+    with pytest.raises(SystemExit, match="no study directory"):
+        main(["study", "report", str(tmp_path / "missing")])
