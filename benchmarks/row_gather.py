@@ -52,6 +52,8 @@ def main() -> None:
     parser.add_argument("--retain", type=float, nargs="+", default=[1.0, 0.5])
     parser.add_argument("--sweep", action="store_true")
     args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("benchmarks/row_gather.py needs a CUDA device")
 
     from lrmoe_kernels.offload import _blocks, gather_host_rows_triton
     from triton.testing import do_bench

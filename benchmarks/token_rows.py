@@ -39,6 +39,8 @@ def main() -> None:
     parser.add_argument("--dims", type=int, nargs="+", default=[2048, 4096])
     parser.add_argument("--sweep", action="store_true")
     args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("benchmarks/token_rows.py needs a CUDA device")
 
     from lrmoe_kernels.scoring import score_pairs_triton
     from lrmoe_kernels.token_rows import gather_dot_rows_triton, gather_dot_scores_triton, gather_sum_rows_triton
