@@ -12,6 +12,7 @@ import argparse
 import json
 import math
 import os
+import pickle
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -19,7 +20,7 @@ from pathlib import Path
 import torch
 
 from lrmoe.demo.data import load_corpus
-from lrmoe.demo.model import ModelConfig
+from lrmoe.demo.model import ModelConfig, MoELM
 from lrmoe.demo.plots import have_matplotlib, plot_expert_loads, plot_loss_curves
 from lrmoe.demo.train import TrainConfig, train, warmup
 from lrmoe.functional._checks import check_backward_capacity
@@ -59,6 +60,20 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be a non-negative integer, got {text}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not 0.0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return value
+
+
 def _retain_value(text: str) -> float:
     value = float(text)
     if not 0.0 < value <= 1.0:
@@ -95,11 +110,13 @@ def add_demo_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
     )
     parser.add_argument("--init", metavar="PATH", help="start from these model weights (continued training)")
     parser.add_argument("--save", metavar="PATH", help="save the final weights of the (last) run here")
-    parser.add_argument("--eval-every", type=int, help="held-out evaluation every this many steps (0: end only)")
+    parser.add_argument("--eval-every", type=_non_negative_int,
+                        help="held-out evaluation every this many steps (0: end only)")
     parser.add_argument("--no-progress", action="store_true", help="plain progress lines instead of a progress bar")
     parser.add_argument("--no-plots", action="store_true", help="write the JSON logs but no PNG plots")
-    parser.add_argument("--quick", action="store_true", help="a tiny model and a handful of steps (CI smoke run)")
-    parser.add_argument(
+    size = parser.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true", help="a tiny model and a handful of steps (CI smoke run)")
+    size.add_argument(
         "--preset", choices=sorted(_PRESETS), help="model and run size (default 'default'; --quick means 'quick')"
     )
     parser.add_argument("--metric", choices=("lrm", "grad_l2", "grad_abs", "random"), default="lrm")
@@ -112,7 +129,7 @@ def add_demo_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
     )
     parser.add_argument("--batch-size", type=_positive_int, help="sequences per step")
     parser.add_argument("--seq-len", type=_positive_int, help="bytes per sequence")
-    parser.add_argument("--lr", type=float, help="peak learning rate")
+    parser.add_argument("--lr", type=_positive_float, help="peak learning rate")
     parser.add_argument("--log-every", type=_positive_int, help="print a progress line every this many steps")
     parser.add_argument(
         "--threads", type=_positive_int, help="torch intra-op threads on cpu (default: the cores this process may use)"
@@ -254,6 +271,18 @@ def run_demo(args: argparse.Namespace) -> int:
             check_backward_capacity(args.backward_capacity, min(args.retain), 1, False, args.policy)
         except ValueError as err:
             raise SystemExit(f"lrmoe demo: --backward-capacity: {err}") from None
+    # Files named on the command line are checked before training, not found missing after it.
+    if args.init and not Path(args.init).is_file():
+        raise SystemExit(f"lrmoe demo: --init: no file {args.init}")
+    if args.init:
+        try:  # the preset's model must take these weights (a demo model: cheap to build twice)
+            MoELM(model_cfg).load_state_dict(torch.load(args.init, map_location="cpu", weights_only=True))
+        except (OSError, RuntimeError, ValueError, pickle.UnpicklingError) as err:
+            raise SystemExit(f"lrmoe demo: --init {args.init}: not weights of this model (dim {model_cfg.dim}, "
+                             f"{model_cfg.n_layers} layers, {model_cfg.num_experts} experts): "
+                             f"{str(err).splitlines()[0]}") from None
+    if args.save and not Path(args.save).resolve().parent.is_dir():
+        raise SystemExit(f"lrmoe demo: --save: no directory {Path(args.save).resolve().parent}")
     out_dir = Path(args.out) if args.out else None
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -266,7 +295,14 @@ def run_demo(args: argparse.Namespace) -> int:
         torch.set_float32_matmul_precision("high")  # TF32 tensor cores for the fp32 model on GPUs
     try:
         start = time.perf_counter()
-        corpus = load_corpus(args.corpus, max_bytes)
+        try:
+            corpus = load_corpus(args.corpus, max_bytes)
+        except (OSError, ValueError, RuntimeError) as err:
+            raise SystemExit(f"lrmoe demo: --corpus {args.corpus}: {err}") from None
+        for part, data_N in (("training", corpus.train_N), ("held-out", corpus.heldout_N)):
+            if data_N.numel() <= train_cfg.seq_len:  # a window is seq_len + 1 bytes
+                raise SystemExit(f"lrmoe demo: the corpus's {part} part has {data_N.numel()} bytes, fewer than a "
+                                 f"window of seq_len + 1 = {train_cfg.seq_len + 1}")
         print(f"corpus: {corpus.describe()} (loaded in {time.perf_counter() - start:.2f} s)")
         print(
             f"model: dim {model_cfg.dim}, {model_cfg.n_layers} layers, {model_cfg.num_experts} experts, "

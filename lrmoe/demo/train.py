@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from lrmoe.demo.data import Corpus, heldout_batches, sample_batch
 from lrmoe.demo.model import ModelConfig, MoELM, lrmoe_layers
+from lrmoe.functional.experts import backward_capacity_rows
 
 __all__ = ["TrainConfig", "StepMetrics", "lr_factor", "evaluate", "warmup", "train"]
 
@@ -94,11 +95,17 @@ class _LayerStats:
     quotas_LE: torch.Tensor  # [layers, E] pairs each expert kept in backward
 
 
-def _step_stats(model: nn.Module) -> _LayerStats:
-    """The last step's statistics of every LRMoE layer, then reset their backward statistics."""
+def _step_stats(model: nn.Module, n_tokens: int) -> _LayerStats:
+    """The last step's statistics of every LRMoE layer (``n_tokens`` per layer call), then reset their backward
+    statistics."""
     layers = list(lrmoe_layers(model))
     stats = [layer.stats() for layer in layers]
     retained = torch.stack([s.retained_pairs for s in stats]).sum()
+    # Rows the expert backward's GEMMs run: the retained pairs, or with backward_capacity E padded blocks of C.
+    bwd_rows = sum(s.retained_pairs if layer.backward_capacity is None or layer.retain >= 1.0 else
+                   layer.num_experts * backward_capacity_rows(n_tokens, layer.top_k, layer.num_experts, layer.retain,
+                                                              layer.backward_capacity)
+                   for layer, s in zip(layers, stats))
     total = torch.stack([s.total_pairs for s in stats]).sum()
     mass = torch.stack([s.score_mass_fraction.float() for s in stats]).nanmean()
     for layer in layers:
@@ -106,7 +113,7 @@ def _step_stats(model: nn.Module) -> _LayerStats:
     return _LayerStats(
         retained_fraction=retained.double() / total.clamp(min=1).double(),
         score_mass_fraction=mass.double(),
-        bwd_rows=retained,
+        bwd_rows=torch.as_tensor(bwd_rows, device=retained.device),
         loads_LE=torch.stack([s.loads for s in stats]),
         quotas_LE=torch.stack([s.quotas for s in stats]),
     )
@@ -134,7 +141,7 @@ def warmup(model_cfg: ModelConfig, train_cfg: TrainConfig) -> None:
         _lm_loss(model, batch_BL1).backward()
         nn.utils.clip_grad_norm_(model.parameters(), train_cfg.grad_clip)
         optimizer.step()
-        _step_stats(model)
+        _step_stats(model, n_tokens=batch_BL1.shape[0] * train_cfg.seq_len)
         evaluate(model, [batch_BL1], device)
 
 
@@ -186,7 +193,7 @@ def _train_step(
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     scheduler.step()
-    stats = _step_stats(model)
+    stats = _step_stats(model, n_tokens=batch_BL1.shape[0] * (batch_BL1.shape[1] - 1))
     return StepMetrics(loss.detach(), grad_norm.detach(), stats.retained_fraction, stats.score_mass_fraction,
                        stats.bwd_rows), stats
 

@@ -169,6 +169,10 @@ def test_backward_capacity_runs_the_capped_blocked_backward_at_retain_below_one(
     assert capped["backward_capacity"] == 1.0
     assert 0 < capped["retained_fraction"] <= 0.5
     assert math.isfinite(capped["heldout_loss"]) and capped["heldout_loss"] < LN_VOCAB
+    # The backward's GEMMs run E padded blocks of C rows per layer, not the kept pairs: quick model, 2 layers,
+    # E = 4, k = 2, 8 x 32 tokens a step, C = ceil(1.0 * floor(0.5 * 512) / 4) rounded up to 8 = 64.
+    assert capped["bwd_rows_per_step"] == 2 * 4 * 64
+    assert dense["bwd_rows_per_step"] == 2 * 8 * 32 * 2
 
 
 @pytest.mark.parametrize("argv, match", [
@@ -179,3 +183,20 @@ def test_backward_capacity_runs_the_capped_blocked_backward_at_retain_below_one(
 def test_bad_backward_capacity_is_refused_before_training(argv, match):
     with pytest.raises(SystemExit, match=match):
         run_main(["demo", "--quick", "--out", "", *argv])
+
+
+def test_bad_files_and_values_are_refused_before_training(tmp_path):
+    tiny = tmp_path / "tiny.txt"
+    tiny.write_text("tiny")
+    cases = [
+        (["--corpus", str(tmp_path / "missing.txt")], "--corpus"),
+        (["--corpus", str(tiny)], "fewer than a window"),
+        (["--init", str(tmp_path / "missing.pt")], "--init: no file"),
+        (["--retain", "1", "--save", str(tmp_path / "no_dir" / "w.pt")], "--save: no directory"),
+    ]
+    for argv, match in cases:
+        with pytest.raises(SystemExit, match=match):
+            run_main(["demo", "--quick", "--steps", "1", "--out", "", *argv])
+    for argv in (["--eval-every", "-3"], ["--lr", "nan"], ["--preset", "default"]):  # argparse: exit status 2
+        with pytest.raises(SystemExit):
+            run_main(["demo", "--quick", "--steps", "1", "--out", "", *argv])
