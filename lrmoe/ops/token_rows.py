@@ -23,6 +23,7 @@ the other op plus an index_add (they are transposes of each other).
 from __future__ import annotations
 
 import torch
+from torch.fx.experimental.symbolic_shapes import guard_or_false
 
 from lrmoe.ops._kernels import forward_only, inline_when_compiled, kernel_module
 from lrmoe.ops.rows import check_float_matrix
@@ -52,6 +53,8 @@ def _acc_dtype(*tensors: torch.Tensor | None) -> torch.dtype:
 def _gathered(src_NC: torch.Tensor, rows_TK: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
     """[T, K, C] rows in pair order in the accumulation dtype, zero where rows < 0."""
     shape = (*rows_TK.shape, src_NC.shape[1])
+    if guard_or_false(src_NC.shape[0] == 0):  # no rows at all (an EP rank that kept none): every slot is padding
+        return src_NC.new_zeros(shape, dtype=acc)
     vals_TKC = src_NC.index_select(0, rows_TK.clamp(min=0).reshape(-1).long()).view(shape).to(acc)
     return torch.where((rows_TK >= 0).unsqueeze(-1), vals_TKC, 0.0)
 

@@ -168,6 +168,29 @@ def test_autocast_runs_the_experts_in_its_dtype(max_replicas):
     run_ranks(2, _autocast_equals_a_bf16_copy, max_replicas)
 
 
+def _rank_keeping_no_pairs(rank, world):
+    # Rank 0 routes one token, whose share of the quota rounds to 0: it keeps no pairs, and its backward's token
+    # gather ran on an empty dx (an IndexError on that rank, the others then hanging in the next collective).
+    mesh = init_device_mesh("cpu", (world,))
+    counts = [1, 40]
+    torch.manual_seed(0)
+    ref = LRMoE(8, 6, 4, 1, retain=0.5, selection="top")
+    layer = parallelize_module(copy.deepcopy(ref), mesh, ExpertParallel())
+    x_all = torch.randn(sum(counts), 8)
+    rows = slice(sum(counts[:rank]), sum(counts[:rank + 1]))
+    x = x_all[rows].clone().requires_grad_(True)
+    out = layer(x)
+    out.sum().backward()
+    assert int(layer.ep_quotas[0].sum()) == 0 and int(layer.ep_loads[0].sum()) == 1  # the case under test
+    xr = x_all.clone().requires_grad_(True)
+    reference_forward(ref, xr, counts).sum().backward()
+    torch.testing.assert_close(x.grad, xr.grad[rows], rtol=1e-5, atol=1e-6)
+
+
+def test_a_rank_that_keeps_no_pairs_gets_its_router_gradient():
+    run_ranks(2, _rank_keeping_no_pairs)
+
+
 # ---------------------------------------------------------------------------------------- backward payloads
 
 
