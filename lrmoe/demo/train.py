@@ -95,9 +95,10 @@ class _LayerStats:
     quotas_LE: torch.Tensor  # [layers, E] pairs each expert kept in backward
 
 
-def _step_stats(model: nn.Module, n_tokens: int) -> _LayerStats:
-    """The last step's statistics of every LRMoE layer (``n_tokens`` per layer call), then reset their backward
-    statistics."""
+def _step_stats(model: nn.Module, batch_BL1: torch.Tensor) -> _LayerStats:
+    """The last step's statistics of every LRMoE layer (the step's batch gives the tokens per layer call), then
+    reset their backward statistics."""
+    n_tokens = batch_BL1.shape[0] * (batch_BL1.shape[1] - 1)  # inputs are batch[:, :-1]
     layers = list(lrmoe_layers(model))
     stats = [layer.stats() for layer in layers]
     retained = torch.stack([s.retained_pairs for s in stats]).sum()
@@ -141,7 +142,7 @@ def warmup(model_cfg: ModelConfig, train_cfg: TrainConfig) -> None:
         _lm_loss(model, batch_BL1).backward()
         nn.utils.clip_grad_norm_(model.parameters(), train_cfg.grad_clip)
         optimizer.step()
-        _step_stats(model, n_tokens=batch_BL1.shape[0] * train_cfg.seq_len)
+        _step_stats(model, batch_BL1)
         evaluate(model, [batch_BL1], device)
 
 
@@ -193,7 +194,7 @@ def _train_step(
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     scheduler.step()
-    stats = _step_stats(model, n_tokens=batch_BL1.shape[0] * (batch_BL1.shape[1] - 1))
+    stats = _step_stats(model, batch_BL1)
     return StepMetrics(loss.detach(), grad_norm.detach(), stats.retained_fraction, stats.score_mass_fraction,
                        stats.bwd_rows), stats
 
