@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 from torch.autograd.function import once_differentiable
+from torch.fx.experimental.symbolic_shapes import guard_or_false
 
 from lrmoe.functional._checks import (
     check_backward_capacity,
@@ -348,6 +349,15 @@ def combine(y_ND: torch.Tensor, rows_TK: torch.Tensor, gates_TK: torch.Tensor) -
     return gather_sum_rows(y_ND, rows_TK, gates_TK.to(y_ND.dtype))
 
 
+def take_rows(src: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``src.index_select(0, index)``, or zero rows when ``src`` is known to have none (an expert-parallel rank
+    with no tokens: every index it holds then points at padding). Inductor cannot lower a gather from a tensor
+    of static size 0 by a data-dependent row count, and such a rank's compiled backward still gathers."""
+    if guard_or_false(src.shape[0] == 0):
+        return src.new_zeros(index.shape[0], *src.shape[1:])
+    return src.index_select(0, index)
+
+
 def select_retained(
     gates_TK: torch.Tensor,
     g_TD: torch.Tensor,
@@ -377,7 +387,7 @@ def select_retained(
                               uniform_G=uniform_G, group_order_P=group_order_P, max_group_size=gates_TK.shape[0],
                               group_ends_G=group_ends_G)
     finite_P = torch.where(torch.isfinite(scores_P), scores_P, 0.0)
-    kept_mass = finite_P.index_select(0, sel.pair_ids.clamp(min=0)).mul(sel.pair_ids >= 0).sum()
+    kept_mass = take_rows(finite_P, sel.pair_ids.clamp(min=0)).mul(sel.pair_ids >= 0).sum()
     return sel, kept_mass / finite_P.sum().clamp(min=torch.finfo(torch.float32).tiny)
 
 
@@ -390,9 +400,9 @@ def retained_dy(
     dtype than dy: the PyTorch form."""
     safe_R = pair_R.clamp(min=0)
     tok_R = torch.div(safe_R, gates_TK.shape[1], rounding_mode="floor")
-    coef_R = gates_TK.detach().reshape(-1).float().index_select(0, safe_R) * weight_R
+    coef_R = take_rows(gates_TK.detach().reshape(-1).float(), safe_R) * weight_R
     if g_TD.dtype != dtype:
-        return (g_TD.index_select(0, tok_R) * coef_R.unsqueeze(1)).to(dtype), tok_R, safe_R
+        return (take_rows(g_TD, tok_R) * coef_R.unsqueeze(1)).to(dtype), tok_R, safe_R
     return gather_scale_rows(g_TD, tok_R, coef_R), tok_R, safe_R
 
 

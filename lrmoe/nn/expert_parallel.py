@@ -80,6 +80,7 @@ from lrmoe.functional.experts import (
     saved_h,
     select_retained,
     sum_rows_per_token,
+    take_rows,
 )
 from lrmoe.functional.quotas import plan_quotas
 from lrmoe.functional.replicas import (
@@ -596,8 +597,8 @@ class _ExpertParallelSwiGLU(torch.autograd.Function):
             # message to its rank (its position in the sorted dispatch buffer minus that rank's block start).
             fwd_send_W = assign_SWI[ep.rank].sum(-1)
             start_W = torch.cumsum(fwd_send_W, 0) - fwd_send_W
-            dest_R = torch.div(group_P.index_select(0, safe_R), n_inst, rounding_mode="floor")
-            index_R = inv_order_P.index_select(0, safe_R) - start_W.index_select(0, dest_R)
+            dest_R = torch.div(take_rows(group_P, safe_R), n_inst, rounding_mode="floor")
+            index_R = take_rows(inv_order_P, safe_R) - start_W.index_select(0, dest_R)
             index_R = torch.where(pair_R >= 0, index_R, 0).int()
             dy_MD, index_M = _all_to_all_with_scalars(dy_RD, index_R, splits.bwd_recv, splits.bwd_send, ep)
             row_bytes += _EXTRA_BYTES
