@@ -193,6 +193,41 @@ def backward_capacity(loads_WE: torch.Tensor, retain: float, capacity_factor: fl
     return cap.expand(n_ranks).clone()
 
 
+def _check_placement(replicas_WR, loads_WE: torch.Tensor, max_replicas: int) -> torch.Tensor:
+    """A placement policy's output: an integer [W, R] tensor on the loads' device; on the host (``plan_on="host"``,
+    where reading it costs no sync) also its values: expert ids in [-1, E), none a rank's own expert, no expert
+    twice on one rank. A policy breaking these used to surface as split sizes that disagree between ranks."""
+    n_ranks, n_exp = loads_WE.shape
+    if not isinstance(replicas_WR, torch.Tensor) or tuple(replicas_WR.shape) != (n_ranks, max_replicas):
+        got = tuple(replicas_WR.shape) if isinstance(replicas_WR, torch.Tensor) else type(replicas_WR).__name__
+        raise ValueError(f"placement_policy must return a [W={n_ranks}, max_replicas={max_replicas}] tensor of "
+                         f"expert ids, got {got}")
+    if replicas_WR.dtype.is_floating_point or replicas_WR.dtype.is_complex or replicas_WR.dtype == torch.bool:
+        raise TypeError(f"placement_policy must return integer expert ids, got {replicas_WR.dtype}")
+    if replicas_WR.device != loads_WE.device:
+        raise ValueError(f"placement_policy must return its tensor on the loads' device ({loads_WE.device}), got "
+                         f"{replicas_WR.device}")
+    if replicas_WR.device.type != "cpu":
+        return replicas_WR  # its values would need a host sync (plan_on="device"): the policy is trusted
+    reps = replicas_WR.long()  # a CPU tensor from here on: the reads below (any, tolist, nonzero) cost no sync
+    n_local = n_exp // n_ranks
+    bad = (reps < -1) | (reps >= n_exp)
+    if bad.any():
+        raise ValueError(f"placement_policy returned expert ids outside [-1, E={n_exp}): {reps[bad].tolist()}")
+    owner_WR = torch.div(reps, n_local, rounding_mode="floor")
+    own = (reps >= 0) & (owner_WR == torch.arange(n_ranks).unsqueeze(1))
+    if own.any():
+        w = int(own.any(1).nonzero()[0])
+        raise ValueError(f"placement_policy put a replica of an expert on the rank that owns it (rank {w}: "
+                         f"{reps[w][own[w]].tolist()}); a replica goes to a rank that does not own its expert")
+    for w in range(n_ranks):
+        placed = reps[w][reps[w] >= 0]
+        if placed.unique().numel() != placed.numel():
+            raise ValueError(f"placement_policy put one expert in two replica slots of rank {w} ({reps[w].tolist()});"
+                             f" a rank holds at most one instance of an expert")
+    return replicas_WR
+
+
 def plan_expert_parallel(
     loads_WE: torch.Tensor,
     retain: float,
@@ -215,8 +250,10 @@ def plan_expert_parallel(
 
     Errors (on Python values, shapes and dtypes, no sync), those of ``ExpertParallel`` for the same arguments:
     ``loads_WE`` not an integer [W, E] tensor with E a positive multiple of W, ``max_replicas`` not an int in
-    [0, E - E/W], ``capacity_factor`` neither None nor a finite float >= 1, ``placement_policy`` not callable; and
-    plan_quotas' errors for ``retain``, ``min_retain``, ``policy`` and ``quota_align``.
+    [0, E - E/W], ``capacity_factor`` neither None nor a finite float >= 1, ``placement_policy`` not callable or
+    returning other than an integer [W, max_replicas] tensor on the loads' device (on CPU also: ids outside [-1,
+    E), a rank's own expert, an expert twice on one rank); and plan_quotas' errors for ``retain``, ``min_retain``,
+    ``policy`` and ``quota_align``.
     """
     check_tensor("loads_WE", loads_WE, ndim=2, kind="int")  # as plan_quotas: float loads would be truncated
     _check_replication(max_replicas, capacity_factor, placement_policy)
@@ -228,10 +265,7 @@ def plan_expert_parallel(
     loads_WE = loads_WE.long()
     device = loads_WE.device
     if max_replicas > 0:
-        replicas_WR = placement_policy(loads_WE, max_replicas)
-        if tuple(replicas_WR.shape) != (n_ranks, max_replicas):
-            raise ValueError(f"placement_policy must return [W={n_ranks}, max_replicas={max_replicas}] expert ids, "
-                             f"got shape {tuple(replicas_WR.shape)}")
+        replicas_WR = _check_placement(placement_policy(loads_WE, max_replicas), loads_WE, max_replicas)
     else:
         replicas_WR = torch.empty(n_ranks, 0, dtype=torch.int64, device=device)
     inst_WI = instance_experts(replicas_WR, n_exp)
@@ -749,7 +783,8 @@ class ExpertParallel(ParallelStyle):
             Must be >= 1: with less, the ranks together could not hold the budget. Capacity is a hard limit: a
             rank whose min_retain floors exceed it keeps a waterfilled share of them (``plan_quotas``).
         placement_policy: ``(loads_WE, max_replicas) -> replicas_WR`` (see lrmoe.functional.replicas); must be
-            deterministic. Default :func:`~lrmoe.functional.place_hot_replicas`.
+            deterministic. Default :func:`~lrmoe.functional.place_hot_replicas`. Its output is checked at every
+            plan (values only on the host: see ``plan_expert_parallel``).
         plan_on: where the per-step plan (``plan_expert_parallel`` on the [W, E] load matrix: ~20 tiny integer
             ops for the dense backward without replicas, ~170-480 with a capacity or replicas at W = 2) runs.
             "host" (default): one device-to-host copy of the load matrix (the step's one host synchronisation),

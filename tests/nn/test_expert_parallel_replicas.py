@@ -355,6 +355,32 @@ def test_plan_arguments_are_checked_as_the_style_checks_them(loads, kwargs, exc,
         plan_expert_parallel(loads, 0.5, **kwargs)
 
 
+def _policy_returning(value):
+    return lambda loads_WE, max_replicas: value
+
+
+# _LOADS_WE: rank 0 owns experts 0 and 1, rank 1 owns 2 and 3. Each of these used to plan on: the ids past E or
+# below -1 as an opaque index error, the others as split sizes the ranks disagree on.
+@pytest.mark.parametrize("replicas, exc, match", [
+    (torch.tensor([[0, -1], [-1, -1]]), ValueError, "rank that owns it"),  # rank 0 replicating its own expert 0
+    (torch.tensor([[-1, -1], [1, 1]]), ValueError, "two replica slots"),  # expert 1 twice on rank 1
+    (torch.tensor([[4, -1], [0, -1]]), ValueError, r"outside \[-1, E=4\)"),
+    (torch.tensor([[-2, -1], [0, -1]]), ValueError, r"outside \[-1, E=4\)"),
+    (torch.tensor([[2.0, -1.0], [0.0, -1.0]]), TypeError, "integer expert ids"),
+    ([[2, -1], [0, -1]], ValueError, "tensor of expert ids"),
+    (torch.tensor([[2], [0]]), ValueError, r"\[W=2, max_replicas=2\]"),
+])
+def test_a_placement_policys_output_is_checked(replicas, exc, match):
+    from lrmoe.nn.expert_parallel import plan_expert_parallel
+
+    with pytest.raises(exc, match=match):
+        plan_expert_parallel(_LOADS_WE, 0.5, max_replicas=2, placement_policy=_policy_returning(replicas))
+    # The same ids, valid: rank 0 replicating 2 and 3, rank 1 replicating 0.
+    plan = plan_expert_parallel(_LOADS_WE, 0.5, max_replicas=2,
+                                placement_policy=_policy_returning(torch.tensor([[2, 3], [0, -1]])))
+    assert plan.instances.tolist() == [[0, 1, 2, 3], [2, 3, 0, -1]]
+
+
 def test_plan_accepts_the_limits_and_any_integer_loads():
     from lrmoe.nn.expert_parallel import plan_expert_parallel
 
@@ -375,6 +401,13 @@ def _configurations(rank, world):
                              ExpertParallel(max_replicas=1, placement_policy=lambda loads, r: loads[:, :r + 1]))
     with pytest.raises(ValueError, match="placement_policy"):
         bad(torch.randn(4, D))
+    # One that replicates the rank's own expert: every rank raises in its plan (before any split-size mismatch).
+    for plan_on in ("host", "device"):
+        own = parallelize_module(LRMoE(D, FF, E, K), mesh, ExpertParallel(
+            max_replicas=1, plan_on=plan_on,
+            placement_policy=lambda loads, r: torch.arange(loads.shape[0]).unsqueeze(1) * (E // world)))
+        with pytest.raises(ValueError, match="rank that owns it"):
+            own(torch.randn(4, D))
     # A replaceable policy: "no replicas" gives the owners-only layer, bit for bit.
     torch.manual_seed(0)
     base = LRMoE(D, FF, E, K, retain=0.5, selection="top")
