@@ -12,7 +12,8 @@ for lrm-sample, lrm-top and random-top (uniform dropping). Every job of a seed s
 order (the data generator is seeded by the seed alone) and the same token budget.
 
 Each job is one ``python -m lrmoe demo`` process; jobs run as parallel processes (they share one GPU well) and
-a job whose log exists is not run again, so a grid can be completed over several calls. ``report`` turns the
+a job whose log exists is not run again, so a grid can be completed over several calls (with the same preset,
+steps and learning rate: the first call records them in ``settings.json`` and later calls must match). ``report`` turns the
 logs into tables (mean over the run of the held-out perplexity gap to dense, with the spread across seeds) and
 plots.
 
@@ -356,8 +357,32 @@ def _report_command(args: argparse.Namespace) -> int:
     return 0 if text.strip() else 1
 
 
+# The run settings every job's numbers depend on; a study directory holds jobs of one set of them, or the report
+# would compare runs of different lengths (a resumed grid used to reuse a 6-step log beside 8-step runs). The
+# device and thread count are not among them: a grid may be finished on another machine.
+_SETTINGS = ("preset", "steps", "continued_steps", "continued_lr")
+
+
+def _check_settings(out_dir: Path, args: argparse.Namespace) -> None:
+    """Record the run settings in ``out_dir/settings.json`` on the first call; refuse a later call whose
+    settings differ (SystemExit naming each differing option and both values)."""
+    want = {key: getattr(args, key) for key in _SETTINGS}
+    path = out_dir / "settings.json"
+    if path.exists():
+        have = json.loads(path.read_text())
+        diff = [f"--{key.replace('_', '-')} {have.get(key)!r} there, {want[key]!r} now"
+                for key in _SETTINGS if have.get(key) != want[key]]
+        if diff:
+            raise SystemExit(f"lrmoe study run: {out_dir} holds jobs run with other settings ({'; '.join(diff)}); "
+                             f"run with the same settings or another --out")
+        return
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(want, indent=1) + "\n")
+
+
 def _run_command(args: argparse.Namespace) -> int:
     out_dir = Path(args.out)
+    _check_settings(out_dir, args)
     jobs = grid_jobs(args.grid, args.seeds)
     if args.only:
         selected = [j for j in jobs if args.only in j.name]

@@ -149,3 +149,16 @@ def test_report_names_diverged_dense_seeds_and_refuses_a_missing_directory(tmp_p
     assert "4.0000 ± 0.0000 (n=1)" in text and "diverged seeds [1]" in text
     with pytest.raises(SystemExit, match="no study directory"):
         main(["study", "report", str(tmp_path / "missing")])
+
+
+def test_study_run_refuses_to_resume_with_other_settings(tmp_path, capsys):
+    # --only matching no job: the settings are checked and recorded, nothing is trained.
+    base = ["study", "run", "--only", "no such job", "--out", str(tmp_path), "--steps", "6"]
+    assert main(base) == 0
+    assert json.loads((tmp_path / "settings.json").read_text())["steps"] == 6
+    assert main(base + ["--device", "meta", "--threads", "2"]) == 0  # device and threads may change
+    for extra, named in ((["--steps", "8"], "--steps 6 there, 8 now"), (["--continued-lr", "0.01"], "--continued-lr"),
+                         (["--preset", "quick"], "--preset 'study' there, 'quick' now")):
+        with pytest.raises(SystemExit, match=named):
+            main(base + extra)
+    assert json.loads((tmp_path / "settings.json").read_text())["steps"] == 6  # not overwritten
