@@ -1,4 +1,5 @@
-"""Multi-process harness for the expert-parallel tests: gloo CPU process groups of W ranks.
+"""Multi-process harness for the expert-parallel tests: gloo CPU process groups of W ranks (NCCL, one GPU per rank,
+where a test asks for it).
 
 Importable by name from the tests in this folder (pytest puts the folder on sys.path, and spawned children
 inherit the parent's sys.path, so they find both this module and the test module whose function they run).
@@ -18,11 +19,14 @@ import torch.multiprocessing as mp
 from torch.utils._python_dispatch import TorchDispatchMode
 
 
-def _worker(rank, world_size, store, fn, args):
+def _worker(rank, world_size, store, fn, args, backend="gloo"):
     torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"file://{store}", rank=rank, world_size=world_size, timeout=timedelta(seconds=120)
-    )
+    device_id = None
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+        device_id = torch.device("cuda", rank)
+    dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=120), device_id=device_id)
     fn(rank, world_size, *args)  # an exception here reaches mp.spawn, which reports it and stops the others
     # Success: leave together, then skip interpreter teardown. A rank that exits while a peer still tears down its
     # gloo connections (or Python finalisation destroying gloo's threads in an arbitrary order) occasionally
@@ -34,11 +38,13 @@ def _worker(rank, world_size, store, fn, args):
     os._exit(0)
 
 
-def run_ranks(world_size, fn, *args):
-    """Run fn(rank, world_size, *args) in world_size spawned processes joined in one gloo process group."""
+def run_ranks(world_size, fn, *args, backend="gloo"):
+    """Run fn(rank, world_size, *args) in world_size spawned processes joined in one process group: gloo, or
+    ``backend="nccl"`` with rank r on GPU r."""
     os.environ["OMP_NUM_THREADS"] = "1"
     with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_worker, args=(world_size, os.path.join(tmp, "store"), fn, args), nprocs=world_size, join=True)
+        mp.spawn(_worker, args=(world_size, os.path.join(tmp, "store"), fn, args, backend), nprocs=world_size,
+                 join=True)
 
 
 class RecordCalls(TorchDispatchMode):

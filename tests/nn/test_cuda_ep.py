@@ -90,3 +90,27 @@ def test_compiled_ep_layer_equals_eager_on_cuda(mesh, plan_on, backward_blocks):
         err = (g.float() - w.float()).norm() / w.float().norm().clamp(min=1e-12)
         assert err < 2e-2, (name, float(err))
     assert int(layer.stats().retained_pairs) == int(eager.stats().retained_pairs) == T * K
+
+
+# --------------------------------------------------------------------------- two GPUs (NCCL), where there are two
+
+two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+
+
+@two_gpus
+def test_a_rank_that_keeps_no_pairs_gets_its_router_gradient_on_two_gpus():
+    """The gloo test's case on NCCL and the CUDA kernels: rank 0 routes one token and keeps none of its pairs (its
+    token gather reads zero rows), equal to the single-device reference on the gathered batch."""
+    from ep_harness import run_ranks
+    from test_expert_parallel import _rank_keeping_no_pairs
+
+    run_ranks(2, _rank_keeping_no_pairs, "cuda", backend="nccl")
+
+
+@two_gpus
+def test_compiled_ep_with_a_rank_without_tokens_equals_eager_on_two_gpus():
+    """The gloo compile test's rank-without-tokens case on NCCL: rank 1 has T = 0, hosts experts and a replica."""
+    from ep_harness import run_ranks
+    from test_expert_parallel_compile import _compiled_matches_eager
+
+    run_ranks(2, _compiled_matches_eager, 1, "host", False, 1, "cuda", backend="nccl")

@@ -38,7 +38,7 @@ def tokens_of(rank: int) -> int:
 def reference_forward(layer: LRMoE, x_TD, token_counts, uniform_SE=None):
     """The single-device LRMoE step on the gathered batch, pairs grouped by (source rank, expert)."""
     n_src = len(token_counts)
-    source_ids_T = torch.repeat_interleave(torch.arange(n_src), torch.tensor(token_counts))
+    source_ids_T = torch.repeat_interleave(torch.arange(n_src), torch.tensor(token_counts)).to(x_TD.device)
     routing = layer.route(x_TD)  # the layer's routing options (bias, groups, scaling) included
     plan = plan_experts(routing.expert_ids, layer.num_experts, retain=layer.retain, min_retain=layer.min_retain,
                         policy=layer.policy, selection=layer.selection, draw_uniform=False,
@@ -168,15 +168,16 @@ def test_autocast_runs_the_experts_in_its_dtype(max_replicas):
     run_ranks(2, _autocast_equals_a_bf16_copy, max_replicas)
 
 
-def _rank_keeping_no_pairs(rank, world):
+def _rank_keeping_no_pairs(rank, world, device="cpu"):
     # Rank 0 routes one token, whose share of the quota rounds to 0: it keeps no pairs, and its backward's token
     # gather ran on an empty dx (an IndexError on that rank, the others then hanging in the next collective).
-    mesh = init_device_mesh("cpu", (world,))
+    # device "cuda": rank r on GPU r (tests/nn/test_cuda_ep.py, NCCL).
+    mesh = init_device_mesh(device, (world,))
     counts = [1, 40]
     torch.manual_seed(0)
-    ref = LRMoE(8, 6, 4, 1, retain=0.5, selection="top")
+    ref = LRMoE(8, 6, 4, 1, retain=0.5, selection="top").to(device)
     layer = parallelize_module(copy.deepcopy(ref), mesh, ExpertParallel())
-    x_all = torch.randn(sum(counts), 8)
+    x_all = torch.randn(sum(counts), 8).to(device)
     rows = slice(sum(counts[:rank]), sum(counts[:rank + 1]))
     x = x_all[rows].clone().requires_grad_(True)
     out = layer(x)

@@ -30,13 +30,15 @@ def tokens_of(rank: int, empty_rank: int | None = None) -> int:
     return 0 if rank == empty_rank else 10 + 3 * rank
 
 
-def _compiled_matches_eager(rank, world, max_replicas, plan_on="device", backward_blocks=False, empty_rank=None):
-    mesh = init_device_mesh("cpu", (world,))
+def _compiled_matches_eager(rank, world, max_replicas, plan_on="device", backward_blocks=False, empty_rank=None,
+                            device="cpu"):
+    # device "cuda": rank r on GPU r (tests/nn/test_cuda_ep.py, NCCL), fp32 as here.
+    mesh = init_device_mesh(device, (world,))
     torch.manual_seed(0)
-    ref = LRMoE(D, FF, E, K, retain=0.75, selection="top")
+    ref = LRMoE(D, FF, E, K, retain=0.75, selection="top").to(device)
     # Experts 0 and 1 (rank 0's) take most tokens, so the backward capacity binds and shapes the quotas, and with
     # max_replicas the hot-expert policy places a replica of one of them on rank 1.
-    shift = 2 * torch.nn.functional.normalize(torch.randn(D), dim=0)
+    shift = 2 * torch.nn.functional.normalize(torch.randn(D), dim=0).to(device)
     with torch.no_grad():
         ref.gate.weight[:2] += 2 * shift
     style = {"capacity_factor": 1.0, "max_replicas": max_replicas, "plan_on": plan_on,
@@ -52,7 +54,7 @@ def _compiled_matches_eager(rank, world, max_replicas, plan_on="device", backwar
         for step in range(2):
             torch.manual_seed(100 * step + rank)
             n_tok = tokens_of(rank, empty_rank)
-            x, c = torch.randn(n_tok, D) + shift, torch.randn(n_tok, D)
+            x, c = torch.randn(n_tok, D).to(device) + shift, torch.randn(n_tok, D).to(device)
             got = forward_backward(compiled, x, c)
             want = forward_backward(eager, x, c)
             names = ["output", "input grad", "router grad", "gate_up_proj grad", "down_proj grad"]
