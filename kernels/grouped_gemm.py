@@ -375,6 +375,7 @@ def gather_grouped_mm_triton(
     through a TMA descriptor (True), through pointers (False), or the descriptor where it can be one (None).
     """
     _check_device(x_NI, weight_EOI, rows_R, offsets_E)
+    rows_R, offsets_E = rows_R.contiguous(), offsets_E.contiguous()  # read as flat arrays
     R, (E, O, I) = rows_R.shape[0], weight_EOI.shape
     y_RO = torch.empty((R, O), dtype=x_NI.dtype, device=x_NI.device)
     if known_empty(R, O):
@@ -531,6 +532,7 @@ def gather_grouped_swiglu_triton(
     gather_grouped_mm_triton, for benchmarks/grouped_gemm.py --configs.
     """
     _check_device(x_NI, gate_up_EFI, rows_R, offsets_E)
+    rows_R, offsets_E = rows_R.contiguous(), offsets_E.contiguous()  # read as flat arrays
     R, (E, F2, I) = rows_R.shape[0], gate_up_EFI.shape
     if F2 % 2:
         raise ValueError(f"gate_up_EFI must be [E, 2F, I], got {tuple(gate_up_EFI.shape)}")
@@ -583,6 +585,7 @@ def zero_rows_past_last_offset_(y_RO: torch.Tensor, offsets_E: torch.Tensor) -> 
     """Zero y_RO's rows from offsets_E[-1] on, in place, without reading the offset on the host. Returns y_RO."""
     R, O = y_RO.shape
     E = offsets_E.shape[0]
+    offsets_E = offsets_E.contiguous()  # read as a flat array
     if known_empty(R, O):
         return y_RO
     if E == 0:
@@ -692,6 +695,7 @@ def grouped_outer_triton(
     pointers (False), or the descriptor where it can be one (None); each way has its own autotuned config list.
     """
     _check_device(a_RO, b_NI, rows_R, offsets_E)
+    rows_R, offsets_E = rows_R.contiguous(), offsets_E.contiguous()  # read as flat arrays
     R, O, I, E = rows_R.shape[0], a_RO.shape[1], b_NI.shape[1], offsets_E.shape[0]
     w_EOI = torch.empty((E, O, I), dtype=a_RO.dtype, device=a_RO.device)
     if known_empty(E, O, I):

@@ -99,6 +99,8 @@ def gather_host_rows_triton(src_NC: torch.Tensor, rows_R: torch.Tensor, coef_R: 
     if not _INTERPRET and not tracing() and rows_R.device.type != "cuda":  # traced: recorded, not launched here
         raise ValueError("gather_host_rows_triton needs rows_R on CUDA (or TRITON_INTERPRET=1 for CPU tensors)")
     n_rows, n_cols = src_NC.shape
+    rows_R = rows_R.contiguous()  # rows_R and coef_R are read as flat arrays
+    coef_R = None if coef_R is None else coef_R.contiguous()
     out_RC = torch.empty(rows_R.shape[0], n_cols, dtype=src_NC.dtype, device=rows_R.device)
     if known_empty(rows_R.shape[0], n_cols):  # nothing to read (an empty source may not even be pinned)
         return out_RC

@@ -50,6 +50,7 @@ def waterfill_triton(loads_G: torch.Tensor, floors_G: torch.Tensor, budget: torc
     """int64 quotas_G (lrmoe::waterfill): loads, floors int64 [G] with 0 <= floor <= load, budget one int64 value,
     G <= MAX_GROUPS (checked by the caller). No host sync."""
     G = loads_G.shape[0]
+    loads_G, floors_G = loads_G.contiguous(), floors_G.contiguous()  # read as flat arrays
     quotas_G = torch.empty_like(loads_G)
     if known_empty(G):
         return quotas_G

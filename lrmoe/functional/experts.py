@@ -620,7 +620,9 @@ class _SelectiveSwiGLU(torch.autograd.Function):
                 group_order_P=group_order_P, group_ends_G=group_ends_G, scores_P=scores_P,
             )
             pair_R, weight_R = sel.pair_ids, sel.weights
-            off_E = sel.offsets.view(n_exp, -1)[:, -1]
+            # Each expert's last group's end; contiguous: with (source, expert) groups this column is strided, and
+            # the CUDA GEMMs read offsets as a flat array (they took every S-th group end, a wrong gradient).
+            off_E = sel.offsets.view(n_exp, -1)[:, -1].contiguous()
         n_kept = off_E[-1]
         if cfg.capacity is not None:
             pair_R, weight_R, off_E = pad_to_blocks(pair_R, weight_R, off_E, cfg.capacity)

@@ -325,6 +325,31 @@ def test_zero_rows_past_last_offset(R, O, offsets, dtype):
     torch.testing.assert_close(got.cpu(), want, equal_nan=True, rtol=0, atol=0)
 
 
+def _strided(t):
+    """The same values as a non-contiguous view (every other element of a twice-as-long tensor)."""
+    out = t.new_zeros(2 * t.shape[0]) - 7
+    out[::2] = t
+    return out[::2]
+
+
+def test_strided_rows_and_offsets_are_read_as_their_values():
+    # A strided offsets column (each expert's last (source, expert) group end) used to be read as a flat array:
+    # every S-th group end instead of each expert's, a wrong grouping with no error (found on two GPUs).
+    x_NI, weight_EOI, a_RO, rows_R, offsets_E = make_case(8, 40, 40, [5, 6, 0], 1, 0)
+    rows_s, offs_s = _strided(rows_R), _strided(offsets_E)
+    assert not rows_s.is_contiguous() and not offs_s.is_contiguous()
+    check_gather(x_NI, weight_EOI, rows_s, offs_s)
+    check_outer(a_RO, x_NI, rows_s, offs_s)
+    gate_up = torch.randn(3, 16, 40)
+    got = gather_grouped_swiglu_triton(*on_device(x_NI, gate_up, rows_s, offs_s))
+    want = gather_grouped_swiglu_triton(*on_device(x_NI, gate_up, rows_R, offsets_E))
+    for a, b in zip(got, want):
+        assert torch.equal(a.cpu(), b.cpu())
+    y = torch.ones(12, 5, device=DEVICE)
+    zero_rows_past_last_offset_(y, _strided(torch.tensor([2, 7], dtype=torch.int32)).to(DEVICE))
+    assert y.cpu()[:7].eq(1).all() and y.cpu()[7:].eq(0).all()
+
+
 @pytest.mark.skipif(INTERPRET, reason="host syncs exist only on a GPU")
 def test_no_host_sync():
     x_NI, weight_EOI, a_RO, rows_R, offsets_E = on_device(*make_case(7, 40, 24, [3, 0, 18], 2, 0, torch.bfloat16))

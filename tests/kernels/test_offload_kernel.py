@@ -137,6 +137,13 @@ def test_scaled_gather_from_device_memory(case, dtype):
     torch.testing.assert_close(got, want, **tol)
 
 
+def test_strided_rows_and_coefficients_are_read_as_their_values():
+    src = torch.randn(6, 4)
+    rows_2R, coef_2R = torch.tensor([4, 9, 0, 9, 5, 9]), torch.tensor([2.0, 7.0, -1.0, 7.0, 0.5, 7.0])
+    got = gather_host_rows_triton(src.to(DEVICE), rows_2R.to(DEVICE)[::2], coef_2R.to(DEVICE)[::2]).cpu()
+    torch.testing.assert_close(got, src[[4, 0, 5]] * torch.tensor([[2.0], [-1.0], [0.5]]), rtol=0, atol=0)
+
+
 def test_scaled_gather_of_rows_outside_gives_zeros():
     src = torch.full((3, 4), float("nan"))
     got = gather_host_rows_triton(src.to(DEVICE), torch.tensor([-1, 3, 7], device=DEVICE),

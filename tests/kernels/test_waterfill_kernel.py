@@ -42,6 +42,13 @@ def test_by_hand():
     assert _check([5, 1, 8, 3], [0, 0, 0, 0], 100).tolist() == [5, 1, 8, 3]
 
 
+def test_strided_loads_and_floors_are_read_as_their_values():
+    # [S, E] loads planned per column (one column of a 2-D plan) are a strided view.
+    loads_SE, floors_SE = torch.tensor([[5, 9], [1, 9], [8, 9], [3, 9]]), torch.zeros(4, 2, dtype=torch.int64)
+    got = waterfill_triton(loads_SE[:, 0].to(DEVICE), floors_SE[:, 0].to(DEVICE), torch.tensor(10, device=DEVICE))
+    assert got.cpu().tolist() == [3, 1, 3, 3]  # test_by_hand's first case
+
+
 @pytest.mark.parametrize("G", [0, 1, 3, 128, 130])
 def test_sizes(G):
     g = torch.Generator().manual_seed(G)
