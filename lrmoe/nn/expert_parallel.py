@@ -67,6 +67,7 @@ from torch.autograd.function import once_differentiable
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
+from torch.fx.experimental.symbolic_shapes import guard_or_false
 
 from lrmoe.functional._checks import check_replica_slots, check_tensor
 from lrmoe.functional.experts import (
@@ -621,6 +622,15 @@ class _ExpertParallelSwiGLU(torch.autograd.Function):
         # Retained rows alpha_u * g_t * (1/p_u). A slot "sample" skipped (pair -1) sends a zero row: it keeps the
         # split sizes planned, and a zero dy contributes nothing to any gradient.
         dy_RD, _, safe_R = retained_dy(g_TD, gates_TK, pair_R, weight_R, dtype)
+        tie = None
+        if guard_or_false(g_TD.shape[0] == 0):
+            # A rank without tokens (T = 0, a static size under torch.compile): the CUDA ops, inlined, return its
+            # empty results without reading g, so nothing this backward sends depended on the incoming gradient and
+            # AOTAutograd's partitioner moved the backward all-to-alls into this rank's forward graph, out of step
+            # with the other ranks' collectives (two GPUs: garbage row indices, a device-side assert). The sum of
+            # the empty g, added to what is sent, ties the sends to it.
+            tie = g_TD.sum()
+            dy_RD = dy_RD + tie.to(dy_RD.dtype)
 
         fwd_recv_W = assign_SWI[:, ep.rank].sum(-1)  # on device: no host-to-device copy
         row_bytes = dy_RD.shape[1] * dy_RD.element_size()
@@ -634,6 +644,8 @@ class _ExpertParallelSwiGLU(torch.autograd.Function):
             dest_R = torch.div(take_rows(group_P, safe_R), n_inst, rounding_mode="floor")
             index_R = take_rows(inv_order_P, safe_R) - start_W.index_select(0, dest_R)
             index_R = torch.where(pair_R >= 0, index_R, 0).int()
+            if tie is not None:
+                index_R = index_R + tie.int()
             dy_MD, index_M = _all_to_all_with_scalars(dy_RD, index_R, splits.bwd_recv, splits.bwd_send, ep)
             row_bytes += _EXTRA_BYTES
 

@@ -37,7 +37,7 @@ def test_cuda_source_grouped_plan_equals_cpu():
     src = torch.arange(T) % S
     grads = []
     for dev in ("cpu", "cuda"):
-        leaves = [t.to(dev).requires_grad_(True) for t in (x, gate_up, down, gates)]
+        leaves = [t.detach().to(dev).requires_grad_(True) for t in (x, gate_up, down, gates)]
         plan = plan_experts(ids.to(dev), E, retain=0.5, selection="top", draw_uniform=False,
                             source_ids_T=src.to(dev), num_sources=S)
         out = selective_swiglu_experts(leaves[0], leaves[1], leaves[2], ids.to(dev), leaves[3], retain=0.5,
