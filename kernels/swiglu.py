@@ -149,6 +149,7 @@ def swiglu_backward_triton(
     N, F2 = h_N2F.shape
     F = F2 // 2
     R = dphi_RF.shape[0]
+    rows_R = None if rows_R is None else rows_R.contiguous()  # read as a flat array
     dh_R2F = torch.empty((R, F2), dtype=h_N2F.dtype, device=h_N2F.device)
     phi_RF = torch.empty((R, F), dtype=h_N2F.dtype, device=h_N2F.device)
     if known_empty(R, F):

@@ -78,7 +78,9 @@ def _score_pairs_cuda(gates_TK, grad_out_TD, phi_sqnorm_TK, metric):
     if kernels is None:  # no Triton on this machine
         return score_pairs_reference(gates_TK, grad_out_TD, phi_sqnorm_TK, metric)
     check_metric(metric)
-    return kernels.score_pairs_triton(gates_TK, grad_out_TD, phi_sqnorm_TK, metric)
+    # The kernel reads phi_sqnorm with its own strides: a broadcastable [T, 1] (which the CPU reference
+    # broadcasts) would be read past its rows; expanded, it is read as the reference reads it.
+    return kernels.score_pairs_triton(gates_TK, grad_out_TD, phi_sqnorm_TK.expand_as(gates_TK), metric)
 
 
 @score_pairs.register_fake

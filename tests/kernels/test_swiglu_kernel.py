@@ -55,6 +55,18 @@ def test_strided_h():
     _check(*_case(7, 10, 12, torch.float32, seed=3, strided=True))
 
 
+@pytest.mark.parametrize("layout", ["strided", "expanded"])
+def test_strided_and_expanded_rows(layout):
+    # A row index with stride 2 (every other element) or 0 (one row repeated) was read as a flat array.
+    h, rows, dphi = _case(6, 5, 8, torch.float32, seed=5)
+    if layout == "strided":
+        view = torch.stack([rows, torch.full_like(rows, 7)], 1)[:, 0]
+    else:
+        view = rows[2:3].expand(5)
+    assert not view.is_contiguous()
+    _check(h, view, dphi)
+
+
 def test_rows_outside_h_give_zeros():
     h, rows, dphi = _case(5, 6, 9, torch.float32, seed=4)
     h[:] = float("nan")  # a read of any row would leak NaN into dh or phi
