@@ -128,6 +128,12 @@ def check_float_dtype(name: str, dtype: object) -> None:
         raise TypeError(f"{name} must be a floating-point torch.dtype or None, got {dtype!r}")
 
 
+def check_generator(generator: object) -> None:
+    """None or a torch.Generator: the RNG of sampling uniforms and the "random" metric."""
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
+
+
 def check_scaling(scaling: float, name: str = "scaling") -> None:
     """A finite number > 0 named ``name``: ``route_topk``'s ``scaling``, ``LRMoE``'s ``routed_scaling_factor`` and
     ``update_selection_bias``' ``rate``. Comparisons, not math.isfinite: under torch.compile(dynamic=True) a

@@ -25,6 +25,7 @@ from torch.fx.experimental.symbolic_shapes import guard_or_false
 from lrmoe.functional._checks import (
     check_backward_capacity,
     check_choice,
+    check_generator,
     check_int,
     check_retain,
     check_same_device,
@@ -73,12 +74,16 @@ class ExpertPlan:
     uniform:   same shape fp32 uniforms for systematic sampling (drawn in forward so backward is reproducible),
                or None.
     group_ids: [T, K] int64 group of every pair when grouping by (source, expert), else None.
+    retain:    the retain the quotas were planned for (``plan_experts`` records it), or None for a plan built by
+               hand. ``selective_swiglu_experts`` sizes its backward buffer from its own ``retain``, so it refuses a
+               plan made for another one (a plan keeping more than the buffer holds lost gradients silently).
     """
 
     loads: torch.Tensor
     quotas: torch.Tensor
     uniform: torch.Tensor | None
     group_ids: torch.Tensor | None = None
+    retain: float | None = None
 
 
 torch.utils._pytree.register_dataclass(ExpertPlan)
@@ -150,6 +155,7 @@ def plan_experts(
     check_tensor("expert_ids_TK", expert_ids_TK, ndim=2, kind="int")
     check_int("num_experts", num_experts)
     check_choice("selection", selection, MODES)
+    check_generator(generator)
     check_backward_capacity(backward_capacity, retain, quota_align, source_ids_T is not None, policy)
     uniform = None
     if source_ids_T is None:
@@ -176,7 +182,7 @@ def plan_experts(
         quotas = plan_quotas(loads, retain, min_retain=min_retain, policy=policy, capacity=torch.full_like(loads, cap))
     if draw_uniform and selection == "sample" and retain < 1.0:
         uniform = torch.rand(loads.shape, generator=generator, device=expert_ids_TK.device)
-    return ExpertPlan(loads=loads, quotas=quotas, uniform=uniform, group_ids=group_ids_TK)
+    return ExpertPlan(loads=loads, quotas=quotas, uniform=uniform, group_ids=group_ids_TK, retain=retain)
 
 
 def selective_swiglu_experts(
@@ -212,8 +218,11 @@ def selective_swiglu_experts(
             torch._grouped_mm's 128-row tiles run full in backward), the same total.
         plan: loads/quotas/uniforms from :func:`plan_experts`; planned here when None. A plan grouped by
             (source, expert) (``plan.group_ids`` set) makes every (source, expert) group keep its own quota.
+            Pass the ``retain`` the plan was made for: a plan recording another (``plan.retain``) is refused.
         source_ids_T, num_sources: when planning here, group the pairs by (source, expert) (see plan_experts).
-        generator: RNG for sampling uniforms and the "random" metric (global RNG when None).
+        generator: RNG for sampling uniforms and the "random" metric (global RNG when None). Planning here with
+            selection "sample" at retain < 1 draws the uniforms even when no backward will run (no_grad, as dropout
+            draws); a plan from ``plan_experts(..., draw_uniform=False)`` leaves the RNG untouched.
         stats_probe: optional [3] fp32 leaf requiring grad; backward adds (fraction of score mass kept,
             retained pairs, 1) to its ``.grad``, which is how backward statistics leave without a sync.
         activations: what forward keeps for backward. "save": the gate/up projection h of every pair
@@ -253,6 +262,12 @@ def selective_swiglu_experts(
     check_choice("selection", selection, MODES)
     check_choice("policy", policy, POLICIES)
     check_choice("activations", activations, ACTIVATION_POLICIES)
+    check_generator(generator)
+    if plan is not None and not isinstance(plan, ExpertPlan):
+        raise TypeError(f"plan must be an ExpertPlan (from plan_experts) or None, got {type(plan).__name__}")
+    if plan is not None and plan.retain is not None and plan.retain != retain:
+        raise ValueError(f"plan was made for retain={plan.retain}, the call has retain={retain}: pass the plan's "
+                         f"retain (the backward buffer holds floor(retain * pairs) + E rows of the call's retain)")
     check_backward_capacity(backward_capacity, retain, quota_align,
                              source_ids_T is not None or (plan is not None and plan.group_ids is not None), policy)
     n_exp, two_f, dim = gate_up_EFD.shape
@@ -275,7 +290,7 @@ def selective_swiglu_experts(
             expert_ids_TK, n_exp, retain=retain, min_retain=min_retain, policy=policy, selection=selection,
             generator=generator, source_ids_T=source_ids_T, num_sources=num_sources, quota_align=quota_align,
         )
-    quotas_G, uniform_G, group_ids_P = _flat_groups(plan, n_exp, expert_ids_TK.shape)
+    quotas_G, uniform_G, group_ids_P = _flat_groups(plan, n_exp, expert_ids_TK)
     capacity = None
     if backward_capacity is not None:
         n_tok, top_k = expert_ids_TK.shape
@@ -292,12 +307,23 @@ def selective_swiglu_experts(
     )
 
 
-def _flat_groups(plan: ExpertPlan, n_exp: int, pairs_shape: torch.Size):
-    """Quotas and uniforms as [G] in group-id order (g = expert * S + source), and the [P] group ids or None."""
+def _flat_groups(plan: ExpertPlan, n_exp: int, expert_ids_TK: torch.Tensor):
+    """Quotas and uniforms as [G] in group-id order (g = expert * S + source), and the [P] group ids or None.
+    Checks the plan here, in forward, where the selection would only find a bad one in backward."""
+    check_tensor("plan.quotas", plan.quotas, kind="int")
+    if plan.uniform is not None:
+        check_tensor("plan.uniform", plan.uniform, kind="float")
+    if plan.group_ids is not None:
+        check_tensor("plan.group_ids", plan.group_ids, kind="int")
+    check_same_device(expert_ids_TK=expert_ids_TK, plan_quotas=plan.quotas, plan_uniform=plan.uniform,
+                      plan_group_ids=plan.group_ids)
+    pairs_shape = expert_ids_TK.shape
     if plan.group_ids is None:
         if plan.quotas.shape != (n_exp,):
             raise ValueError(f"plan.quotas must be [E={n_exp}] for a plan grouped by expert, got "
                              f"{tuple(plan.quotas.shape)}")
+        if plan.uniform is not None and plan.uniform.shape != (n_exp,):
+            raise ValueError(f"plan.uniform must be [E={n_exp}] like plan.quotas, got {tuple(plan.uniform.shape)}")
         return plan.quotas, plan.uniform, None
     if plan.quotas.dim() != 2 or plan.quotas.shape[1] != n_exp:
         raise ValueError(f"plan.quotas must be [S, E={n_exp}] for a plan grouped by (source, expert), got "

@@ -175,7 +175,7 @@ def route_topk(
         group_size = n_experts // n_group
         choice_TGS = choice_TE.unflatten(-1, (n_group, group_size))
         group_score_TG = choice_TGS.topk(min(2, group_size), dim=-1).values.sum(-1)
-        top_groups_TG = group_score_TG.topk(topk_group, dim=-1).indices
+        top_groups_TG = topk_ids(group_score_TG, topk_group)  # ties to the lower group id, as experts below
         keep_TG = torch.zeros_like(group_score_TG, dtype=torch.bool).scatter_(1, top_groups_TG, True)
         choice_TE = choice_TGS.masked_fill(~keep_TG.unsqueeze(-1), float("-inf")).flatten(1)
 
@@ -201,7 +201,7 @@ def expert_loads(expert_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
     """
     check_tensor("expert_ids", expert_ids, kind="int")
     check_int("num_experts", num_experts)
-    flat = expert_ids.reshape(-1)
+    flat = expert_ids.reshape(-1).long()  # scatter_add_ takes int64 indices (int16 / uint8 ids raised)
     return torch.zeros(num_experts, dtype=torch.int64, device=flat.device).scatter_add_(
         0, flat, torch.ones_like(flat, dtype=torch.int64)
     )

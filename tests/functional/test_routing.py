@@ -163,6 +163,18 @@ def test_group_limited_routing_excludes_best_expert_of_a_weak_group():
     assert 0 in plain.expert_ids[0].tolist()
 
 
+def test_group_limited_routing_breaks_group_ties_to_the_lower_group():
+    # One expert a group (experts 0 and 3 tie): torch.topk of the group ratings picked group 3 on CPU, where the
+    # docs promise the lower id, as for experts.
+    assert route_topk(torch.tensor([[1.0, -2.0, -1.0, 1.0]]), 1, n_group=4, topk_group=1).expert_ids.tolist() == [[0]]
+    # Four groups of two; groups 1 and 3 rate 1.0 alike (sigmoid(0) + sigmoid(0), sigmoid(-1) + sigmoid(1)) below
+    # groups 2 and 0: three groups kept, so 0, 1 and 2, and the five best experts of those (group 3 instead would
+    # bring expert 7, sigmoid(1), into the choice).
+    logits = torch.tensor([[2.0, -1.0, 0.0, 0.0, 2.0, 1.0, -1.0, 1.0]])
+    r = route_topk(logits, 5, score_func="sigmoid", n_group=4, topk_group=3)
+    assert r.expert_ids.tolist() == [[0, 4, 5, 2, 3]]
+
+
 def test_sigmoid_gates_of_underflowing_scores_are_finite_as_in_transformers():
     # Sigmoid scores that underflow (logit -200: exactly 0 in fp32) or nearly so (-60: ~1e-26). transformers'
     # DeepSeek-V3 / GLM-4.5 routers divide by sum + 1e-20: gates 0 and ~s / 1e-20, never NaN.
@@ -229,6 +241,15 @@ def test_expert_loads_is_bincount(T, E, seed):
     np.testing.assert_array_equal(loads.numpy(), np.bincount(ids.numpy().ravel(), minlength=E))
 
 
+@pytest.mark.parametrize("dtype", [torch.int16, torch.uint8, torch.int32])
+def test_expert_loads_and_plans_take_any_integer_ids(dtype):
+    # scatter_add_ takes int64 indices only: int16 and uint8 ids raised inside expert_loads (and plan_experts).
+    ids = torch.tensor([[0, 3], [2, 3], [1, 3]])
+    assert expert_loads(ids.to(dtype), 4).tolist() == [1, 1, 1, 3]
+    got, want = plan_experts(ids.to(dtype), 4, retain=0.5), plan_experts(ids, 4, retain=0.5)
+    assert torch.equal(got.quotas, want.quotas) and torch.equal(got.loads, want.loads)
+
+
 @pytest.mark.parametrize(
     "ids, E, exc, name",
     [
@@ -256,6 +277,7 @@ _IDS = torch.tensor([[0, 1], [2, 3], [1, 2]])
         ((_IDS, 0), {}, ValueError, "num_experts"),
         ((_IDS, 4.0), {}, ValueError, "num_experts"),
         ((_IDS, 4), {"selection": "x"}, ValueError, "selection"),
+        ((_IDS, 4), {"retain": 0.5, "generator": 3}, TypeError, "generator must be a torch.Generator"),
     ],
 )
 def test_plan_experts_errors_name_the_argument(args, kwargs, exc, name):

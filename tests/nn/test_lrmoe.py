@@ -409,6 +409,41 @@ def test_bad_input_raises():
         layer(torch.randn(3, D))
 
 
+def test_selective_swiglu_experts_checks_its_plan_in_forward():
+    """A plan made for another retain was used as is: one for retain 1 at retain 0.5 overflowed the backward buffer
+    (an expert's weight gradient silently zero), one for 0.5 at retain 1 was ignored. A plan with float quotas,
+    on another device, of another shape or not an ExpertPlan at all failed in backward, naming internal names."""
+    import dataclasses
+
+    from lrmoe.functional import plan_experts, selective_swiglu_experts
+
+    torch.manual_seed(0)
+    x, ids = torch.randn(16, 8), torch.randint(0, 4, (16, 2))
+    gate_up, down, gates = torch.randn(4, 12, 8), torch.randn(4, 8, 6), torch.rand(16, 2)
+
+    def call(plan, retain=0.5):
+        return selective_swiglu_experts(x, gate_up, down, ids, gates, retain=retain, selection="sample", plan=plan)
+
+    plan = plan_experts(ids, 4, retain=0.5, selection="sample")
+    assert plan.retain == 0.5 and call(plan).shape == (16, 8)
+    with pytest.raises(ValueError, match=r"plan was made for retain=1.0, the call has retain=0.5"):
+        call(plan_experts(ids, 4, retain=1.0))
+    with pytest.raises(ValueError, match=r"plan was made for retain=0.5, the call has retain=1.0"):
+        call(plan, retain=1.0)
+    bad = [(dataclasses.replace(plan, quotas=plan.quotas.float()), TypeError, "plan.quotas must be an integer"),
+           (dataclasses.replace(plan, uniform=plan.uniform[:3]), ValueError, r"plan.uniform must be \[E=4\]"),
+           (dataclasses.replace(plan, uniform=plan.uniform.long()), TypeError, "plan.uniform must be a floating"),
+           (dataclasses.replace(plan, quotas=plan.quotas.to("meta")), ValueError, "plan_quotas on meta"),
+           ((plan.loads, plan.quotas, plan.uniform), TypeError, "plan must be an ExpertPlan")]
+    for wrong, exc, match in bad:
+        with pytest.raises(exc, match=match):
+            call(wrong)
+    with pytest.raises(TypeError, match="generator must be a torch.Generator"):
+        selective_swiglu_experts(x, gate_up, down, ids, gates, retain=0.5, generator=3)
+    # A plan built by hand (retain None) is not checked against the call's retain.
+    assert call(dataclasses.replace(plan, retain=None)).shape == (16, 8)
+
+
 def test_eval_forward_without_grad_leaves_rng_untouched():
     layer, x, _ = make(retain=0.5, selection="sample")
     layer.eval()
