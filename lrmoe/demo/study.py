@@ -13,9 +13,9 @@ order (the data generator is seeded by the seed alone) and the same token budget
 
 Each job is one ``python -m lrmoe demo`` process; jobs run as parallel processes (they share one GPU well) and
 a job whose log exists is not run again, so a grid can be completed over several calls (with the same preset,
-steps and learning rate: the first call records them in ``settings.json`` and later calls must match). ``report`` turns the
-logs into tables (mean over the run of the held-out perplexity gap to dense, with the spread across seeds) and
-plots.
+steps and learning rate: the first call records them in ``settings.json`` and later calls must match).
+``report`` turns the logs into tables (mean over the run of the held-out perplexity gap to dense, with the spread
+across seeds) and plots.
 
     python -m lrmoe study run --grid table2 figure5 --seeds 0 1 2 --device cuda --parallel 12 --out runs/study
     python -m lrmoe study report runs/study
