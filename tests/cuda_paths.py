@@ -45,7 +45,8 @@ def use_cuda_kernels_on_cpu() -> list[str]:
 def _compare(case: str, got: list[torch.Tensor], want: list[torch.Tensor]) -> None:
     for i, (a, b) in enumerate(zip(got, want, strict=True)):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=lambda m, i=i: f"{case}, output {i}: {m}")
-    print(f"ok {case}", flush=True)
+    sys.stdout.write(f"ok {case}\n")  # one write of a whole line: two ranks share the pipe
+    sys.stdout.flush()
 
 
 def _layer_step(layer, x, c):
