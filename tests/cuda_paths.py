@@ -77,6 +77,10 @@ _LAYERS = {
     "retain 0.75 top": {"retain": 0.75, "selection": "top"},
     "retain 0.5 sample": {"retain": 0.5, "selection": "sample"},
     "retain 0.75 backward_capacity 1.5": {"retain": 0.75, "selection": "top", "backward_capacity": 1.5},
+    "retain 0.75 recompute": {"retain": 0.75, "selection": "top", "activations": "recompute"},
+    "DeepSeek-V3 routing, shared expert": {"retain": 0.5, "selection": "sample", "score_func": "sigmoid",
+                                           "selection_bias": True, "n_group": 2, "topk_group": 1,
+                                           "routed_scaling_factor": 2.5, "shared_hidden_dim": 8},
 }
 
 
