@@ -969,6 +969,14 @@ class _ExpertParallelMixin:
 
         dtype = compute_dtype(x)  # torch.autocast's, else x's
         gate_up_LFD, down_LDF = gate_up.to_local().to(dtype), down.to_local().to(dtype)
+        if gate_up_LFD.shape[0] != n_local or down_LDF.shape[0] != n_local:
+            # FSDP2 on layer.experts shards them further, and gathers them only in experts' own forward, which this
+            # layer never calls: the kernels would index past a shard (an IndexError on CPU, garbage on CUDA).
+            raise RuntimeError(
+                f"this rank holds {gate_up_LFD.shape[0]} experts' weights, expected E/W = {n_local}: the experts "
+                f"are sharded further (fully_shard on layer.experts?) and were not gathered before the layer's "
+                f"forward; gather them first, e.g. layer.register_forward_pre_hook(lambda m, a: m.experts.unshard())"
+                f" (docs/expert_parallel.md, FSDP2)")
         weight_bytes = 0
         if rep.max_replicas:
             # Replica weights from their owners, differentiably: their gradients return and sum into the shards.
