@@ -91,7 +91,7 @@ from lrmoe.functional.replicas import (
     route_to_replicas,
 )
 from lrmoe.functional.routing import expert_loads
-from lrmoe.nn.lrmoe import LRMoE, compute_dtype, recomputing
+from lrmoe.nn.lrmoe import UNGATHERED_EXPERTS, LRMoE, compute_dtype, recomputing
 from lrmoe.ops import argsort_ids, gather_grouped_mm, gather_scale_rows, swiglu_sqnorm
 
 __all__ = ["ExpertParallel", "ExpertParallelPlan", "ExpertParallelStats", "backward_capacity", "plan_expert_parallel"]
@@ -972,11 +972,8 @@ class _ExpertParallelMixin:
         if gate_up_LFD.shape[0] != n_local or down_LDF.shape[0] != n_local:
             # FSDP2 on layer.experts shards them further, and gathers them only in experts' own forward, which this
             # layer never calls: the kernels would index past a shard (an IndexError on CPU, garbage on CUDA).
-            raise RuntimeError(
-                f"this rank holds {gate_up_LFD.shape[0]} experts' weights, expected E/W = {n_local}: the experts "
-                f"are sharded further (fully_shard on layer.experts?) and were not gathered before the layer's "
-                f"forward; gather them first, e.g. layer.register_forward_pre_hook(lambda m, a: m.experts.unshard())"
-                f" (docs/expert_parallel.md, FSDP2)")
+            raise RuntimeError(f"this rank holds {gate_up_LFD.shape[0]} experts' weights, expected E/W = {n_local}: "
+                               f"{UNGATHERED_EXPERTS}")
         weight_bytes = 0
         if rep.max_replicas:
             # Replica weights from their owners, differentiably: their gradients return and sum into the shards.

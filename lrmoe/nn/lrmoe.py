@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from lrmoe.functional._checks import (
     check_backward_capacity,
@@ -33,6 +34,12 @@ from lrmoe.functional.selection import MODES
 
 __all__ = ["LRMoE", "LRMoEStats", "SwiGLUExperts", "SwiGLUMLP"]
 
+
+# What to do when FSDP2 shards layer.experts on its own (both layers read the expert weights directly and never
+# call experts(...), where FSDP would gather them).
+UNGATHERED_EXPERTS = ("they were sharded further (fully_shard on layer.experts?) and not gathered before the layer's "
+                      "forward; gather them first, e.g. layer.register_forward_pre_hook(lambda m, a: "
+                      "m.experts.unshard()) (docs/expert_parallel.md, FSDP2)")
 
 @dataclass(frozen=True)
 class LRMoEStats:
@@ -246,6 +253,10 @@ class LRMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check_input(x)
+        if isinstance(self.experts.gate_up_proj, DTensor) or isinstance(self.experts.down_proj, DTensor):
+            # FSDP2 on layer.experts: the layer reads the weights and never calls experts(...), so they stay
+            # sharded (the ops then refuse a mix of tensors and DTensors, naming none of this).
+            raise RuntimeError(f"the experts' weights are sharded DTensors: {UNGATHERED_EXPERTS}")
         x_TD = x.reshape(-1, self.dim)
         routing = self.route(x_TD)
         probe = self._probe_for(x)

@@ -34,7 +34,7 @@ def _fsdp_beside_ep(rank, world, retain):
     torch.manual_seed(10 + rank)
     x, c = torch.randn(T, D), torch.randn(T, D)
 
-    with pytest.raises(RuntimeError, match="experts are sharded further"):
+    with pytest.raises(RuntimeError, match="expected E/W = 2: they were sharded further"):
         layer(x)
     layer.register_forward_pre_hook(lambda module, args: module.experts.unshard())
     out = layer(x)
@@ -55,3 +55,24 @@ def _fsdp_beside_ep(rank, world, retain):
 @pytest.mark.parametrize("retain", [1.0, 0.5])
 def test_fsdp2_beside_expert_parallelism_needs_the_experts_gathered(retain):
     run_ranks(4, _fsdp_beside_ep, retain)
+
+
+def _fsdp_single_device_layer(rank, world):
+    # Plain data parallelism: FSDP2 over the ranks, the experts in a unit of their own. Without the pre-hook the
+    # ops got DTensor weights beside plain tensors and raised "got mixed torch.Tensor and DTensor".
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(0)
+    plain = LRMoE(D, FF, E, K, retain=0.5, selection="top")
+    layer = copy.deepcopy(plain)
+    fully_shard(layer.experts, mesh=mesh)
+    fully_shard(layer, mesh=mesh)
+    torch.manual_seed(10 + rank)
+    x = torch.randn(T, D)
+    with pytest.raises(RuntimeError, match="the experts' weights are sharded DTensors: they were sharded further"):
+        layer(x)
+    layer.register_forward_pre_hook(lambda module, args: module.experts.unshard())
+    torch.testing.assert_close(layer(x), plain(x), rtol=1e-6, atol=1e-7)
+
+
+def test_fsdp2_on_a_single_device_layer_needs_the_experts_gathered():
+    run_ranks(2, _fsdp_single_device_layer)
