@@ -56,20 +56,22 @@ def _layer_step(layer, x, c):
     return forward_backward(layer, x, c)
 
 
-def _source_grouped_step():
+def source_grouped_step(device: str = "cpu") -> list[torch.Tensor]:
+    """[out, dx, dgate_up, ddown, dgates] on CPU of one selective_swiglu_experts step on ``device`` with pairs
+    grouped by (source, expert), retain 0.5 "top": each expert's GEMM offset is a strided column of the selection's
+    group ends (also tests/nn/test_cuda.py, CUDA against CPU)."""
     from lrmoe.functional import plan_experts, selective_swiglu_experts
 
     torch.manual_seed(0)
     T, D, F, E, K, S = 30, 16, 8, 4, 2, 3
     x, g = torch.randn(T, D), torch.randn(T, D)
-    leaves = [t.requires_grad_(True) for t in (x, torch.randn(E, 2 * F, D) / 4, torch.randn(E, D, F) / 3,
-                                                torch.rand(T, K))]
-    ids = torch.randn(T, E).topk(K, dim=1).indices
-    plan = plan_experts(ids, E, retain=0.5, selection="top", draw_uniform=False, source_ids_T=torch.arange(T) % S,
-                        num_sources=S)
+    leaves = [t.to(device).requires_grad_(True) for t in (x, torch.randn(E, 2 * F, D) / 4,
+                                                          torch.randn(E, D, F) / 3, torch.rand(T, K))]
+    ids, src = torch.randn(T, E).topk(K, dim=1).indices.to(device), (torch.arange(T) % S).to(device)
+    plan = plan_experts(ids, E, retain=0.5, selection="top", draw_uniform=False, source_ids_T=src, num_sources=S)
     out = selective_swiglu_experts(*leaves[:3], ids, leaves[3], retain=0.5, selection="top", plan=plan)
-    (out * g).sum().backward()
-    return [out.detach()] + [t.grad for t in leaves]
+    (out * g.to(device)).sum().backward()
+    return [out.detach().cpu()] + [t.grad.cpu() for t in leaves]
 
 
 _LAYERS = {
@@ -94,7 +96,7 @@ def single_device() -> None:
             layer = LRMoE(16, 8, 4, 2, **kwargs)
             x, c = torch.randn(24, 16), torch.randn(24, 16)
             results[case] = _layer_step(layer, x, c)
-        results["source-grouped plan, retain 0.5"] = _source_grouped_step()
+        results["source-grouped plan, retain 0.5"] = source_grouped_step()
         return results
 
     want = run_all()

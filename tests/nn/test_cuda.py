@@ -6,7 +6,7 @@ import pytest
 import torch
 from cuda_sync import no_host_sync
 
-from lrmoe.functional import compact_and_gemm, plan_experts, selective_swiglu_experts
+from lrmoe.functional import compact_and_gemm
 from lrmoe.nn import LRMoE
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -28,24 +28,11 @@ def test_cuda_source_grouped_plan_equals_cpu():
     """Pairs grouped by (source, expert) (the plan expert parallelism uses): each expert's GEMM offset is its last
     source group's end, a strided column of the selection's offsets. The CUDA GEMMs read offsets as a flat array,
     so they took every S-th group end: dx and the weight gradients were O(1) off (found on two GPUs)."""
-    torch.manual_seed(0)
-    T, D, F, E, K, S = 90, 32, 24, 8, 2, 3
-    x, g = torch.randn(T, D), torch.randn(T, D)
-    gate_up, down = torch.randn(E, 2 * F, D) / D**0.5, torch.randn(E, D, F) / F**0.5
-    ids = torch.randn(T, E).topk(K, dim=1).indices
-    gates = torch.rand(T, K)
-    src = torch.arange(T) % S
-    grads = []
-    for dev in ("cpu", "cuda"):
-        leaves = [t.detach().to(dev).requires_grad_(True) for t in (x, gate_up, down, gates)]
-        plan = plan_experts(ids.to(dev), E, retain=0.5, selection="top", draw_uniform=False,
-                            source_ids_T=src.to(dev), num_sources=S)
-        out = selective_swiglu_experts(leaves[0], leaves[1], leaves[2], ids.to(dev), leaves[3], retain=0.5,
-                                       selection="top", plan=plan)
-        (out * g.to(dev)).sum().backward()
-        grads.append([out.detach().cpu()] + [t.grad.cpu() for t in leaves])
-    for name, a, b in zip(["out", "dx", "dgate_up", "ddown", "dgates"], *grads):
-        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
+    from cuda_paths import source_grouped_step
+
+    names = ["out", "dx", "dgate_up", "ddown", "dgates"]
+    for name, got, want in zip(names, source_grouped_step("cuda"), source_grouped_step("cpu"), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
 
 
 @pytest.mark.parametrize("n_rows, empty", [(200, False), (200, True)])
