@@ -30,6 +30,9 @@ Forward, on every rank:
 6. dispatch all-to-all of x rows (one per pair, sorted by destination instance);
 7. grouped GEMMs on the local instances; 8. combine all-to-all of y rows, with ||phi||^2 in a second one;
 9. out_t = sum_k alpha_u y_u on the source rank.
+Steps 5-9 run in ``layer.experts(...)`` (the experts' class is swapped for an expert-parallel subclass, as the
+layer's is), so hooks on that module see the weights used: FSDP2's ``fully_shard(layer.experts, mesh["dp"])``
+gathers them there.
 
 Backward: the source scores its pairs (everything is local: alpha, g_t, ||phi||^2) and selects quotas[rank, w, i]
 pairs of every instance; only those rows (alpha * g / p, plus a 4-byte row index) enter the backward all-to-all;
@@ -878,7 +881,8 @@ class ExpertParallel(ParallelStyle):
             sharded = distribute_tensor(param.detach(), ep_mesh, [Shard(0)], src_data_rank=self.src_data_rank)
             module.experts.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
 
-        module.__class__ = _ep_class(type(module))
+        module.__class__ = _ep_class(type(module), _ExpertParallelMixin)
+        module.experts.__class__ = _ep_class(type(module.experts), _ExpertParallelExpertsMixin)
         module.ep_mesh = ep_mesh
         module._ep = _EPGroup(group=ep_mesh.get_group(), rank=ep_mesh.get_local_rank(), size=n_ranks)
         module._replication = rep
@@ -913,15 +917,44 @@ class ExpertParallel(ParallelStyle):
         return mesh if mesh.ndim == 1 else mesh[self.mesh_dim_name]
 
 
-_EP_CLASSES: dict[type, type] = {}
+_EP_CLASSES: dict[tuple[type, type], type] = {}
 
 
-def _ep_class(cls: type) -> type:
-    """The expert-parallel subclass of an LRMoE class (FSDP2's fully_shard swaps classes the same way), so the
-    layer stays an instance of its own class, with the EP forward."""
-    if cls not in _EP_CLASSES:
-        _EP_CLASSES[cls] = type(f"ExpertParallel{cls.__name__}", (_ExpertParallelMixin, cls), {})
-    return _EP_CLASSES[cls]
+def _ep_class(cls: type, mixin: type) -> type:
+    """The expert-parallel subclass of an LRMoE class or of its experts' (FSDP2's fully_shard swaps classes the
+    same way), so the module stays an instance of its own class, with the EP forward."""
+    if (cls, mixin) not in _EP_CLASSES:
+        _EP_CLASSES[cls, mixin] = type(f"ExpertParallel{cls.__name__}", (mixin, cls), {})
+    return _EP_CLASSES[cls, mixin]
+
+
+class _ExpertParallelExpertsMixin:
+    """Forward of an expert-parallel layer's experts (steps 5-9 of the module docstring): the rank's instances,
+    replicas fetched from their owners, on the rows its pairs dispatch. The layer runs its experts through this
+    call, so hooks on ``layer.experts`` see it: FSDP2's ``fully_shard(layer.experts, mesh["dp"])`` gathers the
+    weights before it, frees them after, and reduce-scatters their gradients once x's gradient is done."""
+
+    def forward(self, x_TD: torch.Tensor, gates_TK: torch.Tensor, group_P: torch.Tensor, plan: ExpertParallelPlan,
+                probe: torch.Tensor | None, cfg: _Config, splits: _Splits, ep: _EPGroup) -> torch.Tensor:
+        n_local = self.num_experts // ep.size
+        gate_up_LFD = self.gate_up_proj.to_local().to(x_TD.dtype)
+        down_LDF = self.down_proj.to_local().to(x_TD.dtype)
+        if gate_up_LFD.shape[0] != n_local or down_LDF.shape[0] != n_local:
+            # Sharded further and not gathered: the kernels would index past a shard (an IndexError on CPU,
+            # garbage on CUDA).
+            raise RuntimeError(f"this rank holds {gate_up_LFD.shape[0]} experts' weights, expected E/W = {n_local}: "
+                               f"{UNGATHERED_EXPERTS}")
+        if plan.instances.shape[1] > n_local:
+            # Replica weights from their owners, differentiably: their gradients return and sum into the shards.
+            flat_LX = torch.cat([gate_up_LFD.reshape(n_local, -1), down_LDF.reshape(n_local, -1)], dim=1)
+            flat_RX = _fetch_replicas(flat_LX, plan, splits, ep)
+            n_gu = gate_up_LFD[0].numel()
+            gate_up_IFD = torch.cat([gate_up_LFD, flat_RX[:, :n_gu].view(-1, *gate_up_LFD.shape[1:])])
+            down_IDF = torch.cat([down_LDF, flat_RX[:, n_gu:].view(-1, *down_LDF.shape[1:])])
+        else:
+            gate_up_IFD, down_IDF = gate_up_LFD, down_LDF
+        return _ExpertParallelSwiGLU.apply(x_TD, gate_up_IFD, down_IDF, gates_TK, group_P, plan.assignment,
+                                           plan.instance_quotas, plan.uniform, probe, cfg, splits, ep)
 
 
 class _ExpertParallelMixin:
@@ -934,7 +967,6 @@ class _ExpertParallelMixin:
     _probe_dtype = torch.float64  # byte counts stay exact past 2**24
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up, down = self.experts.gate_up_proj, self.experts.down_proj
         self._check_input(x)
         ep, rep = self._ep, self._replication
         x_TD = x.reshape(-1, self.dim)
@@ -968,24 +1000,7 @@ class _ExpertParallelMixin:
         group_P = rank_P * n_inst + slot_P
 
         dtype = compute_dtype(x)  # torch.autocast's, else x's
-        gate_up_LFD, down_LDF = gate_up.to_local().to(dtype), down.to_local().to(dtype)
-        if gate_up_LFD.shape[0] != n_local or down_LDF.shape[0] != n_local:
-            # FSDP2 on layer.experts shards them further, and gathers them only in experts' own forward, which this
-            # layer never calls: the kernels would index past a shard (an IndexError on CPU, garbage on CUDA).
-            raise RuntimeError(f"this rank holds {gate_up_LFD.shape[0]} experts' weights, expected E/W = {n_local}: "
-                               f"{UNGATHERED_EXPERTS}")
-        weight_bytes = 0
-        if rep.max_replicas:
-            # Replica weights from their owners, differentiably: their gradients return and sum into the shards.
-            flat_LX = torch.cat([gate_up_LFD.reshape(n_local, -1), down_LDF.reshape(n_local, -1)], dim=1)
-            flat_RX = _fetch_replicas(flat_LX, plan, splits, ep)
-            n_gu = gate_up_LFD[0].numel()
-            gate_up_IFD = torch.cat([gate_up_LFD, flat_RX[:, :n_gu].view(-1, *gate_up_LFD.shape[1:])])
-            down_IDF = torch.cat([down_LDF, flat_RX[:, n_gu:].view(-1, *down_LDF.shape[1:])])
-            weight_bytes = flat_LX.shape[1] * flat_LX.element_size()
-        else:
-            gate_up_IFD, down_IDF = gate_up_LFD, down_LDF
-
+        weight_bytes = 3 * self.dim * self.experts.hidden_dim * dtype.itemsize  # one instance's two matrices
         row_bytes = self.dim * dtype.itemsize
         if not recomputing():  # keep the last forward's plan and bytes (lrmoe.nn.lrmoe.recomputing)
             with torch.no_grad():
@@ -1011,10 +1026,7 @@ class _ExpertParallelMixin:
         cfg = _Config(retain=self.retain, dense=dense, metric=self.metric, selection=self.selection,
                       generator=self.generator, activations=activations, blocked=rep.backward_blocks)
         with torch.autocast(x.device.type, enabled=False):  # the experts run in ``dtype`` exactly
-            out_TD = _ExpertParallelSwiGLU.apply(
-                x_TD.to(dtype), gate_up_IFD, down_IDF, routing.gates.to(dtype), group_P, plan.assignment,
-                plan.instance_quotas, plan.uniform, probe, cfg, splits, ep,
-            )
+            out_TD = self.experts(x_TD.to(dtype), routing.gates.to(dtype), group_P, plan, probe, cfg, splits, ep)
         return self.add_shared(x_TD, out_TD).view(x.shape)
 
     def stats(self) -> ExpertParallelStats:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from lrmoe.functional._checks import (
@@ -35,11 +36,11 @@ from lrmoe.functional.selection import MODES
 __all__ = ["LRMoE", "LRMoEStats", "SwiGLUExperts", "SwiGLUMLP"]
 
 
-# What to do when FSDP2 shards layer.experts on its own (both layers read the expert weights directly and never
-# call experts(...), where FSDP would gather them).
-UNGATHERED_EXPERTS = ("they were sharded further (fully_shard on layer.experts?) and not gathered before the layer's "
-                      "forward; gather them first, e.g. layer.register_forward_pre_hook(lambda m, a: "
-                      "m.experts.unshard()) (docs/expert_parallel.md, FSDP2)")
+# Both layers run their experts through experts(...), where FSDP2's fully_shard on layer.experts gathers the
+# weights; still sharded there means some other sharding the layer cannot undo.
+UNGATHERED_EXPERTS = ("they are sharded (not by an FSDP2 unit on layer.experts, which gathers them in experts' "
+                      "forward) and the layer needs each rank's experts whole; gather them before the layer's "
+                      "forward (docs/expert_parallel.md, FSDP2)")
 
 @dataclass(frozen=True)
 class LRMoEStats:
@@ -90,6 +91,20 @@ class SwiGLUExperts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * hidden_dim, dim))
         self.down_proj = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
         self.reset_parameters()
+
+    def forward(self, x_TD: torch.Tensor, expert_ids_TK: torch.Tensor, gates_TK: torch.Tensor,
+                **options) -> torch.Tensor:
+        """[T, D] tokens, their [T, K] experts and gates -> [T, D] gated sum of the experts' outputs:
+        :func:`~lrmoe.functional.selective_swiglu_experts` with these weights in x's dtype; ``options`` are its
+        keyword arguments (retain, plan, ...; the default, retain 1, is the plain dense backward). LRMoE runs its
+        experts through this call, so a hook on this module (FSDP2's ``fully_shard(layer.experts)`` gathering the
+        weights) sees them."""
+        gate_up, down = self.gate_up_proj, self.down_proj
+        if isinstance(gate_up, DTensor) or isinstance(down, DTensor):
+            # The ops would refuse a mix of tensors and DTensors, naming none of this.
+            raise RuntimeError(f"the experts' weights are DTensors: {UNGATHERED_EXPERTS}")
+        return selective_swiglu_experts(x_TD, gate_up.to(x_TD.dtype), down.to(x_TD.dtype), expert_ids_TK, gates_TK,
+                                        **options)
 
     def reset_parameters(self) -> None:
         # nn.Linear's default: uniform(+-1/sqrt(fan_in)) per expert matrix.
@@ -243,7 +258,11 @@ class LRMoE(nn.Module):
                              f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
         if x.shape[-1] != self.dim:
             raise ValueError(f"x must have last dimension dim={self.dim}, got shape {tuple(x.shape)}")
-        if x.dtype != self.experts.gate_up_proj.dtype and not torch.is_autocast_enabled(x.device.type):
+        # Under FSDP2 on layer.experts the weights are gathered in its mixed-precision dtype only in experts(...),
+        # which casts them to x's (or autocast's) dtype: FSDP's policy decides, as autocast would.
+        fsdp_experts = isinstance(self.experts, FSDPModule)
+        if (x.dtype != self.experts.gate_up_proj.dtype and not fsdp_experts
+                and not torch.is_autocast_enabled(x.device.type)):
             raise TypeError(
                 f"x has dtype {x.dtype} but the layer's parameters are {self.experts.gate_up_proj.dtype}; "
                 "cast one of them (e.g. layer.to(x.dtype)), or run the layer under torch.autocast"
@@ -253,10 +272,6 @@ class LRMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check_input(x)
-        if isinstance(self.experts.gate_up_proj, DTensor) or isinstance(self.experts.down_proj, DTensor):
-            # FSDP2 on layer.experts: the layer reads the weights and never calls experts(...), so they stay
-            # sharded (the ops then refuse a mix of tensors and DTensors, naming none of this).
-            raise RuntimeError(f"the experts' weights are sharded DTensors: {UNGATHERED_EXPERTS}")
         x_TD = x.reshape(-1, self.dim)
         routing = self.route(x_TD)
         probe = self._probe_for(x)
@@ -272,9 +287,8 @@ class LRMoE(nn.Module):
                 self.last_quotas.copy_(plan.quotas)
         dtype = compute_dtype(x)
         with torch.autocast(x.device.type, enabled=False):  # the experts run in ``dtype`` exactly
-            out_TD = selective_swiglu_experts(
-                x_TD.to(dtype), self.experts.gate_up_proj.to(dtype), self.experts.down_proj.to(dtype),
-                routing.expert_ids, routing.gates.to(dtype), retain=self.retain, metric=self.metric,
+            out_TD = self.experts(
+                x_TD.to(dtype), routing.expert_ids, routing.gates.to(dtype), retain=self.retain, metric=self.metric,
                 selection=self.selection, policy=self.policy, min_retain=self.min_retain, plan=plan,
                 generator=self.generator, stats_probe=probe, activations=self.activations,
                 backward_capacity=self.backward_capacity,

@@ -114,3 +114,14 @@ def test_compiled_ep_with_a_rank_without_tokens_equals_eager_on_two_gpus():
     from test_expert_parallel_compile import _compiled_matches_eager
 
     run_ranks(2, _compiled_matches_eager, 1, "host", False, 1, "cuda", backend="nccl")
+
+
+@two_gpus
+def test_fsdp2_on_the_experts_gathers_them_on_two_gpus():
+    """The gloo FSDP2 tests on NCCL and the CUDA kernels: the single-device layer over dp = 2, and the EP layer on a
+    (dp, ep) = (2, 1) mesh (the EP step with one peer, its experts gathered over dp)."""
+    from ep_harness import run_ranks
+    from test_expert_parallel_fsdp import _fsdp_beside_ep, _fsdp_single_device_layer
+
+    run_ranks(2, _fsdp_single_device_layer, "cuda", backend="nccl")
+    run_ranks(2, _fsdp_beside_ep, 0.5, 0, "cuda", 2, backend="nccl")
