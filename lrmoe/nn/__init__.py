@@ -1,5 +1,6 @@
 """Modules and parallel styles: the only place with module state, collectives and DTensor."""
 
+from lrmoe.nn.clip import clip_grad_norm_
 from lrmoe.nn.expert_parallel import ExpertParallel, ExpertParallelPlan, ExpertParallelStats, plan_expert_parallel
 from lrmoe.nn.lrmoe import LRMoE, LRMoEStats, SwiGLUExperts, SwiGLUMLP
 
@@ -11,5 +12,6 @@ __all__ = [
     "LRMoEStats",
     "SwiGLUExperts",
     "SwiGLUMLP",
+    "clip_grad_norm_",
     "plan_expert_parallel",
 ]

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import parallelize_module
 
 from ep_harness import run_ranks
@@ -113,3 +113,106 @@ def _fsdp_single_device_layer(rank, world, device="cpu"):
 def test_fsdp2_on_the_experts_of_a_single_device_layer_gathers_them():
     run_ranks(2, _fsdp_single_device_layer)
 
+
+# --------------------------------------------------- checkpoints and clipping in the (dp, ep) = (2, 2) layout
+
+
+class _Net(torch.nn.Module):
+    """A layer between two dense ones; the head's 3 rows leave one of the 4 dp * ep shards empty."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = torch.nn.Linear(D, D)
+        self.moe = LRMoE(D, FF, E, K, retain=0.5, selection="top")  # "top" draws nothing: a step is deterministic
+        self.head = torch.nn.Linear(D, 3)
+
+    def forward(self, x):
+        h = self.inp(x)
+        return self.head(h + self.moe(h))
+
+
+def _titan_layout(seed):
+    """torchtitan's layout on (2, 2): experts over dp with the divide factor dp * ep (the mean loss over all ranks),
+    the rest over the flattened mesh; Adam."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "ep"))
+    torch.manual_seed(seed)
+    net = _Net()
+    parallelize_module(net.moe, mesh, ExpertParallel(mesh_dim_name="ep"))
+    fully_shard(net.moe.experts, mesh=mesh["dp"])
+    net.moe.experts.set_gradient_divide_factor(float(mesh.size()))
+    net.moe.experts.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM (dp > 1 here)
+    fully_shard(net, mesh=mesh["dp", "ep"]._flatten("dp_ep"))
+    return net, torch.optim.Adam(net.parameters(), lr=1e-2, foreach=False)
+
+
+def _step(net, opt, rank, step):
+    g = torch.Generator().manual_seed(100 * step + rank)
+    x, y = torch.randn(T, D, generator=g), torch.randn(T, 3, generator=g)
+    loss = torch.nn.functional.mse_loss(net(x), y)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss.detach()
+
+
+def _full_state(net, opt):
+    params = {n: p.full_tensor() for n, p in net.named_parameters()}
+    moments = {f"{n}.{k}": v.full_tensor() for n, p in net.named_parameters() for k, v in opt.state[p].items()
+               if isinstance(v, DTensor)}
+    return params | moments
+
+
+def _checkpoint_round_trip(rank, world, path):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    net, opt = _titan_layout(0)
+    _step(net, opt, rank, 1)
+    model_sd, optim_sd = get_state_dict(net, opt)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+    saved = _full_state(net, opt)
+
+    fresh, fresh_opt = _titan_layout(1)  # other weights, no optimiser state yet
+    model_sd, optim_sd = get_state_dict(fresh, fresh_opt)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(fresh, fresh_opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    loaded = _full_state(fresh, fresh_opt)
+    assert loaded.keys() == saved.keys() and any(".exp_avg_sq" in k for k in loaded)
+    for name, value in saved.items():
+        torch.testing.assert_close(loaded[name], value, rtol=0, atol=0, msg=lambda m, name=name: f"{name}: {m}")
+    # The next step from the checkpoint is the uninterrupted run's, bit for bit.
+    torch.testing.assert_close(_step(fresh, fresh_opt, rank, 2), _step(net, opt, rank, 2), rtol=0, atol=0)
+    after, want = _full_state(fresh, fresh_opt), _full_state(net, opt)
+    for name, value in want.items():
+        torch.testing.assert_close(after[name], value, rtol=0, atol=0, msg=lambda m, name=name: f"step 2 {name}: {m}")
+
+
+def test_dcp_round_trip_under_fsdp2_beside_expert_parallelism(tmp_path):
+    run_ranks(4, _checkpoint_round_trip, str(tmp_path / "checkpoint"))
+
+
+def _clip_across_meshes(rank, world, norm_type):
+    from lrmoe.nn import clip_grad_norm_
+
+    net, _ = _titan_layout(0)
+    g = torch.Generator().manual_seed(rank)
+    x, y = torch.randn(T, D, generator=g), torch.randn(T, 3, generator=g)
+    torch.nn.functional.mse_loss(net(x), y).backward()
+    meshes = {p.grad.device_mesh for p in net.parameters()}
+    assert len(meshes) == 2 and (net.head.weight.to_local().numel() == 0) == (rank == 3)  # an empty shard
+    before = {n: p.grad.full_tensor() for n, p in net.named_parameters()}
+    want = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g, norm_type) for g in before.values()]),
+                                    norm_type)
+    max_norm = float(want) / 4  # clips
+    total = clip_grad_norm_(net.parameters(), max_norm, norm_type)
+    torch.testing.assert_close(total, want, rtol=1e-6, atol=0)
+    coef = max_norm / (float(want) + 1e-6)
+    for n, p in net.named_parameters():
+        torch.testing.assert_close(p.grad.full_tensor(), before[n] * coef, rtol=1e-6, atol=1e-9,
+                                   msg=lambda m, n=n: f"{n}: {m}")
+
+
+@pytest.mark.parametrize("norm_type", [2.0, float("inf")])
+def test_clip_grad_norm_over_the_two_meshes_of_fsdp2_beside_expert_parallelism(norm_type):
+    run_ranks(4, _clip_across_meshes, norm_type)
