@@ -216,3 +216,45 @@ def _clip_across_meshes(rank, world, norm_type):
 @pytest.mark.parametrize("norm_type", [2.0, float("inf")])
 def test_clip_grad_norm_over_the_two_meshes_of_fsdp2_beside_expert_parallelism(norm_type):
     run_ranks(4, _clip_across_meshes, norm_type)
+
+
+# ------------------------------------------------------------------------------------------- torch.compile
+
+
+def _compiled_with_fsdp_experts(rank, world, expert_parallel):
+    # FSDP's hooks on layer.experts are skipped by dynamo (torch._dynamo.config.skip_fsdp_hooks): one graph break
+    # around the experts call, so fullgraph=False; the compiled layer must still equal the eager one.
+    torch._dynamo.config.capture_scalar_outputs = True
+    torch.manual_seed(0)
+    ref = LRMoE(D, FF, E, K, retain=0.5, selection="top")
+    layers = [copy.deepcopy(ref), copy.deepcopy(ref)]
+    for layer in layers:
+        if expert_parallel:  # (dp, ep) = (1, 2): the EP step, the experts an FSDP unit over a one-rank dp
+            mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp", "ep"))
+            parallelize_module(layer, mesh, ExpertParallel(mesh_dim_name="ep"))
+            fully_shard(layer.experts, mesh=mesh["dp"])
+            fully_shard(layer, mesh=mesh["dp", "ep"]._flatten("dp_ep"))
+        else:
+            mesh = init_device_mesh("cpu", (world,))
+            fully_shard(layer.experts, mesh=mesh)
+            fully_shard(layer, mesh=mesh)
+    eager, compiled = layers[0], torch.compile(layers[1])
+    torch.manual_seed(10 + rank)
+    for step in range(2):
+        x, c = torch.randn(T, D), torch.randn(T, D)
+        out, want = compiled(x), eager(x)
+        torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-6, msg=lambda m: f"step {step} output: {m}")
+        (out * c).sum().backward()
+        (want * c).sum().backward()
+        for (name, got), wanted in zip(layers[1].named_parameters(), layers[0].parameters()):
+            torch.testing.assert_close(got.grad.full_tensor(), wanted.grad.full_tensor(), rtol=1e-5, atol=1e-6,
+                                       msg=lambda m, name=name: f"step {step} {name}: {m}")
+        for layer in layers:
+            layer.zero_grad()
+    # Compiled, around the break (3 graphs here with torch 2.13, 4 with expert parallelism), not run eagerly.
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 2, dict(torch._dynamo.utils.counters["stats"])
+
+
+@pytest.mark.parametrize("expert_parallel", [False, True], ids=["data-parallel", "expert-parallel"])
+def test_compiled_layer_with_fsdp2_on_its_experts_equals_eager(expert_parallel):
+    run_ranks(2, _compiled_with_fsdp_experts, expert_parallel)
