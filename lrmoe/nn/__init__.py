@@ -3,6 +3,7 @@
 from lrmoe.nn.clip import clip_grad_norm_
 from lrmoe.nn.expert_parallel import ExpertParallel, ExpertParallelPlan, ExpertParallelStats, plan_expert_parallel
 from lrmoe.nn.lrmoe import LRMoE, LRMoEStats, SwiGLUExperts, SwiGLUMLP
+from lrmoe.nn.swap import swap_experts
 
 __all__ = [
     "ExpertParallel",
@@ -14,4 +15,5 @@ __all__ = [
     "SwiGLUMLP",
     "clip_grad_norm_",
     "plan_expert_parallel",
+    "swap_experts",
 ]

@@ -21,6 +21,7 @@ from lrmoe.functional._checks import (
     check_backward_capacity,
     check_choice,
     check_float_dtype,
+    check_generator,
     check_group_routing,
     check_int,
     check_retain,
@@ -80,31 +81,70 @@ def recomputing() -> bool:
     return not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1
 
 
-class SwiGLUExperts(nn.Module):
-    """E SwiGLU experts stored as fused 3-D tensors, as transformers' Qwen3MoeExperts stores them."""
+# selective_swiglu_experts' keyword arguments that SwiGLUExperts may fix for all its calls (the plan, the stats
+# probe and source groups belong to one call).
+EXPERT_OPTIONS = ("retain", "metric", "selection", "policy", "min_retain", "generator", "activations", "quota_align",
+                  "backward_capacity")
 
-    def __init__(self, num_experts: int, dim: int, hidden_dim: int):
+
+def _check_expert_options(options: dict) -> None:
+    unknown = sorted(set(options) - set(EXPERT_OPTIONS))
+    if unknown:
+        raise TypeError(f"unknown expert options {unknown}; expected some of {', '.join(EXPERT_OPTIONS)} "
+                        "(selective_swiglu_experts' keyword arguments)")
+    retain = options.get("retain", 1.0)
+    check_retain(retain, options.get("min_retain", 0.0))
+    for name, choices in (("metric", METRICS), ("selection", MODES), ("policy", POLICIES),
+                          ("activations", ACTIVATION_POLICIES)):
+        if name in options:
+            check_choice(name, options[name], choices)
+    check_generator(options.get("generator"))
+    check_int("quota_align", options.get("quota_align", 1))
+    check_backward_capacity(options.get("backward_capacity"), retain, options.get("quota_align", 1),
+                            grouped_by_source=False, policy=options.get("policy", "waterfill"))
+
+
+class SwiGLUExperts(nn.Module):
+    """E SwiGLU experts stored as fused 3-D tensors, as transformers' Qwen3MoeExperts stores them, called as it is:
+    ``experts(x_TD, expert_ids_TK, gates_TK)``.
+
+    Args:
+        num_experts, dim, hidden_dim: E, D, F.
+        **options: selective_swiglu_experts' keyword arguments for every call (``EXPERT_OPTIONS``: retain,
+            selection, ...; a call's own options override them). None: retain 1, the plain dense backward.
+            ``lrmoe.nn.swap_experts`` puts these modules, with options, into a transformers model.
+    """
+
+    def __init__(self, num_experts: int, dim: int, hidden_dim: int, **options):
         super().__init__()
         for name, value in (("num_experts", num_experts), ("dim", dim), ("hidden_dim", hidden_dim)):
             check_int(name, value)
+        _check_expert_options(options)
         self.num_experts, self.dim, self.hidden_dim = num_experts, dim, hidden_dim
+        self.options = options
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * hidden_dim, dim))
         self.down_proj = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
         self.reset_parameters()
 
+    def extra_repr(self) -> str:
+        shown = ", ".join(f"{k}={v!r}" for k, v in self.options.items())
+        return f"num_experts={self.num_experts}, dim={self.dim}, hidden_dim={self.hidden_dim}" + (
+            f", {shown}" if shown else "")
+
     def forward(self, x_TD: torch.Tensor, expert_ids_TK: torch.Tensor, gates_TK: torch.Tensor,
                 **options) -> torch.Tensor:
         """[T, D] tokens, their [T, K] experts and gates -> [T, D] gated sum of the experts' outputs:
-        :func:`~lrmoe.functional.selective_swiglu_experts` with these weights in x's dtype; ``options`` are its
-        keyword arguments (retain, plan, ...; the default, retain 1, is the plain dense backward). LRMoE runs its
-        experts through this call, so a hook on this module (FSDP2's ``fully_shard(layer.experts)`` gathering the
+        :func:`~lrmoe.functional.selective_swiglu_experts` with these weights and the gates in x's dtype;
+        ``options`` are its keyword arguments (retain, plan, ...), over the module's. LRMoE runs its experts
+        through this call, so a hook on this module (FSDP2's ``fully_shard(layer.experts)`` gathering the
         weights) sees them."""
         gate_up, down = self.gate_up_proj, self.down_proj
         if isinstance(gate_up, DTensor) or isinstance(down, DTensor):
             # The ops would refuse a mix of tensors and DTensors, naming none of this.
             raise RuntimeError(f"the experts' weights are DTensors: {UNGATHERED_EXPERTS}")
-        return selective_swiglu_experts(x_TD, gate_up.to(x_TD.dtype), down.to(x_TD.dtype), expert_ids_TK, gates_TK,
-                                        **options)
+        dtype = x_TD.dtype
+        return selective_swiglu_experts(x_TD, gate_up.to(dtype), down.to(dtype), expert_ids_TK, gates_TK.to(dtype),
+                                        **(self.options | options))
 
     def reset_parameters(self) -> None:
         # nn.Linear's default: uniform(+-1/sqrt(fan_in)) per expert matrix.

@@ -1,0 +1,82 @@
+"""Put LRMoE's experts into a transformers model: ``swap_experts(model, retain=0.75)``.
+
+transformers' MoE blocks (Qwen3-MoE's Qwen3MoeSparseMoeBlock, GLM-4.5's Glm4MoeMoE, DeepSeek-V3's DeepseekV3MoE)
+route with their own router and call their experts module as ``experts(hidden_states, top_k_index,
+top_k_weights)`` on [T, D] tokens, the call :class:`~lrmoe.nn.SwiGLUExperts` takes. Swapping only the experts keeps
+everything else of the model: its routing, its router logits (``output_router_logits`` and the auxiliary loss),
+shared experts, checkpoint names and loading; the experts' backward becomes the selective one.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from lrmoe.nn.lrmoe import SwiGLUExperts, _check_expert_options
+
+__all__ = ["swap_experts"]
+
+
+def _fused_experts(module: nn.Module) -> bool:
+    """Holds fused 3-D expert weights the way transformers' experts modules do."""
+    gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+    return (isinstance(gate_up, nn.Parameter) and isinstance(down, nn.Parameter) and gate_up.dim() == 3
+            and down.dim() == 3)
+
+
+def _why_not_swiglu(module: nn.Module) -> str | None:
+    """None when the module is E SwiGLU experts with gate_up_proj [E, 2F, D] (gate half first) and down_proj
+    [E, D, F] and nothing else; otherwise what differs."""
+    own = sorted(name for name, _ in module.named_parameters(recurse=False))
+    if own != ["down_proj", "gate_up_proj"]:
+        return f"it holds parameters {own}, expected gate_up_proj and down_proj only (no biases)"
+    if getattr(module, "is_transposed", False):
+        return "its weights are stored transposed (is_transposed=True)"
+    act = getattr(module, "act_fn", None)
+    if not (isinstance(act, nn.SiLU) or type(act).__name__ == "SiLUActivation"):
+        return f"its activation is {type(act).__name__}, expected SiLU (SwiGLU experts)"
+    (n_exp, two_f, dim), (n_exp_down, dim_down, hidden) = module.gate_up_proj.shape, module.down_proj.shape
+    if n_exp_down != n_exp or dim_down != dim or two_f != 2 * hidden:
+        return (f"gate_up_proj {tuple(module.gate_up_proj.shape)} and down_proj {tuple(module.down_proj.shape)} "
+                "are not [E, 2F, D] and [E, D, F]")
+    return None
+
+
+def swap_experts(model: nn.Module, **options) -> list[str]:
+    """Replace every experts module of a transformers model (fused 3-D ``gate_up_proj`` [E, 2F, D] and
+    ``down_proj`` [E, D, F], SiLU) by a :class:`~lrmoe.nn.SwiGLUExperts` that holds the same Parameter objects and
+    runs :func:`~lrmoe.functional.selective_swiglu_experts` with ``options`` (its keyword arguments: retain,
+    selection, metric, ...) on every call.
+
+    The parameters are the same objects, so state_dict names, loaded weights and an optimiser built before stay
+    valid. At retain 1 the model's outputs and gradients are those of transformers' experts (up to summation
+    order). The new modules are built on the meta device and take the old parameters: no copy, no allocation.
+
+    Returns the qualified names of the replaced modules, in ``named_modules`` order. Raises ValueError when
+    ``model`` holds no such module, or one whose fused 3-D weights are not plain SwiGLU experts (biases, another
+    activation, transposed storage), naming it; TypeError / ValueError for bad options (before any change).
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    found = [(name, module) for name, module in model.named_modules() if _fused_experts(module)
+             and not isinstance(module, SwiGLUExperts)]
+    if not found:
+        raise ValueError("model holds no experts module with fused 3-D gate_up_proj and down_proj parameters")
+    _check_expert_options(options)
+    for name, module in found:
+        if not name:
+            raise ValueError("model is itself an experts module; swap it in its parent (or build SwiGLUExperts)")
+        why = _why_not_swiglu(module)
+        if why is not None:
+            raise ValueError(f"cannot swap {name} ({type(module).__name__}): {why}")
+    swapped = []
+    for name, module in found:
+        n_exp, two_f, dim = module.gate_up_proj.shape
+        with torch.device("meta"):
+            experts = SwiGLUExperts(n_exp, dim, two_f // 2, **options)
+        experts.gate_up_proj, experts.down_proj = module.gate_up_proj, module.down_proj
+        experts.train(module.training)
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent), child, experts)
+        swapped.append(name)
+    return swapped

@@ -1,0 +1,158 @@
+"""lrmoe.nn.swap_experts: LRMoE's experts inside transformers' own MoE blocks (Qwen3-MoE, GLM-4.5, DeepSeek-V3) and
+a whole Qwen3-MoE causal LM, against the unswapped model with the same weights."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from lrmoe.nn import SwiGLUExperts, swap_experts
+
+transformers = pytest.importorskip("transformers")
+
+T, D, FF, E, K = 24, 16, 12, 8, 2
+
+
+def _block(name: str, **overrides):
+    common = dict(hidden_size=D, moe_intermediate_size=FF, num_experts_per_tok=K, norm_topk_prob=True,
+                  hidden_act="silu", num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2, vocab_size=32)
+    if name == "qwen3_moe":
+        from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+        block = Qwen3MoeSparseMoeBlock(transformers.Qwen3MoeConfig(num_experts=E, **common | overrides))
+    else:
+        common |= dict(n_routed_experts=E, n_group=4, topk_group=2, n_shared_experts=1, routed_scaling_factor=2.5)
+        if name == "glm4_moe":
+            from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeMoE
+            block = Glm4MoeMoE(transformers.Glm4MoeConfig(**common | overrides))
+        else:
+            from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
+            block = DeepseekV3MoE(transformers.DeepseekV3Config(**common | overrides))
+    torch.manual_seed(0)
+    block = block.float()
+    with torch.no_grad():
+        for p in block.parameters():
+            p.normal_(0, 0.3)
+        if hasattr(block.gate, "e_score_correction_bias"):
+            block.gate.e_score_correction_bias.normal_(0, 0.3)
+    return block
+
+
+def _run(block, x, c):
+    for p in block.parameters():
+        p.grad = None
+    x = x.clone().requires_grad_(True)
+    out = block(x)
+    (out * c).sum().backward()
+    return out.detach(), x.grad, {n: p.grad for n, p in block.named_parameters()}
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "glm4_moe", "deepseek_v3"])
+def test_swapped_block_equals_transformers_at_retain_1(name):
+    hf = _block(name)
+    ours = copy.deepcopy(hf)
+    before = {n: p for n, p in ours.named_parameters()}
+    assert swap_experts(ours) == ["experts"]
+    assert isinstance(ours.experts, SwiGLUExperts) and not isinstance(hf.experts, SwiGLUExperts)
+    # The same Parameter objects under the same names: a loaded checkpoint and an optimiser stay valid.
+    assert all(before[n] is p for n, p in ours.named_parameters()) and before.keys() == dict(
+        ours.named_parameters()).keys()
+    x, c = torch.randn(2, T // 2, D), torch.randn(2, T // 2, D)
+    out, gx, gp = _run(ours, x, c)
+    ref, rx, rp = _run(hf, x, c)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(gx, rx, rtol=1e-5, atol=1e-6)
+    for n in rp:
+        torch.testing.assert_close(gp[n], rp[n], rtol=1e-5, atol=1e-6, msg=lambda m, n=n: f"{n}: {m}")
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "glm4_moe"])
+def test_swapped_block_below_retain_1_keeps_the_router_gradient_exact(name):
+    """The selective backward changes the expert-path gradients only: the forward and the router's gradient
+    <g_t, y_u> stay exact, the experts' weight gradients do not."""
+    hf = _block(name)
+    ours = copy.deepcopy(hf)
+    swap_experts(ours, retain=0.5, selection="top")
+    x, c = torch.randn(2, T // 2, D), torch.randn(2, T // 2, D)
+    out, _, gp = _run(ours, x, c)
+    ref, _, rp = _run(hf, x, c)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(gp["gate.weight"], rp["gate.weight"], rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(gp["experts.down_proj"], rp["experts.down_proj"], rtol=1e-3, atol=1e-4)
+
+
+def test_swapped_qwen3_causal_lm_trains_like_transformers():
+    """A whole model: logits, the router's auxiliary loss (output_router_logits still sees transformers' router)
+    and every gradient, at retain 1; its experts' repr shows the options."""
+    config = transformers.Qwen3MoeConfig(
+        hidden_size=D, intermediate_size=32, moe_intermediate_size=FF, num_experts=E, num_experts_per_tok=K,
+        num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2, head_dim=8, vocab_size=32,
+        output_router_logits=True, router_aux_loss_coef=0.01,
+    )
+    torch.manual_seed(0)
+    hf = transformers.Qwen3MoeForCausalLM(config).float()
+    ours = copy.deepcopy(hf)
+    assert swap_experts(ours, selection="top") == [f"model.layers.{i}.mlp.experts" for i in range(2)]
+    assert "selection='top'" in repr(ours.model.layers[0].mlp.experts)
+    ids = torch.randint(0, 32, (2, 10), generator=torch.Generator().manual_seed(1))
+    results = []
+    for model in (ours, hf):
+        out = model(input_ids=ids, labels=ids)
+        out.loss.backward()
+        results.append((out.logits.detach(), out.aux_loss.detach(), {n: p.grad for n, p in model.named_parameters()}))
+    (logits, aux, grads), (ref_logits, ref_aux, ref_grads) = results
+    torch.testing.assert_close(logits, ref_logits, rtol=1e-5, atol=1e-5)
+    assert ref_aux > 0
+    torch.testing.assert_close(aux, ref_aux, rtol=1e-6, atol=0)
+    for n, g in ref_grads.items():
+        torch.testing.assert_close(grads[n], g, rtol=1e-4, atol=1e-6, msg=lambda m, n=n: f"{n}: {m}")
+
+
+def test_swap_refuses_what_it_cannot_swap():
+    with pytest.raises(ValueError, match=r"cannot swap experts \(Qwen3MoeExperts\): its activation is .*SiLU"):
+        swap_experts(_block("qwen3_moe", hidden_act="gelu"))
+    with pytest.raises(ValueError, match="holds no experts module"):
+        swap_experts(torch.nn.Linear(4, 4))
+    block = _block("qwen3_moe")
+    with pytest.raises(TypeError, match=r"unknown expert options \['retian'\]"):
+        swap_experts(block, retian=0.5)
+    with pytest.raises(ValueError, match="retain must be in"):
+        swap_experts(block, retain=1.5)
+    with pytest.raises(ValueError, match="selection must be one of"):
+        swap_experts(block, selection="best")
+    assert not isinstance(block.experts, SwiGLUExperts)  # nothing changed by a refused call
+    with pytest.raises(ValueError, match="model is itself an experts module"):
+        swap_experts(block.experts)
+
+
+def test_swapped_block_compiles_fullgraph():
+    """transformers' router and our experts in one graph, equal to eager below retain 1."""
+    ours = _block("glm4_moe")
+    swap_experts(ours, retain=0.5, selection="top")
+    compiled = torch.compile(ours, fullgraph=True)
+    x, c = torch.randn(2, T // 2, D), torch.randn(2, T // 2, D)
+    out, gx, gp = _run(compiled, x, c)
+    ref, rx, rp = _run(ours, x, c)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(gx, rx, rtol=1e-5, atol=1e-6)
+    for n in rp:
+        torch.testing.assert_close(gp[f"_orig_mod.{n}"], rp[n], rtol=1e-5, atol=1e-5, msg=lambda m, n=n: f"{n}: {m}")
+
+
+def test_a_calls_options_override_the_modules():
+    torch.manual_seed(0)
+    selective, dense = SwiGLUExperts(E, D, FF, retain=0.5, selection="top"), SwiGLUExperts(E, D, FF)
+    dense.load_state_dict(selective.state_dict())
+    x, c = torch.randn(T, D), torch.randn(T, D)
+    ids = torch.stack([torch.randperm(E)[:K] for _ in range(T)])
+    gates = torch.rand(T, K).softmax(-1)
+
+    def down_grad(experts, **options):
+        experts.zero_grad()
+        (experts(x, ids, gates, **options) * c).sum().backward()
+        return experts.down_proj.grad.clone()
+
+    want = down_grad(dense)
+    torch.testing.assert_close(down_grad(selective, retain=1.0), want, rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(down_grad(selective), want, rtol=1e-3, atol=1e-4)
