@@ -44,7 +44,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 from lrmoe.demo.data import heldout_batches, load_corpus, sample_batch
 from lrmoe.demo.model import ModelConfig, MoELM, lrmoe_layers
 from lrmoe.demo.train import TrainConfig, lr_factor
-from lrmoe.nn import ExpertParallel
+from lrmoe.nn import ExpertParallel, clip_grad_norm_
 
 FULL = {"dim": 1024, "layers": 8, "heads": 16, "experts": 64, "top_k": 8, "expert_hidden": 512, "seq_len": 512,
         "batch_size": 16, "steps": 600, "eval_every": 50, "eval_batches": 4, "warmup_steps": 30, "lr": 1e-3,
@@ -132,20 +132,6 @@ class NoTimer:
         return float("nan")
 
 
-def clip_grad_norm(params, max_norm: float, group) -> None:
-    """Clip by the global norm: expert shards (DTensor) are summed over ranks, replicated gradients (already
-    all-reduced, identical everywhere) counted once."""
-    sharded = [p.grad.to_local() for p in params if p.grad is not None and isinstance(p.grad, DTensor)]
-    plain = [p.grad for p in params if p.grad is not None and not isinstance(p.grad, DTensor)]
-    zero = torch.zeros((), dtype=torch.float32, device=plain[0].device)
-    sq_sharded = sum((g.float().square().sum() for g in sharded), zero)
-    dist.all_reduce(sq_sharded, group=group)
-    norm = (sq_sharded + sum((g.float().square().sum() for g in plain), zero)).sqrt()
-    scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-    for g in sharded + plain:
-        g.mul_(scale.to(g.dtype))
-
-
 def train_run(retain: float, target: float | None, args, corpus, heldout, device, dtype, mesh) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     cuda = device.type == "cuda"
@@ -209,7 +195,7 @@ def train_run(retain: float, target: float | None, args, corpus, heldout, device
         for p in replicated:
             p.grad.copy_(flat[offset : offset + p.numel()].view_as(p))
             offset += p.numel()
-        clip_grad_norm(params, 1.0, mesh.get_group())
+        clip_grad_norm_(params, 1.0)  # expert shards counted whole, replicated gradients once
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         sync()

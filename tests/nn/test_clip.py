@@ -43,3 +43,34 @@ def test_non_finite_norm_raises_when_asked():
 def test_no_gradients_gives_zero():
     p = torch.nn.Parameter(torch.ones(3))
     assert clip_grad_norm_([p], 1.0).item() == 0.0 and p.grad is None
+
+
+def _expert_parallel_mix(rank, world):
+    # Expert parallelism alone: DTensor expert shards beside the plain router, whose gradient the caller has
+    # reduced (identical on every rank, so counted once).
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from lrmoe.nn import ExpertParallel, LRMoE
+
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(0)
+    layer = parallelize_module(LRMoE(8, 6, 4, 2, retain=0.5, selection="top"), mesh, ExpertParallel())
+    torch.manual_seed(rank)
+    layer(torch.randn(6, 8)).square().sum().backward()
+    dist.all_reduce(layer.gate.weight.grad)
+    full = [p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad.clone() for p in layer.parameters()]
+    assert len(full) == 3
+    want = torch.linalg.vector_norm(torch.stack([g.norm() for g in full]))
+    total = clip_grad_norm_(layer.parameters(), float(want) / 2)
+    torch.testing.assert_close(total, want, rtol=1e-6, atol=0)
+    for p, g in zip(layer.parameters(), full):
+        got = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+        torch.testing.assert_close(got, g * (float(want) / 2) / (float(want) + 1e-6), rtol=1e-6, atol=1e-9)
+
+
+def test_expert_shards_beside_a_plain_router_on_two_ranks():
+    from ep_harness import run_ranks
+
+    run_ranks(2, _expert_parallel_mix)
