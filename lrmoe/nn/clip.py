@@ -12,7 +12,7 @@ import math
 from collections.abc import Iterable
 
 import torch
-from torch.distributed.tensor import DTensor, Partial
+from torch.distributed.tensor import DTensor, Partial, Replicate
 from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 
 __all__ = ["clip_grad_norm_"]
@@ -21,7 +21,12 @@ __all__ = ["clip_grad_norm_"]
 def _group_norm(grads: list[torch.Tensor], norm_type: float, foreach: bool | None) -> torch.Tensor:
     """The norm of one mesh's gradients (a plain tensor on every rank), or of plain tensors."""
     sharded = isinstance(grads[0], DTensor)
-    if math.isinf(norm_type):
+    if sharded:
+        # Unreduced (Partial) gradients, as tensor parallelism can leave them: reduce first, as the max and the
+        # local norms below assume the rank's values are the gradient's.
+        grads = [g.redistribute(placements=[Replicate() if p.is_partial() else p for p in g.placements])
+                 if any(p.is_partial() for p in g.placements) else g for g in grads]
+    if norm_type == math.inf:
         # get_total_norm takes the inf norm of each tensor (each local shard), which fails on an empty one (a rank
         # holding no rows of a small parameter); a max over the non-empty ones (0 if none), reduced with max over
         # the mesh, instead.
@@ -43,13 +48,16 @@ def clip_grad_norm_(parameters: torch.Tensor | Iterable[torch.Tensor], max_norm:
     and every gradient scaled by max_norm / (total + 1e-6) where that is below 1. Returns the total norm, the same
     on every rank of a mesh. Plain-tensor gradients count as this rank's own (as torch's function counts them).
 
-    Collectives: one all-reduce per mesh. On plain tensors it is torch's function, except that the inf norm
-    passes over empty gradients (torch's raises on them).
+    Collectives: one all-reduce per mesh (and a reduction of any Partial gradient first). norm_type: p > 0 or
+    inf (ValueError otherwise). On plain tensors it is torch's function, except that the inf norm passes over empty
+    gradients (torch's raises on them).
     """
     if isinstance(parameters, torch.Tensor):
         parameters = [parameters]
     params = [p for p in parameters if p.grad is not None]
     norm_type = float(norm_type)
+    if not (norm_type > 0):  # -inf (a min) and 0 (a count) do not combine over meshes as norms do
+        raise ValueError(f"norm_type must be a p-norm order p > 0 or inf, got {norm_type}")
     if not params:
         return torch.tensor(0.0)
     groups: dict[object, list[torch.Tensor]] = {}

@@ -87,6 +87,11 @@ EXPERT_OPTIONS = ("retain", "metric", "selection", "policy", "min_retain", "gene
                   "backward_capacity")
 
 
+# The options plan_experts takes too.
+_PLAN_OPTIONS = ("retain", "min_retain", "policy", "selection", "generator", "quota_align", "backward_capacity",
+                 "source_ids_T", "num_sources")
+
+
 def _check_expert_options(options: dict) -> None:
     unknown = sorted(set(options) - set(EXPERT_OPTIONS))
     if unknown:
@@ -135,16 +140,25 @@ class SwiGLUExperts(nn.Module):
                 **options) -> torch.Tensor:
         """[T, D] tokens, their [T, K] experts and gates -> [T, D] gated sum of the experts' outputs:
         :func:`~lrmoe.functional.selective_swiglu_experts` with these weights and the gates in x's dtype;
-        ``options`` are its keyword arguments (retain, plan, ...), over the module's. LRMoE runs its experts
-        through this call, so a hook on this module (FSDP2's ``fully_shard(layer.experts)`` gathering the
-        weights) sees them."""
+        ``options`` are its keyword arguments (retain, plan, ...), over the module's. The weights are cast as
+        autocast would (LRMoE has checked the dtypes). In eval() with no backward to run (no grad, or nothing
+        requiring it) no sampling uniforms are drawn, as in LRMoE. LRMoE runs its experts through this call, so a
+        hook on this module (FSDP2's ``fully_shard(layer.experts)`` gathering the weights) sees them."""
         gate_up, down = self.gate_up_proj, self.down_proj
         if isinstance(gate_up, DTensor) or isinstance(down, DTensor):
             # The ops would refuse a mix of tensors and DTensors, naming none of this.
             raise RuntimeError(f"the experts' weights are DTensors: {UNGATHERED_EXPERTS}")
+        opts = self.options | options
+        backward = torch.is_grad_enabled() and (x_TD.requires_grad or gates_TK.requires_grad
+                                                or gate_up.requires_grad or down.requires_grad)
+        if "plan" not in opts and not (backward or self.training):
+            # Evaluation leaves the RNG untouched, as LRMoE does (_draws_uniform): no sampling uniforms.
+            opts["plan"] = plan_experts(expert_ids_TK, self.num_experts, draw_uniform=False,
+                                        **{k: opts[k] for k in _PLAN_OPTIONS if k in opts})
         dtype = x_TD.dtype
-        return selective_swiglu_experts(x_TD, gate_up.to(dtype), down.to(dtype), expert_ids_TK, gates_TK.to(dtype),
-                                        **(self.options | options))
+        if gates_TK.is_floating_point():  # others are refused, naming gates_TK, not cast
+            gates_TK = gates_TK.to(dtype)
+        return selective_swiglu_experts(x_TD, gate_up.to(dtype), down.to(dtype), expert_ids_TK, gates_TK, **opts)
 
     def reset_parameters(self) -> None:
         # nn.Linear's default: uniform(+-1/sqrt(fan_in)) per expert matrix.

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from lrmoe.nn.lrmoe import SwiGLUExperts, _check_expert_options
 
@@ -24,17 +25,38 @@ def _fused_experts(module: nn.Module) -> bool:
             and down.dim() == 3)
 
 
+def _is_activation(module: nn.Module) -> bool:
+    return isinstance(module, nn.SiLU) or type(module).__name__ == "SiLUActivation"
+
+
+def _default_apply_gate():
+    """transformers' plain gate * up combination of its experts integration (silu(gate) * up), or None."""
+    try:
+        from transformers.integrations.moe import _default_apply_gate as default
+    except ImportError:  # an older transformers: no such hook, so an experts class cannot override it
+        return None
+    return default
+
+
 def _why_not_swiglu(module: nn.Module) -> str | None:
     """None when the module is E SwiGLU experts with gate_up_proj [E, 2F, D] (gate half first) and down_proj
     [E, D, F] and nothing else; otherwise what differs."""
-    own = sorted(name for name, _ in module.named_parameters(recurse=False))
-    if own != ["down_proj", "gate_up_proj"]:
-        return f"it holds parameters {own}, expected gate_up_proj and down_proj only (no biases)"
+    held = sorted(name for name, _ in module.named_parameters())
+    if held != ["down_proj", "gate_up_proj"]:
+        return f"it holds parameters {held}, expected gate_up_proj and down_proj only (no biases, no norms)"
+    act = getattr(module, "act_fn", None)
+    if not _is_activation(act):
+        return f"its activation is {type(act).__name__}, expected SiLU (SwiGLU experts)"
+    others = [name for name, child in module.named_children() if child is not act]
+    if others:
+        return f"it holds submodules {others} (a norm?) beside its activation"
     if getattr(module, "is_transposed", False):
         return "its weights are stored transposed (is_transposed=True)"
-    act = getattr(module, "act_fn", None)
-    if not (isinstance(act, nn.SiLU) or type(act).__name__ == "SiLUActivation"):
-        return f"its activation is {type(act).__name__}, expected SiLU (SwiGLU experts)"
+    if getattr(module, "has_post_expert_norm", False):
+        return "it normalises the experts' outputs (has_post_expert_norm=True)"
+    apply_gate = getattr(type(module), "_apply_gate", None)
+    if apply_gate is not None and apply_gate is not _default_apply_gate():
+        return "it combines gate and up its own way (_apply_gate overridden: a clamp, a limit?)"
     (n_exp, two_f, dim), (n_exp_down, dim_down, hidden) = module.gate_up_proj.shape, module.down_proj.shape
     if n_exp_down != n_exp or dim_down != dim or two_f != 2 * hidden:
         return (f"gate_up_proj {tuple(module.gate_up_proj.shape)} and down_proj {tuple(module.down_proj.shape)} "
@@ -52,20 +74,31 @@ def swap_experts(model: nn.Module, **options) -> list[str]:
     valid. At retain 1 the model's outputs and gradients are those of transformers' experts (up to summation
     order). The new modules are built on the meta device and take the old parameters: no copy, no allocation.
 
+    Call it before sharding (``fully_shard``, ``parallelize_module``): FSDP would keep gathering onto the old
+    modules. Expert ids are used as given: transformers' own expert-parallel marker (id E for a token's expert held
+    elsewhere) is not supported.
+
     Returns the qualified names of the replaced modules, in ``named_modules`` order. Raises ValueError when
-    ``model`` holds no such module, or one whose fused 3-D weights are not plain SwiGLU experts (biases, another
-    activation, transposed storage), naming it; TypeError / ValueError for bad options (before any change).
+    ``model`` holds no such module (or only SwiGLUExperts already), or one whose fused 3-D weights are not plain
+    SwiGLU experts (biases, another activation, a norm, transposed storage, a gate function of its own) or are
+    sharded DTensors, naming it; TypeError / ValueError for bad options. All before any change.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     found = [(name, module) for name, module in model.named_modules() if _fused_experts(module)
              and not isinstance(module, SwiGLUExperts)]
     if not found:
+        if any(isinstance(module, SwiGLUExperts) for module in model.modules()):
+            raise ValueError("model's experts are SwiGLUExperts already (swapped before?); set their .options to "
+                             "change the options")
         raise ValueError("model holds no experts module with fused 3-D gate_up_proj and down_proj parameters")
     _check_expert_options(options)
     for name, module in found:
         if not name:
             raise ValueError("model is itself an experts module; swap it in its parent (or build SwiGLUExperts)")
+        if isinstance(module.gate_up_proj, DTensor) or isinstance(module.down_proj, DTensor):
+            raise ValueError(f"cannot swap {name}: its weights are DTensors (sharded by fully_shard or a parallel "
+                             "style); call swap_experts before fully_shard / parallelize_module")
         why = _why_not_swiglu(module)
         if why is not None:
             raise ValueError(f"cannot swap {name} ({type(module).__name__}): {why}")

@@ -74,3 +74,36 @@ def test_expert_shards_beside_a_plain_router_on_two_ranks():
     from ep_harness import run_ranks
 
     run_ranks(2, _expert_parallel_mix)
+
+
+def _partial_gradients(rank, world, norm_type):
+    # Unreduced gradients (Partial), as tensor parallelism can leave them: the norm is that of their sum.
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial, Replicate
+
+    mesh = init_device_mesh("cpu", (world,))
+    g = torch.Generator().manual_seed(rank)
+    local = torch.randn(3, 4, generator=g) * (1 + 3 * rank)
+    p = torch.nn.Parameter(DTensor.from_local(torch.zeros(3, 4), mesh, [Replicate()]))
+    p.grad = DTensor.from_local(local, mesh, [Partial()])
+    summed = local.clone()
+    dist.all_reduce(summed)
+    want = torch.linalg.vector_norm(summed, norm_type)
+    total = clip_grad_norm_([p], float(want) / 2, norm_type)
+    torch.testing.assert_close(total, want, rtol=1e-6, atol=0)
+    torch.testing.assert_close(p.grad.full_tensor(), summed * (float(want) / 2) / (float(want) + 1e-6),
+                               rtol=1e-6, atol=1e-9)
+
+
+@pytest.mark.parametrize("norm_type", [2.0, float("inf")])
+def test_partial_gradients_are_reduced_first(norm_type):
+    from ep_harness import run_ranks
+
+    run_ranks(2, _partial_gradients, norm_type)
+
+
+@pytest.mark.parametrize("norm_type", [0.0, -1.0, float("-inf")])
+def test_orders_that_are_not_norms_are_refused(norm_type):
+    with pytest.raises(ValueError, match="norm_type must be a p-norm order p > 0 or inf"):
+        clip_grad_norm_(_params(0, 1.0), 1.0, norm_type)

@@ -124,6 +124,72 @@ def test_swap_refuses_what_it_cannot_swap():
     assert not isinstance(block.experts, SwiGLUExperts)  # nothing changed by a refused call
     with pytest.raises(ValueError, match="model is itself an experts module"):
         swap_experts(block.experts)
+    swap_experts(block)
+    with pytest.raises(ValueError, match="SwiGLUExperts already"):
+        swap_experts(block)
+
+
+def test_swap_refuses_experts_that_compute_something_else():
+    """Fused SiLU experts whose maths differs (a clamp in their gate function, a norm after them) would lose it."""
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+    class Clamped(Qwen3MoeExperts):
+        def _apply_gate(self, gate_up):
+            gate, up = gate_up.chunk(2, dim=-1)
+            return self.act_fn(gate.clamp(max=0.5)) * up
+
+    block = _block("qwen3_moe")
+    block.experts.__class__ = Clamped
+    with pytest.raises(ValueError, match="_apply_gate overridden"):
+        swap_experts(block)
+    block = _block("qwen3_moe")
+    block.experts.post_norm = torch.nn.LayerNorm(D)
+    with pytest.raises(ValueError, match=r"holds parameters \['down_proj', 'gate_up_proj', 'post_norm.bias'"):
+        swap_experts(block)
+    del block.experts.post_norm
+    block.experts.post_norm = torch.nn.Identity()
+    with pytest.raises(ValueError, match="holds submodules"):
+        swap_experts(block)
+
+
+def _swap_after_fully_shard(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    block = _block("qwen3_moe")
+    fully_shard(block, mesh=init_device_mesh("cpu", (world,)))
+    with pytest.raises(ValueError, match="call swap_experts before fully_shard"):
+        swap_experts(block)
+
+
+def test_swap_after_fully_shard_is_refused():
+    from ep_harness import run_ranks
+
+    run_ranks(1, _swap_after_fully_shard)
+
+
+def test_evaluation_leaves_the_rng_untouched():
+    """As LRMoE: eval() without grad draws no sampling uniforms (generate(do_sample=True) after a swap must give
+    transformers' tokens); training mode draws, as dropout does. The output is exact either way."""
+    torch.manual_seed(0)
+    experts = SwiGLUExperts(E, D, FF, retain=0.5, selection="sample")
+    x, ids, gates = torch.randn(T, D), torch.stack([torch.randperm(E)[:K] for _ in range(T)]), torch.rand(T, K)
+    dense = SwiGLUExperts(E, D, FF)
+    dense.load_state_dict(experts.state_dict())
+    with torch.no_grad():
+        want = dense(x, ids, gates)
+        for training, draws in ((False, False), (True, True)):
+            experts.train(training)
+            state = torch.get_rng_state()
+            out = experts(x, ids, gates)
+            assert torch.equal(torch.get_rng_state(), state) != draws, f"training={training}"
+            torch.testing.assert_close(out, want, rtol=1e-6, atol=1e-6)
+
+
+def test_integer_gates_are_refused_not_cast():
+    experts = SwiGLUExperts(E, D, FF)
+    with pytest.raises((TypeError, ValueError), match="gates_TK"):
+        experts(torch.randn(T, D), torch.zeros(T, K, dtype=torch.long), torch.ones(T, K, dtype=torch.long))
 
 
 def test_swapped_block_compiles_fullgraph():
