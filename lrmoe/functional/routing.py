@@ -197,11 +197,17 @@ def route_topk(
 def expert_loads(expert_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
     """Pairs routed to each expert: [E] int64. scatter_add, not bincount (bincount syncs on CUDA).
 
-    ``expert_ids``: integer tensor of any shape, ids in [0, num_experts) (not checked: that would need a sync).
+    ``expert_ids``: integer tensor of any shape, ids in [0, num_experts): checked on the CPU outside compiled code
+    (a ValueError naming the range); on a GPU not checked, as that would need a sync (scatter_add_'s device-side
+    assert stops an out-of-range id there).
     """
     check_tensor("expert_ids", expert_ids, kind="int")
     check_int("num_experts", num_experts)
     flat = expert_ids.reshape(-1).long()  # scatter_add_ takes int64 indices (int16 / uint8 ids raised)
+    if flat.device.type == "cpu" and flat.numel() and not torch.compiler.is_compiling():
+        lo, hi = int(flat.min()), int(flat.max())  # CPU tensors: no device to wait for
+        if lo < 0 or hi >= num_experts:
+            raise ValueError(f"expert_ids must be in [0, num_experts={num_experts}), got ids from {lo} to {hi}")
     return torch.zeros(num_experts, dtype=torch.int64, device=flat.device).scatter_add_(
         0, flat, torch.ones_like(flat, dtype=torch.int64)
     )

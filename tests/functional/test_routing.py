@@ -457,3 +457,10 @@ def test_router_logits_keep_the_dtype_asked_for_under_autocast():
         plain = router_logits(x, w)  # no dtype: a plain linear, which autocasts
     assert got.dtype == torch.float32 and torch.equal(got, want)
     assert plain.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("bad", [-1, 8, 13])
+def test_expert_loads_refuses_ids_out_of_range_on_cpu(bad):
+    ids = torch.tensor([[0, 7], [bad, 3]])
+    with pytest.raises(ValueError, match=rf"expert_ids must be in \[0, num_experts=8\), got ids from {min(bad, 0)}"):
+        expert_loads(ids, 8)
