@@ -164,3 +164,42 @@ def test_cuda_glm_block_equals_cpu_and_never_syncs(compiled, fwd_bwd):
     with no_host_sync():
         fn(x).sum().backward()
     assert torch.isfinite(x.grad).all()
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_cuda_swiglu_experts_module_never_syncs_and_evaluation_draws_nothing(compiled):
+    """SwiGLUExperts called as transformers calls its experts (what swap_experts installs), bf16, retain 0.5
+    "sample": the module's own plan (no plan passed) in training never synchronises, and equals the CPU forward;
+    in eval() without grad the CUDA RNG stays where it was."""
+    from lrmoe.nn import SwiGLUExperts
+
+    torch.manual_seed(0)
+    E, D, F, T, K = 8, 64, 48, 96, 2
+    experts = SwiGLUExperts(E, D, F, retain=0.5, selection="sample").cuda().bfloat16()
+    x = torch.randn(T, D, device="cuda", dtype=torch.bfloat16)
+    ids = torch.stack([torch.randperm(E)[:K] for _ in range(T)]).cuda()
+    gates = torch.rand(T, K, device="cuda").softmax(-1)
+    run = torch.compile(experts, fullgraph=True) if compiled else experts
+
+    def step():
+        xg = x.clone().requires_grad_(True)
+        out = run(xg, ids, gates)
+        out.float().square().sum().backward()
+        return out
+
+    step()  # compilation and autotuning may synchronise
+    experts.zero_grad()
+    with no_host_sync():
+        out = step()
+    want = SwiGLUExperts(E, D, F)
+    want.load_state_dict({k: v.float().cpu() for k, v in experts.state_dict().items()})
+    with torch.no_grad():
+        ref = want(x.float().cpu(), ids.cpu(), gates.cpu())
+    torch.testing.assert_close(out.float().cpu(), ref, rtol=2e-2, atol=2e-2)
+    assert experts.down_proj.grad is not None and experts.down_proj.grad.abs().sum() > 0
+
+    experts.eval()
+    with torch.no_grad():
+        state = torch.cuda.get_rng_state()
+        run(x, ids, gates)
+        assert torch.equal(torch.cuda.get_rng_state(), state)
