@@ -221,23 +221,30 @@ def test_clip_grad_norm_over_the_two_meshes_of_fsdp2_beside_expert_parallelism(n
 # ------------------------------------------------------------------------------------------- torch.compile
 
 
-def _compiled_with_fsdp_experts(rank, world, expert_parallel):
-    # FSDP's hooks on layer.experts are skipped by dynamo (torch._dynamo.config.skip_fsdp_hooks): one graph break
-    # around the experts call, so fullgraph=False; the compiled layer must still equal the eager one.
-    torch._dynamo.config.capture_scalar_outputs = True
+def _two_layers_with_fsdp_experts(world, expert_parallel, max_replicas=0):
+    """Two copies of one layer (retain 0.5, "top"), each with its experts an FSDP unit: over the ranks (plain data
+    parallelism), or expert-parallel on (dp, ep) = (1, W), the experts an FSDP unit over the one-rank dp."""
     torch.manual_seed(0)
     ref = LRMoE(D, FF, E, K, retain=0.5, selection="top")
     layers = [copy.deepcopy(ref), copy.deepcopy(ref)]
     for layer in layers:
-        if expert_parallel:  # (dp, ep) = (1, 2): the EP step, the experts an FSDP unit over a one-rank dp
+        if expert_parallel:
             mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp", "ep"))
-            parallelize_module(layer, mesh, ExpertParallel(mesh_dim_name="ep"))
+            parallelize_module(layer, mesh, ExpertParallel(mesh_dim_name="ep", max_replicas=max_replicas))
             fully_shard(layer.experts, mesh=mesh["dp"])
             fully_shard(layer, mesh=mesh["dp", "ep"]._flatten("dp_ep"))
         else:
             mesh = init_device_mesh("cpu", (world,))
             fully_shard(layer.experts, mesh=mesh)
             fully_shard(layer, mesh=mesh)
+    return layers
+
+
+def _compiled_with_fsdp_experts(rank, world, expert_parallel):
+    # FSDP's hooks on layer.experts are skipped by dynamo (torch._dynamo.config.skip_fsdp_hooks): one graph break
+    # around the experts call, so fullgraph=False; the compiled layer must still equal the eager one.
+    torch._dynamo.config.capture_scalar_outputs = True
+    layers = _two_layers_with_fsdp_experts(world, expert_parallel)
     eager, compiled = layers[0], torch.compile(layers[1])
     torch.manual_seed(10 + rank)
     for step in range(2):
@@ -268,19 +275,7 @@ def _checkpointed_with_fsdp_experts(rank, world, expert_parallel):
     # so FSDP gathers the weights a third time; outputs and every gradient must be those of the plain run.
     from torch.utils.checkpoint import checkpoint
 
-    torch.manual_seed(0)
-    ref = LRMoE(D, FF, E, K, retain=0.5, selection="top")
-    layers = [copy.deepcopy(ref), copy.deepcopy(ref)]
-    for layer in layers:
-        if expert_parallel:
-            mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp", "ep"))
-            parallelize_module(layer, mesh, ExpertParallel(mesh_dim_name="ep", max_replicas=1))
-            fully_shard(layer.experts, mesh=mesh["dp"])
-            fully_shard(layer, mesh=mesh["dp", "ep"]._flatten("dp_ep"))
-        else:
-            mesh = init_device_mesh("cpu", (world,))
-            fully_shard(layer.experts, mesh=mesh)
-            fully_shard(layer, mesh=mesh)
+    layers = _two_layers_with_fsdp_experts(world, expert_parallel, max_replicas=1)
     torch.manual_seed(10 + rank)
     x, c = torch.randn(T, D), torch.randn(T, D)
     results = []

@@ -39,6 +39,16 @@ def _block(name: str, **overrides):
     return block
 
 
+def _assert_same_run(got, want, prefix="", grad_atol=1e-6):
+    """got, want: _run's (output, x's gradient, parameter gradients); got's parameter names may carry a prefix
+    (a compiled module's "_orig_mod.")."""
+    (out, gx, gp), (ref, rx, rp) = got, want
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(gx, rx, rtol=1e-5, atol=1e-6)
+    for n in rp:
+        torch.testing.assert_close(gp[prefix + n], rp[n], rtol=1e-5, atol=grad_atol, msg=lambda m, n=n: f"{n}: {m}")
+
+
 def _run(block, x, c):
     for p in block.parameters():
         p.grad = None
@@ -59,12 +69,7 @@ def test_swapped_block_equals_transformers_at_retain_1(name):
     assert all(before[n] is p for n, p in ours.named_parameters()) and before.keys() == dict(
         ours.named_parameters()).keys()
     x, c = torch.randn(2, T // 2, D), torch.randn(2, T // 2, D)
-    out, gx, gp = _run(ours, x, c)
-    ref, rx, rp = _run(hf, x, c)
-    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(gx, rx, rtol=1e-5, atol=1e-6)
-    for n in rp:
-        torch.testing.assert_close(gp[n], rp[n], rtol=1e-5, atol=1e-6, msg=lambda m, n=n: f"{n}: {m}")
+    _assert_same_run(_run(ours, x, c), _run(hf, x, c))
 
 
 @pytest.mark.parametrize("name", ["qwen3_moe", "glm4_moe"])
@@ -198,12 +203,7 @@ def test_swapped_block_compiles_fullgraph():
     swap_experts(ours, retain=0.5, selection="top")
     compiled = torch.compile(ours, fullgraph=True)
     x, c = torch.randn(2, T // 2, D), torch.randn(2, T // 2, D)
-    out, gx, gp = _run(compiled, x, c)
-    ref, rx, rp = _run(ours, x, c)
-    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(gx, rx, rtol=1e-5, atol=1e-6)
-    for n in rp:
-        torch.testing.assert_close(gp[f"_orig_mod.{n}"], rp[n], rtol=1e-5, atol=1e-5, msg=lambda m, n=n: f"{n}: {m}")
+    _assert_same_run(_run(compiled, x, c), _run(ours, x, c), prefix="_orig_mod.", grad_atol=1e-5)
 
 
 def test_a_calls_options_override_the_modules():
