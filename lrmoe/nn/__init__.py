@@ -3,7 +3,7 @@
 from lrmoe.nn.clip import clip_grad_norm_
 from lrmoe.nn.expert_parallel import ExpertParallel, ExpertParallelPlan, ExpertParallelStats, plan_expert_parallel
 from lrmoe.nn.lrmoe import LRMoE, LRMoEStats, SwiGLUExperts, SwiGLUMLP
-from lrmoe.nn.swap import swap_experts
+from lrmoe.nn.swap import from_transformers, replace_moe_blocks, swap_experts
 
 __all__ = [
     "ExpertParallel",
@@ -14,6 +14,8 @@ __all__ = [
     "SwiGLUExperts",
     "SwiGLUMLP",
     "clip_grad_norm_",
+    "from_transformers",
     "plan_expert_parallel",
+    "replace_moe_blocks",
     "swap_experts",
 ]

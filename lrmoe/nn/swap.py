@@ -1,10 +1,16 @@
-"""Put LRMoE's experts into a transformers model: ``swap_experts(model, retain=0.75)``.
+"""Put LRMoE into a transformers model, two ways.
 
-transformers' MoE blocks (Qwen3-MoE's Qwen3MoeSparseMoeBlock, GLM-4.5's Glm4MoeMoE, DeepSeek-V3's DeepseekV3MoE)
-route with their own router and call their experts module as ``experts(hidden_states, top_k_index,
-top_k_weights)`` on [T, D] tokens, the call :class:`~lrmoe.nn.SwiGLUExperts` takes. Swapping only the experts keeps
-everything else of the model: its routing, its router logits (``output_router_logits`` and the auxiliary loss),
-shared experts, checkpoint names and loading; the experts' backward becomes the selective one.
+``swap_experts(model, retain=0.75)``: transformers' MoE blocks (Qwen3-MoE's Qwen3MoeSparseMoeBlock, GLM-4.5's
+Glm4MoeMoE, DeepSeek-V3's DeepseekV3MoE) route with their own router and call their experts module as
+``experts(hidden_states, top_k_index, top_k_weights)`` on [T, D] tokens, the call :class:`~lrmoe.nn.SwiGLUExperts`
+takes. Swapping only the experts keeps everything else of the model: its routing, its router logits
+(``output_router_logits`` and the auxiliary loss), shared experts, checkpoint names and loading; the experts'
+backward becomes the selective one.
+
+``replace_moe_blocks(model, retain=0.75)``: each of those blocks becomes an :class:`~lrmoe.nn.LRMoE` with its
+configuration and its Parameter objects (``LRMoE.from_transformers``), so LRMoE's statistics, expert parallelism
+(``ExpertParallel``) and ``update_selection_bias`` apply. The router is then LRMoE's, which emits no router logits
+for transformers' auxiliary loss: refused while ``model.config.output_router_logits`` is set.
 """
 
 from __future__ import annotations
@@ -13,9 +19,12 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from lrmoe.nn.lrmoe import SwiGLUExperts, _check_expert_options
+from lrmoe.nn.lrmoe import LRMoE, SwiGLUExperts, _check_expert_options
 
-__all__ = ["swap_experts"]
+__all__ = ["from_transformers", "replace_moe_blocks", "swap_experts"]
+
+# The transformers blocks whose forward LRMoE computes: router, gates, experts and shared expert alike.
+BLOCKS = ("Qwen3MoeSparseMoeBlock", "Glm4MoeMoE", "DeepseekV3MoE")
 
 
 def _fused_experts(module: nn.Module) -> bool:
@@ -113,3 +122,74 @@ def swap_experts(model: nn.Module, **options) -> list[str]:
         setattr(model.get_submodule(parent), child, experts)
         swapped.append(name)
     return swapped
+
+
+def from_transformers(block: nn.Module, **options) -> LRMoE:
+    """An :class:`~lrmoe.nn.LRMoE` computing what a transformers MoE block computes (``BLOCKS``: Qwen3-MoE's
+    softmax router; GLM-4.5's and DeepSeek-V3's sigmoid router in fp32 with its selection bias, groups, scaled
+    gates and shared expert), holding the block's Parameter objects and selection-bias buffer (no copy; the new
+    layer's own tensors are built on the meta device). ``options``: LRMoE's own (retain, selection, metric, policy,
+    min_retain, activations, generator, quota_align, backward_capacity); the routing ones come from the block.
+    At retain 1 the layer's outputs and gradients are the block's (up to summation order).
+
+    Raises ValueError for another block class or experts that are not plain SwiGLU experts, TypeError for an
+    option that is not LRMoE's or that the block fixes, naming it.
+    """
+    name = type(block).__name__
+    if name not in BLOCKS:
+        raise ValueError(f"from_transformers takes a transformers {', '.join(BLOCKS)}, got {name}")
+    why = _why_not_swiglu(block.experts)
+    if why is not None:
+        raise ValueError(f"cannot convert {name}: its experts ({type(block.experts).__name__}): {why}")
+    fixed = {"dim", "hidden_dim", "num_experts", "top_k", "score_func", "norm_topk_prob", "routed_scaling_factor",
+             "n_group", "topk_group", "selection_bias", "router_dtype", "shared_hidden_dim"}
+    if fixed & set(options):
+        raise TypeError(f"from_transformers takes its routing from the block; got {sorted(fixed & set(options))}")
+    gate, experts, shared = block.gate, block.experts, getattr(block, "shared_experts", None)
+    n_exp, two_f, dim = experts.gate_up_proj.shape
+    config = dict(dim=dim, hidden_dim=two_f // 2, num_experts=n_exp, top_k=gate.top_k,
+                  norm_topk_prob=gate.norm_topk_prob)
+    if name != "Qwen3MoeSparseMoeBlock":
+        config |= dict(score_func="sigmoid", selection_bias=True, n_group=gate.num_group, topk_group=gate.topk_group,
+                       routed_scaling_factor=gate.routed_scaling_factor, router_dtype=torch.float32,
+                       shared_hidden_dim=shared.gate_proj.out_features)
+    with torch.device("meta"):
+        layer = LRMoE(**config, **options)
+    layer.gate.weight = gate.weight
+    layer.experts.gate_up_proj, layer.experts.down_proj = experts.gate_up_proj, experts.down_proj
+    if layer.selection_bias:
+        layer.gate.e_score_correction_bias = gate.e_score_correction_bias
+    if shared is not None:
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            getattr(layer.shared_experts, proj).weight = getattr(shared, proj).weight
+    # The layer's own state (statistics, the backward probe) on the block's device.
+    device = gate.weight.device
+    layer.last_loads = torch.zeros(n_exp, dtype=torch.int64, device=device)
+    layer.last_quotas = torch.zeros(n_exp, dtype=torch.int64, device=device)
+    layer._stats_probe = layer._new_probe(device)
+    layer.train(block.training)
+    return layer
+
+
+def replace_moe_blocks(model: nn.Module, **options) -> list[str]:
+    """Replace every transformers MoE block of ``model`` (``BLOCKS``) by ``from_transformers(block, **options)``:
+    the same weights (the same Parameter objects, so state_dict names and loaded checkpoints stay valid), LRMoE's
+    routing, statistics and expert parallelism. Call it before sharding.
+
+    Returns the replaced blocks' names. Raises ValueError when ``model`` holds none, when
+    ``model.config.output_router_logits`` is set (LRMoE emits no router logits, so transformers' auxiliary loss
+    would silently lose them; keep transformers' router with ``swap_experts``), and as ``from_transformers`` does;
+    all before any change.
+    """
+    if getattr(getattr(model, "config", None), "output_router_logits", False):
+        raise ValueError("model.config.output_router_logits is set: LRMoE layers emit no router logits, so the "
+                         "auxiliary loss would lose them; set it to False, or keep transformers' router with "
+                         "swap_experts")
+    found = [(name, block) for name, block in model.named_modules() if type(block).__name__ in BLOCKS and name]
+    if not found:
+        raise ValueError(f"model holds no transformers MoE block ({', '.join(BLOCKS)})")
+    layers = [(name, from_transformers(block, **options)) for name, block in found]  # every check first
+    for name, layer in layers:
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent), child, layer)
+    return [name for name, _ in layers]

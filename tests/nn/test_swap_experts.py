@@ -222,3 +222,100 @@ def test_a_calls_options_override_the_modules():
     want = down_grad(dense)
     torch.testing.assert_close(down_grad(selective, retain=1.0), want, rtol=1e-5, atol=1e-6)
     assert not torch.allclose(down_grad(selective), want, rtol=1e-3, atol=1e-4)
+
+
+# ------------------------------------------------------------------ whole blocks: from_transformers, replace_moe_blocks
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "glm4_moe", "deepseek_v3"])
+def test_from_transformers_computes_the_block(name):
+    from lrmoe.nn import LRMoE, from_transformers
+
+    hf = _block(name)
+    layer = from_transformers(copy.deepcopy(hf), retain=1.0)
+    assert isinstance(layer, LRMoE) and layer.training
+    assert not any(t.is_meta for t in list(layer.parameters()) + list(layer.buffers()))
+    assert dict(layer.state_dict()).keys() == dict(hf.state_dict()).keys()  # a checkpoint of the block loads
+    x, c = torch.randn(2, T // 2, D), torch.randn(2, T // 2, D)
+    _assert_same_run(_run(layer, x, c), _run(hf, x, c))
+    stats = layer.stats()
+    assert int(stats.total_pairs) == T * K == int(stats.loads.sum())
+
+
+def test_from_transformers_shares_the_blocks_tensors_and_takes_lrmoe_options():
+    from lrmoe.nn import from_transformers
+
+    hf = _block("glm4_moe")
+    layer = from_transformers(hf, retain=0.5, selection="top")
+    assert layer.retain == 0.5 and layer.selection == "top" and layer.score_func == "sigmoid"
+    assert layer.experts.gate_up_proj is hf.experts.gate_up_proj and layer.gate.weight is hf.gate.weight
+    assert layer.shared_experts.down_proj.weight is hf.shared_experts.down_proj.weight
+    assert layer.gate.e_score_correction_bias is hf.gate.e_score_correction_bias
+    with pytest.raises(TypeError, match=r"takes its routing from the block; got \['top_k'\]"):
+        from_transformers(hf, top_k=3)
+    with pytest.raises(ValueError, match="from_transformers takes a transformers"):
+        from_transformers(torch.nn.Linear(2, 2))
+
+
+def _qwen3_lm(**overrides):
+    config = transformers.Qwen3MoeConfig(
+        hidden_size=D, intermediate_size=32, moe_intermediate_size=FF, num_experts=E, num_experts_per_tok=K,
+        num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2, head_dim=8, vocab_size=32,
+        **overrides,
+    )
+    torch.manual_seed(0)
+    return transformers.Qwen3MoeForCausalLM(config).float()
+
+
+def test_replace_moe_blocks_in_a_causal_lm():
+    from lrmoe.nn import LRMoE, replace_moe_blocks
+
+    hf = _qwen3_lm()
+    ours = copy.deepcopy(hf)
+    assert replace_moe_blocks(ours) == [f"model.layers.{i}.mlp" for i in range(2)]
+    assert all(isinstance(ours.model.layers[i].mlp, LRMoE) for i in range(2))
+    assert ours.state_dict().keys() == hf.state_dict().keys()
+    ids = torch.randint(0, 32, (2, 10), generator=torch.Generator().manual_seed(1))
+    results = []
+    for model in (ours, hf):
+        out = model(input_ids=ids, labels=ids)
+        out.loss.backward()
+        results.append((out.logits.detach(), {n: p.grad for n, p in model.named_parameters()}))
+    (logits, grads), (ref_logits, ref_grads) = results
+    torch.testing.assert_close(logits, ref_logits, rtol=1e-5, atol=1e-5)
+    for n, g in ref_grads.items():
+        torch.testing.assert_close(grads[n], g, rtol=1e-4, atol=1e-6, msg=lambda m, n=n: f"{n}: {m}")
+
+
+def test_replace_moe_blocks_refuses_to_drop_router_logits():
+    from lrmoe.nn import replace_moe_blocks
+
+    model = _qwen3_lm(output_router_logits=True)
+    with pytest.raises(ValueError, match="output_router_logits is set"):
+        replace_moe_blocks(model)
+    with pytest.raises(ValueError, match="holds no transformers MoE block"):
+        replace_moe_blocks(torch.nn.Sequential(torch.nn.Linear(2, 2)))
+
+
+def _expert_parallel_from_transformers(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from lrmoe.nn import ExpertParallel, from_transformers
+
+    hf = _block("glm4_moe")
+    layer = parallelize_module(from_transformers(copy.deepcopy(hf)), init_device_mesh("cpu", (world,)),
+                               ExpertParallel())
+    torch.manual_seed(10 + rank)
+    x, c = torch.randn(2, T // 2, D), torch.randn(2, T // 2, D)
+    (out, gx, _), (ref, rx, _) = _run(layer, x, c), _run(hf, x, c)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(gx, rx, rtol=1e-5, atol=1e-6)
+
+
+def test_a_converted_block_runs_expert_parallel():
+    """The point of converting a whole block: ExpertParallel applies (2 gloo ranks, GLM-4.5's block, retain 1:
+    each rank's output and input gradient are the block's on its own tokens)."""
+    from ep_harness import run_ranks
+
+    run_ranks(2, _expert_parallel_from_transformers)
