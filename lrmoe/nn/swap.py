@@ -8,20 +8,23 @@ takes. Swapping only the experts keeps everything else of the model: its routing
 backward becomes the selective one.
 
 ``replace_moe_blocks(model, retain=0.75)``: each of those blocks becomes an :class:`~lrmoe.nn.LRMoE` with its
-configuration and its Parameter objects (``LRMoE.from_transformers``), so LRMoE's statistics, expert parallelism
-(``ExpertParallel``) and ``update_selection_bias`` apply. The router is then LRMoE's, which emits no router logits
-for transformers' auxiliary loss: refused while ``model.config.output_router_logits`` is set.
+configuration, its Parameter objects and its router module (``from_transformers``), so LRMoE's statistics, expert
+parallelism (``ExpertParallel``) and ``update_selection_bias`` apply, while transformers still records the router's
+logits for its auxiliary loss.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from lrmoe.functional.routing import Routing
 from lrmoe.nn.lrmoe import LRMoE, SwiGLUExperts, _check_expert_options
 
-__all__ = ["from_transformers", "replace_moe_blocks", "swap_experts"]
+__all__ = ["TransformersRoutedLRMoE", "from_transformers", "replace_moe_blocks", "swap_experts"]
 
 # The transformers blocks whose forward LRMoE computes: router, gates, experts and shared expert alike.
 BLOCKS = ("Qwen3MoeSparseMoeBlock", "Glm4MoeMoE", "DeepseekV3MoE")
@@ -124,13 +127,38 @@ def swap_experts(model: nn.Module, **options) -> list[str]:
     return swapped
 
 
+class TransformersRoutedLRMoE(LRMoE):
+    """An LRMoE whose router (``gate``) is a transformers block's own router module, called as the block calls it:
+    ``gate(x_TD) -> (router_logits, gates, expert_ids)``. transformers' recording of router logits
+    (``output_router_logits``, the auxiliary loss) sees it; the rest is LRMoE's, expert parallelism included.
+    Built by :func:`from_transformers`."""
+
+    def route(self, x_TD: torch.Tensor) -> Routing:
+        logits_TE, gates_TK, expert_ids_TK = self.gate(x_TD)
+        scores_TE = logits_TE.float().sigmoid() if self.score_func == "sigmoid" else logits_TE.float().softmax(-1)
+        return Routing(expert_ids=expert_ids_TK, gates=gates_TK, scores=scores_TE)
+
+    def reset_parameters(self) -> None:
+        """As LRMoE's, the router weight as nn.Linear initialises it (transformers' router modules have no
+        reset_parameters)."""
+        nn.init.kaiming_uniform_(self.gate.weight, a=math.sqrt(5))
+        self.experts.reset_parameters()
+        if self.shared_experts is not None:
+            for linear in (self.shared_experts.gate_proj, self.shared_experts.up_proj, self.shared_experts.down_proj):
+                linear.reset_parameters()
+        if self.selection_bias:
+            with torch.no_grad():
+                self.gate.e_score_correction_bias.zero_()
+
+
 def from_transformers(block: nn.Module, **options) -> LRMoE:
-    """An :class:`~lrmoe.nn.LRMoE` computing what a transformers MoE block computes (``BLOCKS``: Qwen3-MoE's
-    softmax router; GLM-4.5's and DeepSeek-V3's sigmoid router in fp32 with its selection bias, groups, scaled
-    gates and shared expert), holding the block's Parameter objects and selection-bias buffer (no copy; the new
-    layer's own tensors are built on the meta device). ``options``: LRMoE's own (retain, selection, metric, policy,
-    min_retain, activations, generator, quota_align, backward_capacity); the routing ones come from the block.
-    At retain 1 the layer's outputs and gradients are the block's (up to summation order).
+    """A :class:`TransformersRoutedLRMoE` (an :class:`~lrmoe.nn.LRMoE`) computing what a transformers MoE block
+    computes (``BLOCKS``: Qwen3-MoE's softmax router; GLM-4.5's and DeepSeek-V3's sigmoid router with its selection
+    bias, groups and scaled gates, and their shared expert). It holds the block's router module, as ``gate``, and
+    its expert and shared-expert Parameter objects (no copy; the layer's own tensors are built on the meta device,
+    then placed on the block's), so state_dict names are the block's. ``options``: LRMoE's own (retain, selection,
+    metric, policy, min_retain, activations, generator, quota_align, backward_capacity); the routing comes from
+    the block. At retain 1 the layer's outputs and gradients are the block's (up to summation order).
 
     Raises ValueError for another block class or experts that are not plain SwiGLU experts, TypeError for an
     option that is not LRMoE's or that the block fixes, naming it.
@@ -154,11 +182,9 @@ def from_transformers(block: nn.Module, **options) -> LRMoE:
                        routed_scaling_factor=gate.routed_scaling_factor, router_dtype=torch.float32,
                        shared_hidden_dim=shared.gate_proj.out_features)
     with torch.device("meta"):
-        layer = LRMoE(**config, **options)
-    layer.gate.weight = gate.weight
+        layer = TransformersRoutedLRMoE(**config, **options)
+    layer.gate = gate
     layer.experts.gate_up_proj, layer.experts.down_proj = experts.gate_up_proj, experts.down_proj
-    if layer.selection_bias:
-        layer.gate.e_score_correction_bias = gate.e_score_correction_bias
     if shared is not None:
         for proj in ("gate_proj", "up_proj", "down_proj"):
             getattr(layer.shared_experts, proj).weight = getattr(shared, proj).weight
@@ -173,18 +199,13 @@ def from_transformers(block: nn.Module, **options) -> LRMoE:
 
 def replace_moe_blocks(model: nn.Module, **options) -> list[str]:
     """Replace every transformers MoE block of ``model`` (``BLOCKS``) by ``from_transformers(block, **options)``:
-    the same weights (the same Parameter objects, so state_dict names and loaded checkpoints stay valid), LRMoE's
-    routing, statistics and expert parallelism. Call it before sharding.
+    the same weights and router (the same modules and Parameter objects, so state_dict names, loaded checkpoints
+    and ``output_router_logits`` stay valid), LRMoE's selective backward, statistics and expert parallelism. Call
+    it before sharding.
 
-    Returns the replaced blocks' names. Raises ValueError when ``model`` holds none, when
-    ``model.config.output_router_logits`` is set (LRMoE emits no router logits, so transformers' auxiliary loss
-    would silently lose them; keep transformers' router with ``swap_experts``), and as ``from_transformers`` does;
-    all before any change.
+    Returns the replaced blocks' names. Raises ValueError when ``model`` holds none, and as ``from_transformers``
+    does; all before any change.
     """
-    if getattr(getattr(model, "config", None), "output_router_logits", False):
-        raise ValueError("model.config.output_router_logits is set: LRMoE layers emit no router logits, so the "
-                         "auxiliary loss would lose them; set it to False, or keep transformers' router with "
-                         "swap_experts")
     found = [(name, block) for name, block in model.named_modules() if type(block).__name__ in BLOCKS and name]
     if not found:
         raise ValueError(f"model holds no transformers MoE block ({', '.join(BLOCKS)})")

@@ -248,9 +248,8 @@ def test_from_transformers_shares_the_blocks_tensors_and_takes_lrmoe_options():
     hf = _block("glm4_moe")
     layer = from_transformers(hf, retain=0.5, selection="top")
     assert layer.retain == 0.5 and layer.selection == "top" and layer.score_func == "sigmoid"
-    assert layer.experts.gate_up_proj is hf.experts.gate_up_proj and layer.gate.weight is hf.gate.weight
+    assert layer.experts.gate_up_proj is hf.experts.gate_up_proj and layer.gate is hf.gate
     assert layer.shared_experts.down_proj.weight is hf.shared_experts.down_proj.weight
-    assert layer.gate.e_score_correction_bias is hf.gate.e_score_correction_bias
     with pytest.raises(TypeError, match=r"takes its routing from the block; got \['top_k'\]"):
         from_transformers(hf, top_k=3)
     with pytest.raises(ValueError, match="from_transformers takes a transformers"):
@@ -267,10 +266,13 @@ def _qwen3_lm(**overrides):
     return transformers.Qwen3MoeForCausalLM(config).float()
 
 
-def test_replace_moe_blocks_in_a_causal_lm():
+@pytest.mark.parametrize("router_logits", [False, True])
+def test_replace_moe_blocks_in_a_causal_lm(router_logits):
+    """Logits and every gradient of the converted model equal the original's at retain 1; with
+    output_router_logits, transformers still records the (kept) router's logits, so the auxiliary loss is too."""
     from lrmoe.nn import LRMoE, replace_moe_blocks
 
-    hf = _qwen3_lm()
+    hf = _qwen3_lm(output_router_logits=router_logits, router_aux_loss_coef=0.01)
     ours = copy.deepcopy(hf)
     assert replace_moe_blocks(ours) == [f"model.layers.{i}.mlp" for i in range(2)]
     assert all(isinstance(ours.model.layers[i].mlp, LRMoE) for i in range(2))
@@ -280,19 +282,16 @@ def test_replace_moe_blocks_in_a_causal_lm():
     for model in (ours, hf):
         out = model(input_ids=ids, labels=ids)
         out.loss.backward()
-        results.append((out.logits.detach(), {n: p.grad for n, p in model.named_parameters()}))
-    (logits, grads), (ref_logits, ref_grads) = results
+        results.append((out.logits.detach(), out.loss.detach(), out.aux_loss,
+                        {n: p.grad for n, p in model.named_parameters()}))
+    (logits, loss, aux, grads), (ref_logits, ref_loss, ref_aux, ref_grads) = results
     torch.testing.assert_close(logits, ref_logits, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=0)
+    if router_logits:
+        assert ref_aux > 0
+        torch.testing.assert_close(aux, ref_aux, rtol=1e-6, atol=0)
     for n, g in ref_grads.items():
         torch.testing.assert_close(grads[n], g, rtol=1e-4, atol=1e-6, msg=lambda m, n=n: f"{n}: {m}")
-
-
-def test_replace_moe_blocks_refuses_to_drop_router_logits():
-    from lrmoe.nn import replace_moe_blocks
-
-    model = _qwen3_lm(output_router_logits=True)
-    with pytest.raises(ValueError, match="output_router_logits is set"):
-        replace_moe_blocks(model)
     with pytest.raises(ValueError, match="holds no transformers MoE block"):
         replace_moe_blocks(torch.nn.Sequential(torch.nn.Linear(2, 2)))
 
@@ -319,3 +318,17 @@ def test_a_converted_block_runs_expert_parallel():
     from ep_harness import run_ranks
 
     run_ranks(2, _expert_parallel_from_transformers)
+
+
+def test_a_converted_block_compiles_fullgraph_and_updates_its_selection_bias():
+    from lrmoe.nn import from_transformers
+
+    layer = from_transformers(_block("glm4_moe"), retain=0.5, selection="top")
+    x, c = torch.randn(2, T // 2, D), torch.randn(2, T // 2, D)
+    _assert_same_run(_run(torch.compile(layer, fullgraph=True), x, c), _run(layer, x, c), prefix="_orig_mod.",
+                     grad_atol=1e-5)
+    bias = layer.gate.e_score_correction_bias.clone()
+    layer.update_selection_bias(1e-3)  # the transformers router's own buffer, stepped from the layer's loads
+    moved = layer.gate.e_score_correction_bias - bias
+    torch.testing.assert_close(moved.abs(), torch.full_like(moved, 1e-3).where(moved != 0, 0), rtol=1e-3, atol=0)
+    assert moved.ne(0).any()
