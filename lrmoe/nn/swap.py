@@ -127,6 +127,11 @@ def swap_experts(model: nn.Module, **options) -> list[str]:
     return swapped
 
 
+def _block_kind(module: nn.Module) -> str | None:
+    """Which of BLOCKS the module is (or subclasses, as FSDP's and other wrappers' swapped classes do), or None."""
+    return next((cls.__name__ for cls in type(module).__mro__ if cls.__name__ in BLOCKS), None)
+
+
 class TransformersRoutedLRMoE(LRMoE):
     """An LRMoE whose router (``gate``) is a transformers block's own router module, called as the block calls it:
     ``gate(x_TD) -> (router_logits, gates, expert_ids)``. transformers' recording of router logits
@@ -163,9 +168,12 @@ def from_transformers(block: nn.Module, **options) -> LRMoE:
     Raises ValueError for another block class or experts that are not plain SwiGLU experts, TypeError for an
     option that is not LRMoE's or that the block fixes, naming it.
     """
-    name = type(block).__name__
-    if name not in BLOCKS:
-        raise ValueError(f"from_transformers takes a transformers {', '.join(BLOCKS)}, got {name}")
+    name = _block_kind(block)
+    if name is None:
+        raise ValueError(f"from_transformers takes a transformers {', '.join(BLOCKS)}, got {type(block).__name__}")
+    if any(isinstance(p, DTensor) for p in block.parameters()):
+        raise ValueError(f"cannot convert {name}: its weights are DTensors (sharded by fully_shard or a parallel "
+                         "style); convert before fully_shard / parallelize_module")
     why = _why_not_swiglu(block.experts)
     if why is not None:
         raise ValueError(f"cannot convert {name}: its experts ({type(block.experts).__name__}): {why}")
@@ -206,7 +214,7 @@ def replace_moe_blocks(model: nn.Module, **options) -> list[str]:
     Returns the replaced blocks' names. Raises ValueError when ``model`` holds none, and as ``from_transformers``
     does; all before any change.
     """
-    found = [(name, block) for name, block in model.named_modules() if type(block).__name__ in BLOCKS and name]
+    found = [(name, block) for name, block in model.named_modules() if _block_kind(block) and name]
     if not found:
         raise ValueError(f"model holds no transformers MoE block ({', '.join(BLOCKS)})")
     layers = [(name, from_transformers(block, **options)) for name, block in found]  # every check first

@@ -161,10 +161,14 @@ def _swap_after_fully_shard(rank, world):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
+    from lrmoe.nn import from_transformers
+
     block = _block("qwen3_moe")
     fully_shard(block, mesh=init_device_mesh("cpu", (world,)))
     with pytest.raises(ValueError, match="call swap_experts before fully_shard"):
         swap_experts(block)
+    with pytest.raises(ValueError, match="convert before fully_shard"):
+        from_transformers(block)
 
 
 def test_swap_after_fully_shard_is_refused():
