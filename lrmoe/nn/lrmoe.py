@@ -362,7 +362,9 @@ class LRMoE(nn.Module):
     def reset_parameters(self) -> None:
         """Initialise as at construction: the router and a shared expert as nn.Linear does, the experts as
         SwiGLUExperts does, a selection bias to zeros (for a layer built on the meta device, after ``to_empty``)."""
-        self.gate.reset_parameters()
+        # nn.Linear's init of a bias-free weight, written out: a router module of transformers' (from_transformers)
+        # has no reset_parameters.
+        nn.init.kaiming_uniform_(self.gate.weight, a=math.sqrt(5))
         self.experts.reset_parameters()
         if self.shared_experts is not None:
             for linear in (self.shared_experts.gate_proj, self.shared_experts.up_proj, self.shared_experts.down_proj):

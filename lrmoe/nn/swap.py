@@ -15,8 +15,6 @@ logits for its auxiliary loss.
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -142,18 +140,6 @@ class TransformersRoutedLRMoE(LRMoE):
         logits_TE, gates_TK, expert_ids_TK = self.gate(x_TD)
         scores_TE = logits_TE.float().sigmoid() if self.score_func == "sigmoid" else logits_TE.float().softmax(-1)
         return Routing(expert_ids=expert_ids_TK, gates=gates_TK, scores=scores_TE)
-
-    def reset_parameters(self) -> None:
-        """As LRMoE's, the router weight as nn.Linear initialises it (transformers' router modules have no
-        reset_parameters)."""
-        nn.init.kaiming_uniform_(self.gate.weight, a=math.sqrt(5))
-        self.experts.reset_parameters()
-        if self.shared_experts is not None:
-            for linear in (self.shared_experts.gate_proj, self.shared_experts.up_proj, self.shared_experts.down_proj):
-                linear.reset_parameters()
-        if self.selection_bias:
-            with torch.no_grad():
-                self.gate.e_score_correction_bias.zero_()
 
 
 def from_transformers(block: nn.Module, **options) -> LRMoE:

@@ -256,6 +256,9 @@ def test_from_transformers_shares_the_blocks_tensors_and_takes_lrmoe_options():
     assert layer.shared_experts.down_proj.weight is hf.shared_experts.down_proj.weight
     with pytest.raises(TypeError, match=r"takes its routing from the block; got \['top_k'\]"):
         from_transformers(hf, top_k=3)
+    router = hf.gate.weight.clone()
+    layer.reset_parameters()  # transformers' router module has no reset_parameters of its own
+    assert not torch.equal(layer.gate.weight, router) and layer.gate.e_score_correction_bias.eq(0).all()
     with pytest.raises(ValueError, match="from_transformers takes a transformers"):
         from_transformers(torch.nn.Linear(2, 2))
 
