@@ -21,11 +21,6 @@ __all__ = ["clip_grad_norm_"]
 def _group_norm(grads: list[torch.Tensor], norm_type: float, foreach: bool | None) -> torch.Tensor:
     """The norm of one mesh's gradients (a plain tensor on every rank), or of plain tensors."""
     sharded = isinstance(grads[0], DTensor)
-    if sharded:
-        # Unreduced (Partial) gradients, as tensor parallelism can leave them: reduce first, as the max and the
-        # local norms below assume the rank's values are the gradient's.
-        grads = [g.redistribute(placements=[Replicate() if p.is_partial() else p for p in g.placements])
-                 if any(p.is_partial() for p in g.placements) else g for g in grads]
     if norm_type == math.inf:
         # get_total_norm takes the inf norm of each tensor (each local shard), which fails on an empty one (a rank
         # holding no rows of a small parameter); a max over the non-empty ones (0 if none), reduced with max over
@@ -48,7 +43,8 @@ def clip_grad_norm_(parameters: torch.Tensor | Iterable[torch.Tensor], max_norm:
     and every gradient scaled by max_norm / (total + 1e-6) where that is below 1. Returns the total norm, the same
     on every rank of a mesh. Plain-tensor gradients count as this rank's own (as torch's function counts them).
 
-    Collectives: one all-reduce per mesh (and a reduction of any Partial gradient first). norm_type: p > 0 or
+    Collectives: one all-reduce per mesh, and the reduction of any Partial gradient first (``p.grad`` becomes the
+    reduced DTensor, Replicate where it was Partial). norm_type: p > 0 or
     inf (ValueError otherwise). On plain tensors it is torch's function, except that the inf norm passes over empty
     gradients (torch's raises on them).
     """
@@ -60,6 +56,13 @@ def clip_grad_norm_(parameters: torch.Tensor | Iterable[torch.Tensor], max_norm:
         raise ValueError(f"norm_type must be a p-norm order p > 0 or inf, got {norm_type}")
     if not params:
         return torch.tensor(0.0)
+    for p in params:
+        if isinstance(p.grad, DTensor) and any(pl.is_partial() for pl in p.grad.placements):
+            # Unreduced (Partial) gradients, as tensor parallelism can leave them: reduced here, in place of the
+            # gradient, as the norms below read each rank's values as the gradient's, and an in-place scale of a
+            # Partial DTensor is not the same in every torch (2.11 scaled it wrong).
+            reduced = [Replicate() if pl.is_partial() else pl for pl in p.grad.placements]
+            p.grad = p.grad.redistribute(placements=reduced)
     groups: dict[object, list[torch.Tensor]] = {}
     for p in params:
         groups.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p)

@@ -92,6 +92,7 @@ def _partial_gradients(rank, world, norm_type):
     want = torch.linalg.vector_norm(summed, norm_type)
     total = clip_grad_norm_([p], float(want) / 2, norm_type)
     torch.testing.assert_close(total, want, rtol=1e-6, atol=0)
+    assert p.grad.placements[0].is_replicate()  # reduced in place of the Partial gradient, then scaled
     torch.testing.assert_close(p.grad.full_tensor(), summed * (float(want) / 2) / (float(want) + 1e-6),
                                rtol=1e-6, atol=1e-9)
 
