@@ -69,9 +69,14 @@ def _fsdp_beside_ep(rank, world, retain, max_replicas, device="cpu", n_dp=2):
         x = x.flip(0) * 1.5
 
 
-@pytest.mark.parametrize("retain,max_replicas", [(1.0, 0), (0.5, 0), (0.5, 1)])
-def test_fsdp2_on_the_experts_beside_expert_parallelism_gathers_them(retain, max_replicas):
-    run_ranks(4, _fsdp_beside_ep, retain, max_replicas)
+def _fsdp_beside_ep_cases(rank, world):
+    for retain, max_replicas in ((1.0, 0), (0.5, 0), (0.5, 1)):  # one spawn of 4 ranks for all three
+        _fsdp_beside_ep(rank, world, retain, max_replicas)
+
+
+def test_fsdp2_on_the_experts_beside_expert_parallelism_gathers_them():
+    """retain 1 and 0.5, and 0.5 with a replica of a hot expert."""
+    run_ranks(4, _fsdp_beside_ep_cases)
 
 
 def _fsdp_single_device_layer(rank, world, device="cpu"):
@@ -192,7 +197,7 @@ def test_dcp_round_trip_under_fsdp2_beside_expert_parallelism(tmp_path):
     run_ranks(4, _checkpoint_round_trip, str(tmp_path / "checkpoint"))
 
 
-def _clip_across_meshes(rank, world, norm_type):
+def _clip_across_meshes(rank, world):
     from lrmoe.nn import clip_grad_norm_
 
     net, _ = _titan_layout(0)
@@ -201,21 +206,25 @@ def _clip_across_meshes(rank, world, norm_type):
     torch.nn.functional.mse_loss(net(x), y).backward()
     meshes = {p.grad.device_mesh for p in net.parameters()}
     assert len(meshes) == 2 and (net.head.weight.to_local().numel() == 0) == (rank == 3)  # an empty shard
-    before = {n: p.grad.full_tensor() for n, p in net.named_parameters()}
-    want = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g, norm_type) for g in before.values()]),
-                                    norm_type)
-    max_norm = float(want) / 4  # clips
-    total = clip_grad_norm_(net.parameters(), max_norm, norm_type)
-    torch.testing.assert_close(total, want, rtol=1e-6, atol=0)
-    coef = max_norm / (float(want) + 1e-6)
-    for n, p in net.named_parameters():
-        torch.testing.assert_close(p.grad.full_tensor(), before[n] * coef, rtol=1e-6, atol=1e-9,
-                                   msg=lambda m, n=n: f"{n}: {m}")
+    grads = {n: p.grad.clone() for n, p in net.named_parameters()}
+    before = {n: grad.full_tensor() for n, grad in grads.items()}
+    for norm_type in (2.0, float("inf")):
+        for n, p in net.named_parameters():
+            p.grad = grads[n].clone()
+        want = torch.linalg.vector_norm(
+            torch.stack([torch.linalg.vector_norm(g, norm_type) for g in before.values()]), norm_type)
+        max_norm = float(want) / 4  # clips
+        total = clip_grad_norm_(net.parameters(), max_norm, norm_type)
+        torch.testing.assert_close(total, want, rtol=1e-6, atol=0, msg=lambda m, t=norm_type: f"norm {t}: {m}")
+        coef = max_norm / (float(want) + 1e-6)
+        for n, p in net.named_parameters():
+            torch.testing.assert_close(p.grad.full_tensor(), before[n] * coef, rtol=1e-6, atol=1e-9,
+                                       msg=lambda m, n=n, t=norm_type: f"norm {t} {n}: {m}")
 
 
-@pytest.mark.parametrize("norm_type", [2.0, float("inf")])
-def test_clip_grad_norm_over_the_two_meshes_of_fsdp2_beside_expert_parallelism(norm_type):
-    run_ranks(4, _clip_across_meshes, norm_type)
+def test_clip_grad_norm_over_the_two_meshes_of_fsdp2_beside_expert_parallelism():
+    """Norms 2 and inf."""
+    run_ranks(4, _clip_across_meshes)
 
 
 # ------------------------------------------------------------------------------------------- torch.compile

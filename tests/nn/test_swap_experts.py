@@ -157,26 +157,6 @@ def test_swap_refuses_experts_that_compute_something_else():
         swap_experts(block)
 
 
-def _swap_after_fully_shard(rank, world):
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    from lrmoe.nn import from_transformers
-
-    block = _block("qwen3_moe")
-    fully_shard(block, mesh=init_device_mesh("cpu", (world,)))
-    with pytest.raises(ValueError, match="call swap_experts before fully_shard"):
-        swap_experts(block)
-    with pytest.raises(ValueError, match="convert before fully_shard"):
-        from_transformers(block)
-
-
-def test_swap_after_fully_shard_is_refused():
-    from ep_harness import run_ranks
-
-    run_ranks(1, _swap_after_fully_shard)
-
-
 def test_evaluation_leaves_the_rng_untouched():
     """As LRMoE: eval() without grad draws no sampling uniforms (generate(do_sample=True) after a swap must give
     transformers' tokens); training mode draws, as dropout does. The output is exact either way."""
@@ -309,19 +289,30 @@ def _expert_parallel_from_transformers(rank, world):
 
     from lrmoe.nn import ExpertParallel, from_transformers
 
+    from torch.distributed.fsdp import fully_shard
+
     hf = _block("glm4_moe")
-    layer = parallelize_module(from_transformers(copy.deepcopy(hf)), init_device_mesh("cpu", (world,)),
-                               ExpertParallel())
+    mesh = init_device_mesh("cpu", (world,))
+    layer = parallelize_module(from_transformers(copy.deepcopy(hf)), mesh, ExpertParallel())
     torch.manual_seed(10 + rank)
     x, c = torch.randn(2, T // 2, D), torch.randn(2, T // 2, D)
     (out, gx, _), (ref, rx, _) = _run(layer, x, c), _run(hf, x, c)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(gx, rx, rtol=1e-5, atol=1e-6)
 
+    # Sharded first, converted or swapped after: refused (FSDP would keep gathering onto the old modules).
+    sharded = _block("qwen3_moe")
+    fully_shard(sharded, mesh=mesh)
+    with pytest.raises(ValueError, match="call swap_experts before fully_shard"):
+        swap_experts(sharded)
+    with pytest.raises(ValueError, match="convert before fully_shard"):
+        from_transformers(sharded)
 
-def test_a_converted_block_runs_expert_parallel():
+
+def test_a_converted_block_runs_expert_parallel_and_a_sharded_one_is_refused():
     """The point of converting a whole block: ExpertParallel applies (2 gloo ranks, GLM-4.5's block, retain 1:
-    each rank's output and input gradient are the block's on its own tokens)."""
+    each rank's output and input gradient are the block's on its own tokens). And the order: convert (or swap)
+    before fully_shard."""
     from ep_harness import run_ranks
 
     run_ranks(2, _expert_parallel_from_transformers)
