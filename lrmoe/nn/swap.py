@@ -119,8 +119,7 @@ def swap_experts(model: nn.Module, **options) -> list[str]:
             experts = SwiGLUExperts(n_exp, dim, two_f // 2, **options)
         experts.gate_up_proj, experts.down_proj = module.gate_up_proj, module.down_proj
         experts.train(module.training)
-        parent, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent), child, experts)
+        model.set_submodule(name, experts)
         swapped.append(name)
     return swapped
 
@@ -205,6 +204,5 @@ def replace_moe_blocks(model: nn.Module, **options) -> list[str]:
         raise ValueError(f"model holds no transformers MoE block ({', '.join(BLOCKS)})")
     layers = [(name, from_transformers(block, **options)) for name, block in found]  # every check first
     for name, layer in layers:
-        parent, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent), child, layer)
+        model.set_submodule(name, layer)
     return [name for name, _ in layers]
