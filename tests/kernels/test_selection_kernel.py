@@ -32,7 +32,8 @@ pytest.importorskip("triton")
 INF, NAN = float("inf"), float("nan")
 
 
-def assert_same(scores, gids, quotas, max_rows, uniform=None, gid_dtype=torch.int64, u_dtype=torch.float64):
+def assert_same(scores, gids, quotas, max_rows, uniform=None, gid_dtype=torch.int64, u_dtype=torch.float64,
+                every_path=True):
     t = (
         torch.tensor(scores, dtype=torch.float32, device=DEVICE),
         torch.tensor(gids, dtype=gid_dtype, device=DEVICE),
@@ -50,8 +51,10 @@ def assert_same(scores, gids, quotas, max_rows, uniform=None, gid_dtype=torch.in
         # max_group_size: the per-group register sort of "sample" (any bound >= every group's size). ends: the
         # plan reads the groups' starts and sizes instead of searching for them.
         bound = max(len(scores), 1)
-        for given_order, bound, given_ends in ((None, None, None), (order, None, None), (order, bound, None),
-                                               (None, None, ends), (order, bound, ends)):
+        paths = ((None, None, None), (order, None, None), (order, bound, None), (None, None, ends),
+                 (order, bound, ends))
+        # every_path=False: the kernel finding everything itself, and given everything (as the layers call it).
+        for given_order, bound, given_ends in paths if every_path else paths[::4]:
             got = select_within_quota_triton(*t, max_rows, mode, u, given_order, bound, given_ends)
             # A custom op's outputs may alias neither its inputs nor each other (PyTorch rejects it on CUDA).
             ptrs = [x.untyped_storage().data_ptr() for x in (*got, *t, u) if x.numel() > 0]
@@ -130,7 +133,9 @@ def cases(draw):
 @given(cases())
 @example(([1.0, 1.0, 1.0], [0, 0, 0], [2], 3, [0.999]))
 def test_random_cases_equal_reference(case):
-    assert_same(*case)
+    # The two ends of the launcher's paths per random case (the named cases above take all five): the interpreter
+    # runs each path at Python speed, and this test was the suite's slowest on two cores.
+    assert_same(*case, every_path=False)
 
 
 def _probabilities_both(scores, gids, quotas):
