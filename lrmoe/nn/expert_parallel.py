@@ -1,4 +1,5 @@
-"""Expert parallelism for :class:`lrmoe.nn.LRMoE`: a ``ParallelStyle`` for ``parallelize_module`` (DESIGN.md §5).
+"""Expert parallelism for :class:`lrmoe.nn.LRMoE` and for a model's own :class:`lrmoe.nn.SwiGLUExperts` module: a
+``ParallelStyle`` for ``parallelize_module`` (DESIGN.md §5).
 
 Shapes: T local tokens, D model dim, F expert hidden dim, E experts, L = E / W owned experts per rank, R replica
 slots per rank (``max_replicas``), I = L + R instance slots per rank, G = W * I instances, K top-k, P = T * K local
@@ -32,7 +33,9 @@ Forward, on every rank:
 9. out_t = sum_k alpha_u y_u on the source rank.
 Steps 5-9 run in ``layer.experts(...)`` (the experts' class is swapped for an expert-parallel subclass, as the
 layer's is), so hooks on that module see the weights used: FSDP2's ``fully_shard(layer.experts, mesh["dp"])``
-gathers them there.
+gathers them there. Applied to a ``SwiGLUExperts`` of its own (a transformers model's experts after
+``swap_experts``, whose block routes and calls ``experts(x_TD, expert_ids_TK, gates_TK)``), steps 2-9 run in that
+call with the module's options, and its ``stats()`` are the layer's.
 
 Backward: the source scores its pairs (everything is local: alpha, g_t, ||phi||^2) and selects quotas[rank, w, i]
 pairs of every instance; only those rows (alpha * g / p, plus a 4-byte row index) enter the backward all-to-all;
@@ -58,9 +61,11 @@ synchronisation.
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -72,7 +77,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
 from torch.fx.experimental.symbolic_shapes import guard_or_false
 
-from lrmoe.functional._checks import check_replica_slots, check_tensor
+from lrmoe.functional._checks import check_replica_slots, check_same_device, check_same_size, check_tensor
 from lrmoe.functional.experts import (
     block_slots,
     combine,
@@ -83,6 +88,7 @@ from lrmoe.functional.experts import (
     router_gradient_and_scores,
     saved_h,
     select_retained,
+    selective_swiglu_experts,
     sum_rows_per_token,
     take_rows,
 )
@@ -94,7 +100,7 @@ from lrmoe.functional.replicas import (
     route_to_replicas,
 )
 from lrmoe.functional.routing import expert_loads
-from lrmoe.nn.lrmoe import UNGATHERED_EXPERTS, LRMoE, compute_dtype, recomputing
+from lrmoe.nn.lrmoe import EXPERT_OPTIONS, UNGATHERED_EXPERTS, LRMoE, SwiGLUExperts, compute_dtype, recomputing
 from lrmoe.ops import argsort_ids, gather_grouped_mm, gather_scale_rows, swiglu_sqnorm
 
 __all__ = ["ExpertParallel", "ExpertParallelPlan", "ExpertParallelStats", "backward_capacity", "plan_expert_parallel"]
@@ -787,7 +793,11 @@ class _Replication:
 
 
 class ExpertParallel(ParallelStyle):
-    """Shard an :class:`LRMoE` layer's experts over an EP mesh: ``parallelize_module(layer, mesh, ExpertParallel())``.
+    """Shard an :class:`LRMoE` layer's experts over an EP mesh: ``parallelize_module(layer, mesh, ExpertParallel())``;
+    or a model's own :class:`SwiGLUExperts` module, called by the model's block as ``experts(x_TD, expert_ids_TK,
+    gates_TK)`` (a transformers model after ``swap_experts``: ``parallelize_module(model, mesh,
+    {"model.layers.*.mlp.experts": ExpertParallel()})``), which then plans, dispatches and combines in that call
+    with the module's options (retain, selection, ...; per-call options are refused) and has ``stats()``.
 
     Args:
         mesh_dim_name: the EP dimension of a multi-dimensional mesh (e.g. ``"ep"``); None for a 1-D mesh.
@@ -824,9 +834,9 @@ class ExpertParallel(ParallelStyle):
     keeps its own slice. The layer's forward becomes the EP forward described in this module's docstring, and
     ``layer.stats()`` returns :class:`ExpertParallelStats`.
 
-    Errors: a module that is not an LRMoE or is already expert-parallel, a mesh of more than one dimension without
-    ``mesh_dim_name``, an unknown ``mesh_dim_name``, ``num_experts % W != 0``, and bad ``max_replicas``,
-    ``capacity_factor``, ``placement_policy``, ``plan_on`` or ``backward_blocks``.
+    Errors: a module that is not an LRMoE or a SwiGLUExperts, or is already expert-parallel, a mesh of more than
+    one dimension without ``mesh_dim_name``, an unknown ``mesh_dim_name``, ``num_experts % W != 0``, and bad
+    ``max_replicas``, ``capacity_factor``, ``placement_policy``, ``plan_on`` or ``backward_blocks``.
     """
 
     def __init__(
@@ -850,48 +860,59 @@ class ExpertParallel(ParallelStyle):
                                         _placement_key(placement_policy), plan_on, backward_blocks)
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        if not isinstance(module, LRMoE):
-            raise TypeError(f"ExpertParallel applies to lrmoe.nn.LRMoE layers, got {type(module).__name__}")
-        if isinstance(module, _ExpertParallelMixin):
-            raise ValueError("this LRMoE layer is already expert-parallel")
-        if module.backward_capacity is not None:
+        if isinstance(module, (_ExpertParallelMixin, _ExpertParallelExpertsMixin)):
+            raise ValueError(f"this {type(module).__name__} is already expert-parallel")
+        standalone = isinstance(module, SwiGLUExperts)  # experts called as experts(x, ids, gates) by their model
+        if not standalone and not isinstance(module, LRMoE):
+            raise TypeError("ExpertParallel applies to lrmoe.nn.LRMoE layers and to lrmoe.nn.SwiGLUExperts modules "
+                            f"(swap_experts puts them into transformers models), got {type(module).__name__}")
+        experts = module if standalone else module.experts
+        capacity = experts.options.get("backward_capacity") if standalone else module.backward_capacity
+        quota_align = experts.options.get("quota_align", 1) if standalone else module.quota_align
+        if capacity is not None:
             raise ValueError(
-                f"backward_capacity={module.backward_capacity} is the single-device layer's per-expert capacity; "
+                f"backward_capacity={capacity} is the single-device layer's per-expert capacity; "
                 "expert parallelism bounds each rank's backward rows with ExpertParallel(capacity_factor=...)"
             )
-        if module.quota_align != 1 and self.replication.capacity_factor is not None:
+        if quota_align != 1 and self.replication.capacity_factor is not None:
             raise ValueError(
-                f"quota_align={module.quota_align} with capacity_factor={self.replication.capacity_factor}: aligned "
+                f"quota_align={quota_align} with capacity_factor={self.replication.capacity_factor}: aligned "
                 "quota steps could pass a rank's backward capacity; use quota_align=1 or capacity_factor=None"
             )
         ep_mesh = self._ep_mesh(device_mesh)
         n_ranks = ep_mesh.size()
-        if module.num_experts % n_ranks:
+        if experts.num_experts % n_ranks:
             raise ValueError(
-                f"num_experts={module.num_experts} is not divisible by the EP mesh size W={n_ranks}; every rank "
+                f"num_experts={experts.num_experts} is not divisible by the EP mesh size W={n_ranks}; every rank "
                 "must own the same number of experts (E % W == 0)"
             )
         rep = self.replication
-        check_replica_slots("max_replicas", rep.max_replicas, module.num_experts, n_ranks)
-        n_local = module.num_experts // n_ranks
+        check_replica_slots("max_replicas", rep.max_replicas, experts.num_experts, n_ranks)
+        n_local = experts.num_experts // n_ranks
+        device = experts.gate_up_proj.device if standalone else module.last_loads.device
         for name in ("gate_up_proj", "down_proj"):
-            param = getattr(module.experts, name)
+            param = getattr(experts, name)
             if isinstance(param, DTensor):
                 raise ValueError(f"experts.{name} is already a DTensor; ExpertParallel shards plain parameters")
             sharded = distribute_tensor(param.detach(), ep_mesh, [Shard(0)], src_data_rank=self.src_data_rank)
-            module.experts.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
+            experts.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
 
-        module.__class__ = _ep_class(type(module), _ExpertParallelMixin)
-        module.experts.__class__ = _ep_class(type(module.experts), _ExpertParallelExpertsMixin)
+        if standalone:
+            module.__class__ = _ep_class(type(module), _ExpertParallelStandaloneMixin)
+        else:
+            module.__class__ = _ep_class(type(module), _ExpertParallelMixin)
+            module.experts.__class__ = _ep_class(type(module.experts), _ExpertParallelExpertsMixin)
         module.ep_mesh = ep_mesh
         module._ep = _EPGroup(group=ep_mesh.get_group(), rank=ep_mesh.get_local_rank(), size=n_ranks)
         module._replication = rep
-        device = module.last_loads.device
-        n_exp, n_inst = module.num_experts, n_local + rep.max_replicas
+        n_exp, n_inst = experts.num_experts, n_local + rep.max_replicas
 
         def buffer(name, *shape):
             module.register_buffer(name, torch.zeros(*shape, dtype=torch.int64, device=device), persistent=False)
 
+        if standalone:  # the layer has them: the last forward's loads and quotas, summed over ranks
+            buffer("last_loads", n_exp)
+            buffer("last_quotas", n_exp)
         buffer("ep_loads", n_ranks, n_exp)
         buffer("ep_quotas", n_ranks, n_exp)
         buffer("ep_instances", n_ranks, n_inst)
@@ -926,6 +947,72 @@ def _ep_class(cls: type, mixin: type) -> type:
     if (cls, mixin) not in _EP_CLASSES:
         _EP_CLASSES[cls, mixin] = type(f"ExpertParallel{cls.__name__}", (mixin, cls), {})
     return _EP_CLASSES[cls, mixin]
+
+
+def _ep_step(module: nn.Module, opts, run_experts: Callable[..., torch.Tensor], x_TD: torch.Tensor,
+             expert_ids_TK: torch.Tensor, gates_TK: torch.Tensor, probe: torch.Tensor | None) -> torch.Tensor:
+    """Steps 2-9 of the module docstring for one forward: the load matrix, the plan, this rank's pair
+    destinations and the step's records on ``module`` (its ep_* buffers, last_loads, last_quotas), then
+    ``run_experts(x_TD, gates_TK, group_P, plan, probe, cfg, splits, ep)`` (the experts' expert-parallel forward).
+    ``opts`` has the selective backward's options (retain, min_retain, policy, selection, metric, generator,
+    activations, quota_align) and num_experts: the layer itself, or a standalone experts module's options. x and
+    the gates are already in the experts' compute dtype."""
+    ep, rep = module._ep, module._replication
+
+    # The tiny [W, E] load matrix, all-gathered (no host sync), then the same plan on every rank.
+    loads_E = expert_loads(expert_ids_TK, opts.num_experts)
+    loads_WE = funcol.wait_tensor(funcol.all_gather_tensor(loads_E, 0, ep.group)).view(ep.size, -1)
+    n_local = opts.num_experts // ep.size
+    if rep.plan_on == "host":
+        # HOST SYNC: the load matrix to the host (the one host read of this step, see ExpertParallel's plan_on);
+        # the split sizes below then read CPU tensors, and the plan goes to the device in one copy.
+        plan_host = _plan_step(loads_WE.cpu(), opts, rep)
+        splits = _host_splits(plan_host, ep, n_local, rep.backward_blocks)
+        plan = _plan_to(plan_host, loads_WE)
+    else:
+        plan = _plan_step(loads_WE, opts, rep)  # plan_expert_parallel, opaque to the compiler (see _ep_plan)
+        splits = _host_splits(plan, ep, n_local, rep.backward_blocks)  # the step's one host synchronisation
+    n_inst = plan.instances.shape[1]
+    dense = opts.retain >= 1.0 and rep.capacity_factor is None
+    if module._draws_uniform(probe) and opts.selection == "sample" and not dense:
+        # This rank's uniforms, one draw of [G] (one per instance; G = E without replicas) from the layer's
+        # generator (the global RNG when None).
+        uniform_G = torch.rand(ep.size * n_inst, generator=opts.generator, device=x_TD.device)
+        plan = replace(plan, uniform=uniform_G)
+
+    # Which instance runs each of this rank's pairs: g = w * I + i.
+    slots_EW = instance_slots(plan.instances, opts.num_experts)
+    rank_P, slot_P = pair_destinations(expert_ids_TK, plan.routes[ep.rank], slots_EW)
+    group_P = rank_P * n_inst + slot_P
+
+    dtype = x_TD.dtype
+    dim, hidden_dim = x_TD.shape[1], opts.hidden_dim
+    weight_bytes = 3 * dim * hidden_dim * dtype.itemsize  # one instance's two matrices
+    row_bytes = dim * dtype.itemsize
+    if not recomputing():  # keep the last forward's plan and bytes (lrmoe.nn.lrmoe.recomputing)
+        with torch.no_grad():
+            module.ep_loads.copy_(loads_WE)
+            module.ep_quotas.copy_(plan.quotas)
+            module.ep_instances.copy_(plan.instances)
+            module.ep_assignment.copy_(plan.assignment)
+            module.ep_instance_quotas.copy_(plan.instance_quotas)
+            if plan.capacity is None:
+                module.ep_capacity.fill_(-1)
+            else:
+                module.ep_capacity.copy_(plan.capacity)
+            module.last_loads.copy_(loads_WE.sum(0))
+            module.last_quotas.copy_(plan.quotas.sum(0))
+            module.ep_forward_bytes[0].fill_(_peer_bytes(splits.fwd_send, row_bytes, ep.rank))
+            module.ep_forward_bytes[1].fill_(_peer_bytes(splits.fwd_recv, row_bytes + _EXTRA_BYTES, ep.rank))
+            if rep.max_replicas:
+                module.ep_forward_bytes[2].fill_(_peer_bytes(splits.rep_send, weight_bytes, ep.rank))
+                module.ep_forward_bytes[3].fill_(_peer_bytes(splits.rep_recv, weight_bytes, ep.rank))
+
+    # No backward will run without a probe: then "offload" would copy h to the host for nothing.
+    activations = "recompute" if opts.activations == "offload" and probe is None else opts.activations
+    cfg = _Config(retain=opts.retain, dense=dense, metric=opts.metric, selection=opts.selection,
+                  generator=opts.generator, activations=activations, blocked=rep.backward_blocks)
+    return run_experts(x_TD, gates_TK, group_P, plan, probe, cfg, splits, ep)
 
 
 class _ExpertParallelExpertsMixin:
@@ -968,65 +1055,13 @@ class _ExpertParallelMixin:
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check_input(x)
-        ep, rep = self._ep, self._replication
         x_TD = x.reshape(-1, self.dim)
         routing = self.route(x_TD)
         probe = self._probe_for(x)
-
-        # The tiny [W, E] load matrix, all-gathered (no host sync), then the same plan on every rank.
-        loads_E = expert_loads(routing.expert_ids, self.num_experts)
-        loads_WE = funcol.wait_tensor(funcol.all_gather_tensor(loads_E, 0, ep.group)).view(ep.size, -1)
-        n_local = self.num_experts // ep.size
-        if rep.plan_on == "host":
-            # HOST SYNC: the load matrix to the host (the one host read of this step, see ExpertParallel's plan_on);
-            # the split sizes below then read CPU tensors, and the plan goes to the device in one copy.
-            plan_host = _plan_step(loads_WE.cpu(), self, rep)
-            splits = _host_splits(plan_host, ep, n_local, rep.backward_blocks)
-            plan = _plan_to(plan_host, loads_WE)
-        else:
-            plan = _plan_step(loads_WE, self, rep)  # plan_expert_parallel, opaque to the compiler (see _ep_plan)
-            splits = _host_splits(plan, ep, n_local, rep.backward_blocks)  # the step's one host synchronisation
-        n_inst = plan.instances.shape[1]
-        dense = self.retain >= 1.0 and rep.capacity_factor is None
-        if self._draws_uniform(probe) and self.selection == "sample" and not dense:
-            # This rank's uniforms, one draw of [G] (one per instance; G = E without replicas) from the layer's
-            # generator (the global RNG when None).
-            uniform_G = torch.rand(ep.size * n_inst, generator=self.generator, device=x.device)
-            plan = replace(plan, uniform=uniform_G)
-
-        # Which instance runs each of this rank's pairs: g = w * I + i.
-        slots_EW = instance_slots(plan.instances, self.num_experts)
-        rank_P, slot_P = pair_destinations(routing.expert_ids, plan.routes[ep.rank], slots_EW)
-        group_P = rank_P * n_inst + slot_P
-
         dtype = compute_dtype(x)  # torch.autocast's, else x's
-        weight_bytes = 3 * self.dim * self.experts.hidden_dim * dtype.itemsize  # one instance's two matrices
-        row_bytes = self.dim * dtype.itemsize
-        if not recomputing():  # keep the last forward's plan and bytes (lrmoe.nn.lrmoe.recomputing)
-            with torch.no_grad():
-                self.ep_loads.copy_(loads_WE)
-                self.ep_quotas.copy_(plan.quotas)
-                self.ep_instances.copy_(plan.instances)
-                self.ep_assignment.copy_(plan.assignment)
-                self.ep_instance_quotas.copy_(plan.instance_quotas)
-                if plan.capacity is None:
-                    self.ep_capacity.fill_(-1)
-                else:
-                    self.ep_capacity.copy_(plan.capacity)
-                self.last_loads.copy_(loads_WE.sum(0))
-                self.last_quotas.copy_(plan.quotas.sum(0))
-                self.ep_forward_bytes[0].fill_(_peer_bytes(splits.fwd_send, row_bytes, ep.rank))
-                self.ep_forward_bytes[1].fill_(_peer_bytes(splits.fwd_recv, row_bytes + _EXTRA_BYTES, ep.rank))
-                if rep.max_replicas:
-                    self.ep_forward_bytes[2].fill_(_peer_bytes(splits.rep_send, weight_bytes, ep.rank))
-                    self.ep_forward_bytes[3].fill_(_peer_bytes(splits.rep_recv, weight_bytes, ep.rank))
-
-        # No backward will run without a probe: then "offload" would copy h to the host for nothing.
-        activations = "recompute" if self.activations == "offload" and probe is None else self.activations
-        cfg = _Config(retain=self.retain, dense=dense, metric=self.metric, selection=self.selection,
-                      generator=self.generator, activations=activations, blocked=rep.backward_blocks)
         with torch.autocast(x.device.type, enabled=False):  # the experts run in ``dtype`` exactly
-            out_TD = self.experts(x_TD.to(dtype), routing.gates.to(dtype), group_P, plan, probe, cfg, splits, ep)
+            out_TD = _ep_step(self, self, self.experts, x_TD.to(dtype), routing.expert_ids, routing.gates.to(dtype),
+                              probe)
         return self.add_shared(x_TD, out_TD).view(x.shape)
 
     def stats(self) -> ExpertParallelStats:
@@ -1056,3 +1091,82 @@ class _ExpertParallelMixin:
             score_mass_fraction=acc[0] / calls,
             backward_calls=calls.clone(),
         )
+
+
+# A standalone experts module's options where it leaves them unset: selective_swiglu_experts' defaults.
+_EXPERT_DEFAULTS = {name: p.default for name, p in inspect.signature(selective_swiglu_experts).parameters.items()
+                    if name in EXPERT_OPTIONS}
+
+
+@dataclass(frozen=True)
+class _ExpertsOptions:
+    """What _ep_step reads of a layer, for a standalone experts module (a dataclass: dynamo traces building it)."""
+
+    num_experts: int
+    hidden_dim: int
+    retain: float
+    metric: str
+    selection: str
+    policy: str
+    min_retain: float
+    generator: torch.Generator | None
+    activations: str
+    quota_align: int
+    backward_capacity: float | None
+
+
+class _ExpertParallelStandaloneMixin(_ExpertParallelExpertsMixin):
+    """Forward and statistics of a :class:`SwiGLUExperts` made expert-parallel on its own
+    (``parallelize_module(experts, mesh, ExpertParallel())``; e.g. a transformers model's experts after
+    ``swap_experts``), called as transformers calls its experts: ``experts(x_TD, expert_ids_TK, gates_TK)``. Steps
+    2-9 of the module docstring, with the module's options (retain, selection, ...); the caller's router chose the
+    experts and gates (step 1), and its gradient, like the router's, comes from this rank's tokens only."""
+
+    ep_mesh: DeviceMesh
+    _ep: _EPGroup
+    _replication: _Replication
+    _probe_size = N_EP_BACKWARD_STATS
+    _probe_dtype = torch.float64
+    _draws_uniform = LRMoE._draws_uniform
+    _new_probe = LRMoE._new_probe
+    stats = _ExpertParallelMixin.stats
+    reset_stats = LRMoE.reset_stats
+
+    def forward(self, x_TD: torch.Tensor, expert_ids_TK: torch.Tensor, gates_TK: torch.Tensor,
+                **options) -> torch.Tensor:
+        if options:
+            raise TypeError(
+                f"this experts module is expert-parallel on its own (ExpertParallel applied to it) and plans every "
+                f"step itself: it takes no per-call options, got {sorted(options)}. Set options when building it "
+                "(SwiGLUExperts(..., retain=...), swap_experts(model, retain=...)); for an LRMoE layer apply "
+                "ExpertParallel to the layer, not to layer.experts"
+            )
+        check_tensor("x_TD", x_TD, ndim=2, kind="float")
+        check_tensor("expert_ids_TK", expert_ids_TK, ndim=2, kind="int")
+        check_tensor("gates_TK", gates_TK, ndim=2, kind="float")  # integer gates refused, not cast
+        if x_TD.shape[1] != self.dim:
+            raise ValueError(f"x_TD must be [T, dim={self.dim}], got shape {tuple(x_TD.shape)}")
+        check_same_size("expert_ids_TK", expert_ids_TK, 0, "x_TD", x_TD, 0)
+        if gates_TK.shape != expert_ids_TK.shape:
+            raise ValueError(f"gates_TK must have expert_ids_TK's shape {tuple(expert_ids_TK.shape)}, got "
+                             f"{tuple(gates_TK.shape)}")
+        check_same_device(x_TD=x_TD, expert_ids_TK=expert_ids_TK, gates_TK=gates_TK,
+                          gate_up_proj=self.gate_up_proj.to_local())
+        backward = torch.is_grad_enabled() and (x_TD.requires_grad or gates_TK.requires_grad
+                                                or any(p.requires_grad for p in self.parameters()))
+        probe = None
+        if backward:
+            if self._stats_probe.device != x_TD.device:  # only when x is not where the module is (eager use)
+                self._stats_probe = self._new_probe(x_TD.device)
+            probe = self._stats_probe
+        opts = _ExpertsOptions(num_experts=self.num_experts, hidden_dim=self.hidden_dim,
+                               **(_EXPERT_DEFAULTS | self.options))
+        run = partial(_ExpertParallelExpertsMixin.forward, self)
+        return _ep_step(self, opts, run, x_TD, expert_ids_TK, gates_TK.to(x_TD.dtype), probe)
+
+    def _apply(self, fn, recurse=True):
+        # The probe follows .to()/.cuda(), as LRMoE's does (a leaf that is neither parameter nor buffer).
+        module = super()._apply(fn, recurse)
+        if self._stats_probe.device != self.ep_loads.device:
+            self._stats_probe = self._new_probe(self.ep_loads.device)
+        return module
