@@ -76,7 +76,8 @@ class ExpertPlan:
     group_ids: [T, K] int64 group of every pair when grouping by (source, expert), else None.
     retain:    the retain the quotas were planned for (``plan_experts`` records it), or None for a plan built by
                hand. ``selective_swiglu_experts`` sizes its backward buffer from its own ``retain``, so it refuses a
-               plan made for another one (a plan keeping more than the buffer holds lost gradients silently).
+               plan made for another one (a plan keeping more than the buffer holds lost gradients silently); for
+               a plan built by hand it sizes the buffer for every pair (its quotas are not read on the host).
     """
 
     loads: torch.Tensor
@@ -300,8 +301,9 @@ def selective_swiglu_experts(
     if activations == "offload" and not (torch.is_grad_enabled() and any(t is not None and t.requires_grad
                                                                          for t in differentiable)):
         activations = "recompute"  # no backward will run: nothing to keep, so no copy to the host either
+    hand_built = plan is not None and plan.retain is None
     cfg = _Config(retain=retain, metric=metric, selection=selection, generator=generator, activations=activations,
-                  capacity=capacity)
+                  capacity=capacity, buffer_retain=1.0 if hand_built else retain)
     return _SelectiveSwiGLU.apply(
         x_TD, gate_up_EFD, down_EDF, gates_TK, expert_ids_TK, quotas_G, uniform_G, stats_probe, cfg, group_ids_P
     )
@@ -346,6 +348,9 @@ class _Config:
     generator: torch.Generator | None
     activations: str = "save"
     capacity: int | None = None  # rows per expert of the padded backward layout (backward_capacity), or None
+    # The retain the backward buffer is sized for: the call's, or 1 (every pair) for a plan built by hand, whose
+    # quotas are unknown without a host read and may keep more than floor(retain * P) + E rows.
+    buffer_retain: float = 1.0
 
 
 def router_gradient(g_TD: torch.Tensor, y_ND: torch.Tensor, rows_TK: torch.Tensor) -> torch.Tensor:
@@ -423,11 +428,12 @@ def retained_dy(
     """(dy_RD = alpha * g / p per kept row, token of each row, pair id with padding -1 read as 0). Padding rows get
     weight 0, hence zero rows; the product is computed in fp32 and rounded once: lrmoe::gather_scale_rows, one pass
     and no fp32 copy of the rows, eager and compiled (its Triton kernel beat Inductor's gather there). g in another
-    dtype than dy: the PyTorch form."""
+    dtype than dy, or fp64 (whose gates keep fp64: plain autograd's values at retain 1): the PyTorch form."""
     safe_R = pair_R.clamp(min=0)
     tok_R = torch.div(safe_R, gates_TK.shape[1], rounding_mode="floor")
-    coef_R = take_rows(gates_TK.detach().reshape(-1).float(), safe_R) * weight_R
-    if g_TD.dtype != dtype:
+    coef_dtype = torch.promote_types(dtype, torch.float32)
+    coef_R = take_rows(gates_TK.detach().reshape(-1).to(coef_dtype), safe_R) * weight_R.to(coef_dtype)
+    if g_TD.dtype != dtype or coef_dtype != torch.float32:
         return (take_rows(g_TD, tok_R) * coef_R.unsqueeze(1)).to(dtype), tok_R, safe_R
     return gather_scale_rows(g_TD, tok_R, coef_R), tok_R, safe_R
 
@@ -637,7 +643,7 @@ class _SelectiveSwiGLU(torch.autograd.Function):
                 groups_P, group_order_P, group_ends_G = expert_ids_TK.reshape(-1), order_P, offsets_E
             else:
                 groups_P, group_order_P, group_ends_G = group_ids_P, None, None
-            max_rows = retained_rows_bound(n_pairs, n_exp, cfg.retain)
+            max_rows = retained_rows_bound(n_pairs, n_exp, cfg.buffer_retain)
             if cfg.capacity is not None:  # every quota is at most C, so the E blocks hold every kept pair
                 max_rows = min(n_pairs, n_exp * cfg.capacity)
             sel, mass_kept = select_retained(

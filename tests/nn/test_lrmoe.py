@@ -444,6 +444,30 @@ def test_selective_swiglu_experts_checks_its_plan_in_forward():
     assert call(dataclasses.replace(plan, retain=None)).shape == (16, 8)
 
 
+def test_a_hand_built_plan_keeping_every_pair_gives_the_dense_gradients():
+    """A plan built by hand (ExpertPlan, retain not recorded) whose quotas keep more than floor(retain * P) + E
+    rows: the backward buffer was sized from the call's retain, so rows past it were cut and the last experts' weight
+    gradients came out zero, silently (a review's repro). It is now sized for every pair."""
+    from lrmoe.functional import ExpertPlan, expert_loads, selective_swiglu_experts
+
+    torch.manual_seed(0)
+    T, E_, K_ = 8, 4, 2
+    x = torch.randn(T, 4, dtype=torch.float64)
+    gate_up, down = torch.randn(E_, 6, 4, dtype=torch.float64), torch.randn(E_, 4, 3, dtype=torch.float64)
+    ids = torch.stack([torch.arange(T) % E_, (torch.arange(T) + 1) % E_], 1)
+    gates = torch.rand(T, K_, dtype=torch.float64)
+    loads = expert_loads(ids, E_)
+    keep_all = ExpertPlan(loads=loads, quotas=loads.clone(), uniform=None)  # 16 pairs; the 0.5 buffer holds 12
+
+    def grads(**options):
+        w = [t.clone().requires_grad_(True) for t in (x, gate_up, down)]
+        selective_swiglu_experts(*w, ids, gates, **options).pow(2).sum().backward()
+        return [t.grad for t in w]
+
+    for got, want in zip(grads(retain=0.5, selection="top", plan=keep_all), grads(retain=1.0), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
 def test_eval_forward_without_grad_leaves_rng_untouched():
     layer, x, _ = make(retain=0.5, selection="sample")
     layer.eval()
@@ -574,3 +598,36 @@ def test_reset_parameters_initialises_a_layer_materialised_from_meta():
         assert torch.isfinite(p).all() and p.abs().max() <= 1 / math.sqrt(fan_in), name
         assert p.std() > 0.25 / math.sqrt(fan_in), name  # drawn, not left constant
     assert torch.isfinite(layer(torch.randn(T, D))).all()
+
+
+def test_fp64_experts_at_retain_1_give_plain_autograds_gradients():
+    """In fp64 the expert-path backward scaled g by the gates rounded to fp32: ~1e-8 relative from plain autograd
+    for gates that fp32 cannot hold (a review's repro). The dense backward is plain autograd's up to reassociation."""
+    import torch.nn.functional as F
+
+    from lrmoe.functional import selective_swiglu_experts
+
+    torch.manual_seed(0)
+    T, D_, F_, E_, K_ = 6, 3, 2, 3, 2
+    x = torch.randn(T, D_, dtype=torch.float64)
+    gate_up, down = torch.randn(E_, 2 * F_, D_, dtype=torch.float64), torch.randn(E_, D_, F_, dtype=torch.float64)
+    ids = torch.tensor([[0, 1], [1, 2], [2, 0], [0, 2], [1, 0], [2, 1]])
+    gates = torch.rand(T, K_, dtype=torch.float64)
+    assert not torch.equal(gates.float().double(), gates)
+    c = torch.randn(T, D_, dtype=torch.float64)
+
+    def plain(x, gu, dn, gates):  # every pair written out, per (token, slot)
+        out = torch.zeros_like(x)
+        for t in range(T):
+            for k in range(K_):
+                h = gu[ids[t, k]] @ x[t]
+                out[t] = out[t] + gates[t, k] * (dn[ids[t, k]] @ (F.silu(h[:F_]) * h[F_:]))
+        return out
+
+    def grads(fn):
+        w = [t.clone().requires_grad_(True) for t in (x, gate_up, down, gates)]
+        return torch.autograd.grad((fn(*w) * c).sum(), w)
+
+    got = grads(lambda x, gu, dn, g: selective_swiglu_experts(x, gu, dn, ids, g, retain=1.0))
+    for name, a, b in zip(["x", "gate_up", "down", "gates"], got, grads(plain), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-13, atol=1e-14, msg=lambda m, name=name: f"{name}: {m}")
