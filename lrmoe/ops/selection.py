@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import torch
 
-from lrmoe.ops._kernels import inline_when_compiled, kernel_module
+from lrmoe.ops._kernels import forward_only, inline_when_compiled, kernel_module
 
 __all__ = [
     "MODES",
@@ -355,6 +355,9 @@ def inclusion_probabilities(scores: torch.Tensor, group_ids: torch.Tensor, quota
 @inclusion_probabilities.register_fake
 def _(scores, group_ids, quotas):
     return scores.new_empty(scores.shape, dtype=torch.float64)
+
+
+forward_only(inclusion_probabilities, 3)  # probabilities of a selection: no gradient flows through them
 
 
 def _select_setup(ctx, inputs, output):

@@ -217,6 +217,9 @@ def test_inclusion_probabilities_opcheck():
 
     scores, gids, quotas, _ = _inputs()
     torch.library.opcheck(op, (scores, gids, quotas))
+    # Scores that require grad: the op's autograd registration (non-differentiable outputs) is checked too; without
+    # one, opcheck's aot_dispatch test failed.
+    torch.library.opcheck(op, (scores.clone().requires_grad_(True), gids, quotas))
 
 
 def test_compiled_inclusion_probabilities_do_not_recompile_as_the_pair_count_grows():
