@@ -99,10 +99,12 @@ def plan_quotas(
     loads_SE = loads_SE.long().reshape(1 if one_source else loads_SE.shape[0], n_groups).clamp(min=0)
     loads_E = loads_SE.sum(0)
     budget = (loads_E.sum().double() * retain).floor().long()
-    # ceil(min_retain * load), with a small slack so that 0.3 * 10 = 3.0000000000000004 stays 3 (zeros, with no
-    # arithmetic, at min_retain 0).
+    # ceil(min_retain * load), less a slack of 1e-12 * max(product, 1) so that 0.3 * 10 = 3.0000000000000004
+    # stays 3 (the product's rounding error is below 1e-15 relative); an absolute 1e-6 made ceil(0.1000001 * 10) 1,
+    # not 2. Zeros, with no arithmetic, at min_retain 0.
     if min_retain > 0:
-        floors_E = torch.minimum((loads_E.double() * min_retain - 1e-6).ceil().clamp(min=0).long(), loads_E)
+        want_E = loads_E.double() * min_retain
+        floors_E = torch.minimum((want_E - 1e-12 * want_E.clamp(min=1)).ceil().clamp(min=0).long(), loads_E)
     else:
         floors_E = torch.zeros_like(loads_E)
 

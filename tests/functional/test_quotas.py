@@ -29,8 +29,18 @@ def _budget(loads_E: list[int], retain: float) -> int:
 
 
 def _floor_of(load: int, min_retain: float) -> int:
-    # ceil(min_retain * load), with the documented float slack (0.3 * 10 = 3.0000000000000004 counts as 3).
-    return min(load, max(0, math.ceil(load * min_retain - 1e-6)))
+    # ceil(min_retain * load) less the slack 1e-12 * max(product, 1) (0.3 * 10 = 3.0000000000000004 counts as 3),
+    # in Python's IEEE doubles.
+    want = load * min_retain
+    return min(load, max(0, math.ceil(want - 1e-12 * max(want, 1.0))))
+
+
+def test_floors_round_up_what_is_above_an_integer_and_not_float_noise():
+    """An absolute slack of 1e-6 took ceil(0.1000001 * 10) = 2 down to 1 (a review's repro); float noise (0.3 * 10
+    = 3.0000000000000004) must not round up."""
+    assert plan_quotas(torch.tensor([10, 10]), 0.1000001, min_retain=0.1000001).tolist() == [2, 2]
+    assert plan_quotas(torch.tensor([10, 10]), 0.3, min_retain=0.3).tolist() == [3, 3]
+    assert plan_quotas(torch.tensor([7, 7]), 0.35, min_retain=0.35).tolist() == [3, 3]  # 2.45 -> 3, past budget 4
 
 
 # ------------------------------------------------------------------------------------------------ strategies
@@ -570,11 +580,12 @@ def test_per_group_capacity_is_placement_one_group_per_rank(data):
 @given(capacity_cases())
 def test_zero_min_retain_shortcut_equals_the_general_path(case):
     """At min_retain 0 the floors are zeros without arithmetic and the capacity plan skips their waterfill; a tiny
-    positive min_retain (whose floors are also all zero) goes through the general path: the quotas must agree.
+    positive min_retain (1e-18: its floors, under the slack, are also all zero) goes through the general path: the
+    quotas must agree.
     (Retain 1 without capacity returns the loads without planning: test_retain_one_keeps_everything.)"""
     loads, retain, _, policy, capacity, placement = case
     kw = dict(policy=policy, capacity=capacity, placement=placement)
     got = plan_quotas(loads, retain, min_retain=0.0, **kw)
-    assert torch.equal(got, plan_quotas(loads, retain, min_retain=1e-12, **kw))
+    assert torch.equal(got, plan_quotas(loads, retain, min_retain=1e-18, **kw))
     assert torch.equal(plan_quotas(loads, retain, **{**kw, "capacity": None, "placement": None}),
-                       plan_quotas(loads, retain, min_retain=1e-12, policy=policy))
+                       plan_quotas(loads, retain, min_retain=1e-18, policy=policy))
