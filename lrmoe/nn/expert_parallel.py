@@ -108,6 +108,8 @@ __all__ = ["ExpertParallel", "ExpertParallelPlan", "ExpertParallelStats", "backw
 # Backward statistics leave as the gradient of a float64 probe (float64: byte counts stay exact past 2**24):
 # score-mass fraction kept, retained pairs sent, backward dispatch bytes, backward combine bytes, backward calls.
 N_EP_BACKWARD_STATS = 5
+# torch 2.13 renamed funcol.all_gather_tensor (deprecated there, a FutureWarning every step); 2.11 has only it.
+_all_gather = getattr(funcol, "all_gather_single", funcol.all_gather_tensor)
 _EXTRA_BYTES = 4  # per row: fp32 ||phi||^2 in the combine, int32 row index in the backward dispatch (retain < 1)
 
 
@@ -961,7 +963,7 @@ def _ep_step(module: nn.Module, opts, run_experts: Callable[..., torch.Tensor], 
 
     # The tiny [W, E] load matrix, all-gathered (no host sync), then the same plan on every rank.
     loads_E = expert_loads(expert_ids_TK, opts.num_experts)
-    loads_WE = funcol.wait_tensor(funcol.all_gather_tensor(loads_E, 0, ep.group)).view(ep.size, -1)
+    loads_WE = funcol.wait_tensor(_all_gather(loads_E, 0, ep.group)).view(ep.size, -1)
     n_local = opts.num_experts // ep.size
     if rep.plan_on == "host":
         # HOST SYNC: the load matrix to the host (the one host read of this step, see ExpertParallel's plan_on);
