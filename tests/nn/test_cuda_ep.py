@@ -125,3 +125,14 @@ def test_fsdp2_on_the_experts_gathers_them_on_two_gpus():
 
     run_ranks(2, _fsdp_single_device_layer, "cuda", backend="nccl")
     run_ranks(2, _fsdp_beside_ep, 0.5, 0, "cuda", 2, backend="nccl")
+
+
+@two_gpus
+def test_expert_parallel_experts_alone_equal_the_layer_on_two_gpus():
+    """The gloo test of ExpertParallel on a SwiGLUExperts of its own on NCCL and the CUDA kernels: the same outputs,
+    gradients and statistics as the expert-parallel layer (retain 0.5 sampled; 0.75 top with a replica and a
+    binding capacity)."""
+    from ep_harness import run_ranks
+    from test_expert_parallel_experts import _equals_the_layer
+
+    run_ranks(2, _equals_the_layer, "cuda", backend="nccl")

@@ -43,19 +43,20 @@ class RoutedBlock(nn.Module):
         return self.experts(x, routing.expert_ids, routing.gates)
 
 
-def _equals_the_layer(rank, world):
-    mesh = init_device_mesh("cpu", (world,))
+def _equals_the_layer(rank, world, device="cpu"):
+    # device "cuda": rank r on GPU r (tests/nn/test_cuda_ep.py, NCCL), fp32 as here.
+    mesh = init_device_mesh(device, (world,))
     for options, style in (({"retain": 0.5}, {}),
                            ({"retain": 0.75, "selection": "top"}, {"max_replicas": 1, "capacity_factor": 1.0})):
         torch.manual_seed(0)
-        ref = LRMoE(D, FF, E, K, **options)
+        ref = LRMoE(D, FF, E, K, **options).to(device)
         with torch.no_grad():
             ref.gate.weight[:2] += 1.5  # experts 0 and 1 (rank 0's) hot: a replica is placed, the capacity binds
-        block = RoutedBlock(ref, **options)
+        block = RoutedBlock(ref, **options).to(device)
         block.experts = parallelize_module(block.experts, mesh, ExpertParallel(**style))
         layer = parallelize_module(ref, mesh, ExpertParallel(**style))
         torch.manual_seed(10 + rank)
-        x, c = torch.randn(12 + 3 * rank, D) + 0.5, torch.randn(12 + 3 * rank, D)
+        x, c = torch.randn(12 + 3 * rank, D).to(device) + 0.5, torch.randn(12 + 3 * rank, D).to(device)
         torch.manual_seed(5)  # the sampling uniforms: the same draw for both
         got = forward_backward(block, x, c)
         torch.manual_seed(5)
