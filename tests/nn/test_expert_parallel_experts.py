@@ -5,8 +5,8 @@ model after swap_experts), called as transformers calls it, experts(x_TD, expert
 Checked against: the expert-parallel LRMoE layer, which runs the same steps after its own routing (outputs,
 gradients and statistics equal, retain 0.5 and 0.75 with a replica and a binding capacity); a whole transformers
 Qwen3-MoE causal LM with its experts swapped and sharded, against the unswapped model on each rank's tokens (logits,
-loss, the router's and every gradient; expert shards against the sum over ranks of the full gradients' slices); the
-same module compiled with fullgraph=True; and the refusals.
+loss, the router's and every gradient; expert shards against the sum over ranks of the full gradients' slices) and
+GLM-4.5's block; the same module compiled with fullgraph=True; FSDP2 over it; and the refusals.
 """
 
 from __future__ import annotations
@@ -109,6 +109,21 @@ def _swapped_causal_lm(rank, world):
             torch.distributed.all_reduce(want)
             got, want = got.to_local(), want[rank * n_local:(rank + 1) * n_local]
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"rank {rank} {n}: {m}")
+
+    # GLM-4.5's block (fp32 sigmoid router with its selection bias, groups, scaled gates, a shared expert), with
+    # its experts swapped and sharded: each rank's output and input gradient are the block's.
+    from test_swap_experts import T as T_BLOCK
+    from test_swap_experts import _block, _run
+
+    hf_block = _block("glm4_moe")
+    block = copy.deepcopy(hf_block)
+    swap_experts(block, retain=1.0)
+    parallelize_module(block, mesh, {"experts": ExpertParallel()})
+    torch.manual_seed(10 + rank)
+    x, c = torch.randn(2, T_BLOCK // 2, 16), torch.randn(2, T_BLOCK // 2, 16)
+    (out, gx, _), (ref, rx, _) = _run(block, x, c), _run(hf_block, x, c)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(gx, rx, rtol=1e-5, atol=1e-6)
 
 
 def _compiled_and_refused(rank, world):
