@@ -1009,6 +1009,8 @@ def _ep_step(module: nn.Module, opts, run_experts: Callable[..., torch.Tensor], 
             if rep.max_replicas:
                 module.ep_forward_bytes[2].fill_(_peer_bytes(splits.rep_send, weight_bytes, ep.rank))
                 module.ep_forward_bytes[3].fill_(_peer_bytes(splits.rep_recv, weight_bytes, ep.rank))
+            else:  # written every step: after a build on the meta device and to_empty they held garbage
+                module.ep_forward_bytes[2:].zero_()
 
     # No backward will run without a probe: then "offload" would copy h to the host for nothing.
     activations = "recompute" if opts.activations == "offload" and probe is None else opts.activations
@@ -1143,6 +1145,11 @@ class _ExpertParallelStandaloneMixin(_ExpertParallelExpertsMixin):
                 "(SwiGLUExperts(..., retain=...), swap_experts(model, retain=...)); for an LRMoE layer apply "
                 "ExpertParallel to the layer, not to layer.experts"
             )
+        if self.options.get("backward_capacity") is not None:  # set after parallelize_module (it refused it then)
+            raise ValueError(
+                f"backward_capacity={self.options['backward_capacity']} is the single-device per-expert capacity; "
+                "expert parallelism bounds each rank's backward rows with ExpertParallel(capacity_factor=...)"
+            )
         check_tensor("x_TD", x_TD, ndim=2, kind="float")
         check_tensor("expert_ids_TK", expert_ids_TK, ndim=2, kind="int")
         check_tensor("gates_TK", gates_TK, ndim=2, kind="float")  # integer gates refused, not cast
@@ -1164,7 +1171,9 @@ class _ExpertParallelStandaloneMixin(_ExpertParallelExpertsMixin):
         opts = _ExpertsOptions(num_experts=self.num_experts, hidden_dim=self.hidden_dim,
                                **(_EXPERT_DEFAULTS | self.options))
         run = partial(_ExpertParallelExpertsMixin.forward, self)
-        return _ep_step(self, opts, run, x_TD, expert_ids_TK, gates_TK.to(x_TD.dtype), probe)
+        dtype = compute_dtype(x_TD)  # torch.autocast's, else x's: computed and sent in it, as the layer does
+        with torch.autocast(x_TD.device.type, enabled=False):
+            return _ep_step(self, opts, run, x_TD.to(dtype), expert_ids_TK, gates_TK.to(dtype), probe)
 
     def _apply(self, fn, recurse=True):
         # The probe follows .to()/.cuda(), as LRMoE's does (a leaf that is neither parameter nor buffer).

@@ -139,11 +139,13 @@ class SwiGLUExperts(nn.Module):
     def forward(self, x_TD: torch.Tensor, expert_ids_TK: torch.Tensor, gates_TK: torch.Tensor,
                 **options) -> torch.Tensor:
         """[T, D] tokens, their [T, K] experts and gates -> [T, D] gated sum of the experts' outputs:
-        :func:`~lrmoe.functional.selective_swiglu_experts` with these weights and the gates in x's dtype;
-        ``options`` are its keyword arguments (retain, plan, ...), over the module's. The weights are cast as
-        autocast would (LRMoE has checked the dtypes). In eval() with no backward to run (no grad, or nothing
-        requiring it) no sampling uniforms are drawn, as in LRMoE. LRMoE runs its experts through this call, so a
-        hook on this module (FSDP2's ``fully_shard(layer.experts)`` gathering the weights) sees them."""
+        :func:`~lrmoe.functional.selective_swiglu_experts` with these weights and the gates in x's dtype, or
+        under torch.autocast in its dtype (x, weights and gates cast to it, differentiably; the output in it), as
+        transformers' experts compute there; ``options`` are its keyword arguments (retain, plan, ...), over the
+        module's. The weights are cast as autocast would (LRMoE has checked the dtypes). In eval() with no
+        backward to run (no grad, or nothing requiring it) no sampling uniforms are drawn, as in LRMoE. LRMoE runs
+        its experts through this call, so a hook on this module (FSDP2's ``fully_shard(layer.experts)`` gathering
+        the weights) sees them."""
         gate_up, down = self.gate_up_proj, self.down_proj
         if isinstance(gate_up, DTensor) or isinstance(down, DTensor):
             # The ops would refuse a mix of tensors and DTensors, naming none of this.
@@ -155,10 +157,12 @@ class SwiGLUExperts(nn.Module):
             # Evaluation leaves the RNG untouched, as LRMoE does (_draws_uniform): no sampling uniforms.
             opts["plan"] = plan_experts(expert_ids_TK, self.num_experts, draw_uniform=False,
                                         **{k: opts[k] for k in _PLAN_OPTIONS if k in opts})
-        dtype = x_TD.dtype
+        dtype = compute_dtype(x_TD)  # torch.autocast's (transformers' experts compute in it there), else x's
         if gates_TK.is_floating_point():  # others are refused, naming gates_TK, not cast
             gates_TK = gates_TK.to(dtype)
-        return selective_swiglu_experts(x_TD, gate_up.to(dtype), down.to(dtype), expert_ids_TK, gates_TK, **opts)
+        with torch.autocast(x_TD.device.type, enabled=False):  # the experts run in ``dtype`` exactly
+            return selective_swiglu_experts(x_TD.to(dtype), gate_up.to(dtype), down.to(dtype), expert_ids_TK,
+                                            gates_TK, **opts)
 
     def reset_parameters(self) -> None:
         # nn.Linear's default: uniform(+-1/sqrt(fan_in)) per expert matrix.

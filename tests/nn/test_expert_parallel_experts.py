@@ -55,6 +55,8 @@ def _equals_the_layer(rank, world, device="cpu"):
         block = RoutedBlock(ref, **options).to(device)
         block.experts = parallelize_module(block.experts, mesh, ExpertParallel(**style))
         layer = parallelize_module(ref, mesh, ExpertParallel(**style))
+        for module in (block.experts, layer):  # what to_empty may leave after a build on meta: overwritten each step
+            module.ep_forward_bytes.fill_(7)
         torch.manual_seed(10 + rank)
         x, c = torch.randn(12 + 3 * rank, D).to(device) + 0.5, torch.randn(12 + 3 * rank, D).to(device)
         torch.manual_seed(5)  # the sampling uniforms: the same draw for both
@@ -74,6 +76,20 @@ def _equals_the_layer(rank, world, device="cpu"):
         if style:
             assert (s_got.instances[:, E // world:] >= 0).any()  # a replica was placed
         assert torch.equal(block.experts.last_loads, s_got.loads.sum(0))
+        if not style:
+            assert int(s_got.replica_bytes) == int(s_got.replica_grad_bytes) == 0
+
+        # Under autocast (bf16) both compute and send in bf16: the same values and bytes (the experts used x's
+        # fp32 and sent twice the layer's bytes, a review found).
+        with torch.autocast(device, dtype=torch.bfloat16):
+            torch.manual_seed(5)
+            got = forward_backward(block, x, c)
+            torch.manual_seed(5)
+            want = forward_backward(layer, x, c)
+        assert got[0].dtype == torch.bfloat16
+        for g, w in zip(got, want, strict=True):
+            assert torch.equal(g, w), (rank, options, "autocast")
+        assert int(block.experts.stats().dispatch_bytes) == int(layer.stats().dispatch_bytes)
 
 
 def _swapped_causal_lm(rank, world):
@@ -150,6 +166,10 @@ def _compiled_and_refused(rank, world):
         layer(torch.randn(4, D))
     with pytest.raises(ValueError, match="already expert-parallel"):
         parallelize_module(block.experts, mesh, ExpertParallel())
+    block.experts.options["backward_capacity"] = 1.0  # set after parallelize_module, which refused it: still refused
+    with pytest.raises(ValueError, match="backward_capacity=1.0 is the single-device"):
+        block(torch.randn(4, D))
+    del block.experts.options["backward_capacity"]
     with pytest.raises(ValueError, match="backward_capacity=1.0 is the single-device"):
         parallelize_module(SwiGLUExperts(E, D, FF, retain=0.5, backward_capacity=1.0), mesh, ExpertParallel())
     with pytest.raises(ValueError, match="num_experts=3 is not divisible"):

@@ -181,6 +181,23 @@ def test_integer_gates_are_refused_not_cast():
         experts(torch.randn(T, D), torch.zeros(T, K, dtype=torch.long), torch.ones(T, K, dtype=torch.long))
 
 
+def test_under_autocast_the_experts_compute_in_its_dtype():
+    """transformers' experts compute in autocast's dtype (their matmuls autocast); the swapped module computed in
+    x's (the fp32 residual stream), a review found. Now: the bf16 computation exactly, fp32 weight gradients."""
+    torch.manual_seed(0)
+    experts = SwiGLUExperts(E, D, FF, retain=0.5, selection="top")
+    x, gates = torch.randn(T, D, requires_grad=True), torch.rand(T, K, requires_grad=True)
+    ids = torch.randint(0, E, (T, K))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = experts(x, ids, gates)
+    out.float().pow(2).sum().backward()
+    bf16 = copy.deepcopy(experts).bfloat16()
+    want = bf16(x.detach().bfloat16(), ids, gates.detach().bfloat16())
+    assert out.dtype == torch.bfloat16 and torch.equal(out, want)
+    assert experts.gate_up_proj.grad.dtype == torch.float32 and x.grad.dtype == torch.float32
+    assert gates.grad is not None and experts.down_proj.grad.abs().sum() > 0
+
+
 def test_swapped_block_compiles_fullgraph():
     """transformers' router and our experts in one graph, equal to eager below retain 1."""
     ours = _block("glm4_moe")
