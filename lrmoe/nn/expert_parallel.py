@@ -871,11 +871,7 @@ class ExpertParallel(ParallelStyle):
         experts = module if standalone else module.experts
         capacity = experts.options.get("backward_capacity") if standalone else module.backward_capacity
         quota_align = experts.options.get("quota_align", 1) if standalone else module.quota_align
-        if capacity is not None:
-            raise ValueError(
-                f"backward_capacity={capacity} is the single-device layer's per-expert capacity; "
-                "expert parallelism bounds each rank's backward rows with ExpertParallel(capacity_factor=...)"
-            )
+        _refuse_backward_capacity(capacity)
         if quota_align != 1 and self.replication.capacity_factor is not None:
             raise ValueError(
                 f"quota_align={quota_align} with capacity_factor={self.replication.capacity_factor}: aligned "
@@ -938,6 +934,14 @@ class ExpertParallel(ParallelStyle):
         if self.mesh_dim_name not in names:
             raise ValueError(f"mesh_dim_name={self.mesh_dim_name!r} is not a dimension of the mesh (dims {names})")
         return mesh if mesh.ndim == 1 else mesh[self.mesh_dim_name]
+
+
+def _refuse_backward_capacity(capacity: float | None) -> None:
+    if capacity is not None:
+        raise ValueError(
+            f"backward_capacity={capacity} is the single-device layer's per-expert capacity; "
+            "expert parallelism bounds each rank's backward rows with ExpertParallel(capacity_factor=...)"
+        )
 
 
 _EP_CLASSES: dict[tuple[type, type], type] = {}
@@ -1145,11 +1149,7 @@ class _ExpertParallelStandaloneMixin(_ExpertParallelExpertsMixin):
                 "(SwiGLUExperts(..., retain=...), swap_experts(model, retain=...)); for an LRMoE layer apply "
                 "ExpertParallel to the layer, not to layer.experts"
             )
-        if self.options.get("backward_capacity") is not None:  # set after parallelize_module (it refused it then)
-            raise ValueError(
-                f"backward_capacity={self.options['backward_capacity']} is the single-device per-expert capacity; "
-                "expert parallelism bounds each rank's backward rows with ExpertParallel(capacity_factor=...)"
-            )
+        _refuse_backward_capacity(self.options.get("backward_capacity"))  # set after parallelize_module refused it
         check_tensor("x_TD", x_TD, ndim=2, kind="float")
         check_tensor("expert_ids_TK", expert_ids_TK, ndim=2, kind="int")
         check_tensor("gates_TK", gates_TK, ndim=2, kind="float")  # integer gates refused, not cast
