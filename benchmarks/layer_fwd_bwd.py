@@ -4,9 +4,13 @@ torch._grouped_mm layer, eager and compiled, all in the same run.
     python benchmarks/layer_fwd_bwd.py --shape qwen3-30b-a3b
     python benchmarks/layer_fwd_bwd.py --shape glm-4.5-air --selection top sample --modes compiled compiled-cg
 
-Prints one table: medians of CUDA-event timings (triton.testing.do_bench), peak memory over the timed steps, and the
-host synchronisations torch.cuda.set_sync_debug_mode("warn") reported in one step after warm-up (-1: not measured,
-CUDA graphs). --modes adds compiled-cg (torch.compile mode="reduce-overhead": CUDA graphs, no launch cost) and
+Prints one table: medians of CUDA-event timings (triton.testing.do_bench over 200 ms, ~45 steps of 4.4 ms), the
+dense-equivalent TFLOP/s (the dense step's GEMM FLOP over the step's time: at retain < 1 the backward does less
+work, so this is not the GEMMs' rate), the peak memory of one step measured apart from the timing (do_bench's
+256 MiB L2-flush buffer would count), and the host synchronisations torch.cuda.set_sync_debug_mode("warn") reported
+in one step after warm-up (-1: not measured, CUDA graphs). The backward starts from a fixed random gradient of the
+output (a .sum() would give an all-ones, stride-0 gradient that eager kernels read from cache).
+--modes adds compiled-cg (torch.compile mode="reduce-overhead": CUDA graphs, no launch cost) and
 compiled-ma (mode="max-autotune-no-cudagraphs": Inductor autotunes its GEMMs, its Triton grouped-GEMM template
 against torch._grouped_mm, and its generated kernels' launch parameters); --compiled-sample reference makes compiled
 "sample" selection trace the reference's PyTorch inline instead of calling the custom op (the library's default).
@@ -211,7 +215,8 @@ def main() -> None:
     if args.skew:
         print(f"# router skew {args.skew:g}: max / mean expert load {_skewed_load_ratio(shape, T, args.skew):.2f} "
               "(LRMoE's router)")
-    print(f"{'layer':>26} {'mode':>8} {'fwd ms':>8} {'fwd+bwd ms':>10} {'TFLOP/s':>8} {'peak GiB':>8} {'syncs':>5}")
+    print(f"{'layer':>26} {'mode':>8} {'fwd ms':>8} {'fwd+bwd ms':>10} {'TFLOP/s*':>8} {'peak GiB':>8} {'syncs':>5}")
+    print("# TFLOP/s*: dense-equivalent (the dense step's FLOP over this step's time)")
 
     both = len(args.selection) > 1
     gathers = list(dict.fromkeys(args.gather_gemm))
@@ -250,6 +255,7 @@ def main() -> None:
             skew_router(layer, args.skew, seed=0)
             x[:, 0] = 1.0  # the router-skew feature
         x.requires_grad_()
+        grad_out = torch.randn(T, d, device="cuda", dtype=torch.bfloat16)  # the same for every layer (seeded above)
         for mode in args.modes:
             # A fresh Dynamo cache per layer and mode: recompiling LRMoE.forward for another layer would otherwise
             # count towards the recompile limit and make the layer's float attributes (retain) dynamic.
@@ -272,15 +278,23 @@ def main() -> None:
                         t.grad = None
                     if hasattr(layer, "reset_stats"):  # LRMoE's statistics accumulate in a probe's .grad
                         layer.reset_stats()
-                fn(x).sum().backward()
+                fn(x).backward(grad_out)
 
             step()
             step()
             syncs = count_syncs(step) if not graphs else -1
-            fwd_ms = do_bench(fwd, warmup=5, rep=40, return_mode="median")
+            # Peak memory of one step from no gradients (as do_bench's grad_to_none leaves them), before do_bench
+            # allocates its L2-flush buffer.
+            for t in (x, *layer.parameters()):
+                t.grad = None
+            torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
-            step_ms = do_bench(step, warmup=5, rep=40, return_mode="median", grad_to_none=[x, *layer.parameters()])
+            step()
+            torch.cuda.synchronize()
             peak = torch.cuda.max_memory_allocated() / 2**30
+            # warmup and rep are milliseconds: ~45 timed steps of 4.4 ms (rep=40 gave ~8).
+            fwd_ms = do_bench(fwd, warmup=25, rep=200, return_mode="median")
+            step_ms = do_bench(step, warmup=25, rep=200, return_mode="median", grad_to_none=[x, *layer.parameters()])
             print(f"{name:>26} {mode:>8} {fwd_ms:>8.3f} {step_ms:>10.3f} {flop_step / step_ms / 1e9:>8.0f} "
                   f"{peak:>8.2f} {syncs:>5}", flush=True)
 
