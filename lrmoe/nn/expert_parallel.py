@@ -1137,6 +1137,7 @@ class _ExpertParallelStandaloneMixin(_ExpertParallelExpertsMixin):
     _probe_dtype = torch.float64
     _draws_uniform = LRMoE._draws_uniform
     _new_probe = LRMoE._new_probe
+    _probe_for = LRMoE._probe_for
     stats = _ExpertParallelMixin.stats
     reset_stats = LRMoE.reset_stats
 
@@ -1161,13 +1162,7 @@ class _ExpertParallelStandaloneMixin(_ExpertParallelExpertsMixin):
                              f"{tuple(gates_TK.shape)}")
         check_same_device(x_TD=x_TD, expert_ids_TK=expert_ids_TK, gates_TK=gates_TK,
                           gate_up_proj=self.gate_up_proj.to_local())
-        backward = torch.is_grad_enabled() and (x_TD.requires_grad or gates_TK.requires_grad
-                                                or any(p.requires_grad for p in self.parameters()))
-        probe = None
-        if backward:
-            if self._stats_probe.device != x_TD.device:  # only when x is not where the module is (eager use)
-                self._stats_probe = self._new_probe(x_TD.device)
-            probe = self._stats_probe
+        probe = self._probe_for(x_TD, gates_TK)
         opts = _ExpertsOptions(num_experts=self.num_experts, hidden_dim=self.hidden_dim,
                                **(_EXPERT_DEFAULTS | self.options))
         run = partial(_ExpertParallelExpertsMixin.forward, self)

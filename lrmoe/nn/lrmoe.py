@@ -393,9 +393,10 @@ class LRMoE(nn.Module):
         """The routed experts' output plus the shared experts' (if any) for every token."""
         return out_TD if self.shared_experts is None else out_TD + self.shared_experts(x_TD)
 
-    def _probe_for(self, x: torch.Tensor) -> torch.Tensor | None:
-        """The backward-statistics probe, or None when no backward will run through this call."""
-        needs_grad = x.requires_grad or any(p.requires_grad for p in self.parameters())
+    def _probe_for(self, x: torch.Tensor, *inputs: torch.Tensor) -> torch.Tensor | None:
+        """The backward-statistics probe, or None when no backward will run through this call (from x, the other
+        differentiable ``inputs`` of the call, or the parameters)."""
+        needs_grad = any(t.requires_grad for t in (x, *inputs)) or any(p.requires_grad for p in self.parameters())
         if not (torch.is_grad_enabled() and needs_grad):
             return None
         if self._stats_probe.device != x.device:  # only when x is not where the module is (eager use)
