@@ -4,7 +4,9 @@ torch._grouped_mm layer, eager and compiled, all in the same run.
     python benchmarks/layer_fwd_bwd.py --shape qwen3-30b-a3b
     python benchmarks/layer_fwd_bwd.py --shape glm-4.5-air --selection top sample --modes compiled compiled-cg
 
-Prints one table: medians of CUDA-event timings (triton.testing.do_bench over 200 ms, ~45 steps of 4.4 ms), the
+Prints one table: medians of CUDA-event timings (triton.testing.do_bench over 200 ms, ~45 steps of 4.4 ms; every row
+timed once in each of --rounds rounds, 3 by default, in a rotated order, the median over rounds printed with the
+rounds' spread and the ratio to the transformers block taken round by round), the
 dense-equivalent TFLOP/s (the dense step's GEMM FLOP over the step's time: at retain < 1 the backward does less
 work, so this is not the GEMMs' rate), the peak memory of one step measured apart from the timing (do_bench's
 256 MiB L2-flush buffer would count), and the host synchronisations torch.cuda.set_sync_debug_mode("warn") reported
@@ -30,6 +32,7 @@ The GEMM floor is 6·T·k·3·d·f FLOP forward+backward (2× for forward alone)
 from __future__ import annotations
 
 import argparse
+import statistics
 import warnings
 
 import torch
@@ -199,7 +202,11 @@ def main() -> None:
     parser.add_argument("--router-dtype", nargs="+", default=["param"], choices=["param", "float32"],
                         help="LRMoE(router_dtype=...): param (default) the router's logits in the parameters' "
                              "dtype (bf16), float32 as transformers' GLM-4.5 / DeepSeek-V3 routers compute them")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="times every row once a round, in a rotated order, and prints medians over the rounds")
     args = parser.parse_args()
+    if args.rounds < 1:
+        parser.error(f"--rounds must be at least 1, got {args.rounds}")
     if args.compiled_sample == "reference":
         selection_module._COMPILED_SAMPLE = select_within_quota_reference
     if not torch.cuda.is_available():
@@ -215,8 +222,12 @@ def main() -> None:
     if args.skew:
         print(f"# router skew {args.skew:g}: max / mean expert load {_skewed_load_ratio(shape, T, args.skew):.2f} "
               "(LRMoE's router)")
-    print(f"{'layer':>26} {'mode':>8} {'fwd ms':>8} {'fwd+bwd ms':>10} {'TFLOP/s*':>8} {'peak GiB':>8} {'syncs':>5}")
+    print(f"# medians over {args.rounds} rounds (each round times every row, in a rotated order); spread: the largest "
+          "minus the smallest round's fwd+bwd median; vs: the transformers block's fwd+bwd time over this row's, "
+          "the median of the rounds' ratios (same mode)")
     print("# TFLOP/s*: dense-equivalent (the dense step's FLOP over this step's time)")
+    print(f"{'layer':>26} {'mode':>8} {'fwd ms':>8} {'fwd+bwd ms':>10} {'spread':>6} {'vs':>7} {'TFLOP/s*':>8} "
+          f"{'peak GiB':>8} {'syncs':>5}")
 
     both = len(args.selection) > 1
     gathers = list(dict.fromkeys(args.gather_gemm))
@@ -246,6 +257,7 @@ def main() -> None:
         # AOTAutograd cache entry made with one kernel must not serve the other's rows.
         functorch_config.enable_autograd_cache = False
         inductor_config.fx_graph_cache = False
+    rows = []
     for name, make, gather in layers:
         grouped_gemm_module._GATHER_KERNEL = gather  # read when an op call runs or is traced
         torch.manual_seed(0)
@@ -257,32 +269,10 @@ def main() -> None:
         x.requires_grad_()
         grad_out = torch.randn(T, d, device="cuda", dtype=torch.bfloat16)  # the same for every layer (seeded above)
         for mode in args.modes:
-            # A fresh Dynamo cache per layer and mode: recompiling LRMoE.forward for another layer would otherwise
-            # count towards the recompile limit and make the layer's float attributes (retain) dynamic.
-            torch._dynamo.reset()
-            fn = layer if mode == "eager" else torch.compile(layer, fullgraph=name.startswith("lrmoe"),
-                                                             mode=_COMPILE_MODES[mode])
-
-            graphs = mode == "compiled-cg"
-
-            def fwd():
-                if graphs:  # each call a new step: CUDA-graph outputs of the last one may be overwritten
-                    torch.compiler.cudagraph_mark_step_begin()
-                with torch.no_grad():
-                    fn(x)
-
-            def step():
-                if graphs:  # and no gradient accumulated into a graph output of the last step
-                    torch.compiler.cudagraph_mark_step_begin()
-                    for t in (x, *layer.parameters()):
-                        t.grad = None
-                    if hasattr(layer, "reset_stats"):  # LRMoE's statistics accumulate in a probe's .grad
-                        layer.reset_stats()
-                fn(x).backward(grad_out)
-
+            fwd, step = _row_steps(layer, x, grad_out, mode, fullgraph=name.startswith("lrmoe"))
             step()
             step()
-            syncs = count_syncs(step) if not graphs else -1
+            syncs = count_syncs(step) if mode != "compiled-cg" else -1
             # Peak memory of one step from no gradients (as do_bench's grad_to_none leaves them), before do_bench
             # allocates its L2-flush buffer.
             for t in (x, *layer.parameters()):
@@ -292,12 +282,57 @@ def main() -> None:
             step()
             torch.cuda.synchronize()
             peak = torch.cuda.max_memory_allocated() / 2**30
+            rows.append(dict(name=name, mode=mode, gather=gather, fwd=fwd, step=step, grads=[x, *layer.parameters()],
+                             peak=peak, syncs=syncs, fwd_ms=[], step_ms=[]))
+    # Every row is timed once a round, the rows in a rotated order each round, so that a drift of the GPU's clocks
+    # or of the host over the run falls on every row alike and ratios are taken between rows timed close together.
+    for r in range(args.rounds):
+        for row in rows[r % len(rows):] + rows[: r % len(rows)]:
+            grouped_gemm_module._GATHER_KERNEL = row["gather"]  # eager rows read it at every op call
             # warmup and rep are milliseconds: ~45 timed steps of 4.4 ms (rep=40 gave ~8).
-            fwd_ms = do_bench(fwd, warmup=25, rep=200, return_mode="median")
-            step_ms = do_bench(step, warmup=25, rep=200, return_mode="median", grad_to_none=[x, *layer.parameters()])
-            print(f"{name:>26} {mode:>8} {fwd_ms:>8.3f} {step_ms:>10.3f} {flop_step / step_ms / 1e9:>8.0f} "
-                  f"{peak:>8.2f} {syncs:>5}", flush=True)
+            row["fwd_ms"].append(do_bench(row["fwd"], warmup=25, rep=200, return_mode="median"))
+            row["step_ms"].append(do_bench(row["step"], warmup=25, rep=200, return_mode="median",
+                                           grad_to_none=row["grads"]))
+    base = {row["mode"]: row for row in rows if row["name"].startswith("transformers")}
+    for row in rows:
+        step_ms = statistics.median(row["step_ms"])
+        spread = max(row["step_ms"]) - min(row["step_ms"])
+        ref = base.get(row["mode"])
+        ratio = (statistics.median(b / s for b, s in zip(ref["step_ms"], row["step_ms"])) if ref is not None
+                 else float("nan"))
+        print(f"{row['name']:>26} {row['mode']:>8} {statistics.median(row['fwd_ms']):>8.3f} {step_ms:>10.3f} "
+              f"{spread:>6.3f} {ratio:>6.2f}x {flop_step / step_ms / 1e9:>8.0f} {row['peak']:>8.2f} "
+              f"{row['syncs']:>5}", flush=True)
 
+
+def _row_steps(layer: nn.Module, x: torch.Tensor, grad_out: torch.Tensor, mode: str, fullgraph: bool):
+    """The forward (no grad) and the forward+backward step of one row. Each compiled row compiles a function
+    with a code object of its own, so every row has its own Dynamo cache: rows built one after another stay
+    compiled side by side (no reset between them, no shared recompile limit, no float attribute turned dynamic by a
+    recompile), and no row is served another row's graph (two LRMoE layers alike but for a kernel switch that no
+    guard sees would otherwise share one)."""
+    scope = {"layer": layer}  # a function, not a partial: torch.compile wraps a partial in one shared function
+    exec("def call(x):\n    return layer(x)\n", scope)  # a new code object per row
+    call = scope["call"]
+    fn = call if mode == "eager" else torch.compile(call, fullgraph=fullgraph, mode=_COMPILE_MODES[mode])
+    graphs = mode == "compiled-cg"
+
+    def fwd():
+        if graphs:  # each call a new step: CUDA-graph outputs of the last one may be overwritten
+            torch.compiler.cudagraph_mark_step_begin()
+        with torch.no_grad():
+            fn(x)
+
+    def step():
+        if graphs:  # and no gradient accumulated into a graph output of the last step
+            torch.compiler.cudagraph_mark_step_begin()
+            for t in (x, *layer.parameters()):
+                t.grad = None
+            if hasattr(layer, "reset_stats"):  # LRMoE's statistics accumulate in a probe's .grad
+                layer.reset_stats()
+        fn(x).backward(grad_out)
+
+    return fwd, step
 
 if __name__ == "__main__":
     main()

@@ -1,7 +1,7 @@
 """Where the LRMoE layer's forward+backward time goes on one GPU (bf16): torch.profiler, top kernels by GPU time.
 
     python benchmarks/profile_layer.py --shape qwen3-30b-a3b --retain 0.75 [--compiled] [--forward-only]
-        [--quota-align 128] [--gather-gemm triton] [--backward-capacity 1.0]
+        [--quota-align 128] [--gather-gemm triton] [--backward-capacity 1.0] [--skew 0.5]
 
 Prints the wall time per step (unprofiled) next to the GPU time, so a host-bound step shows as a gap, then one
 table per run: the operators (eager) or generated kernels (--compiled) with the largest self GPU time
@@ -15,7 +15,7 @@ import argparse
 import time
 
 import torch
-from layer_fwd_bwd import SHAPES
+from layer_fwd_bwd import SHAPES, skew_router
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
@@ -35,6 +35,8 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=25)
     parser.add_argument("--quota-align", type=int, default=1, help="LRMoE's quota_align")
     parser.add_argument("--backward-capacity", type=float, default=None, help="LRMoE's backward_capacity")
+    parser.add_argument("--skew", type=float, default=0.0,
+                        help="router skew (layer_fwd_bwd.skew_router; 0: the near-balanced loads of random weights)")
     parser.add_argument("--gather-gemm", default=None, choices=["grouped_mm", "triton"],
                         help="the kernel of the bf16 GEMMs with a row gather (lrmoe.ops.grouped_gemm._GATHER_KERNEL); "
                              "default: the library's")
@@ -49,14 +51,19 @@ def main() -> None:
     layer = LRMoE(**shape, retain=args.retain, selection=args.selection,
                   quota_align=args.quota_align, backward_capacity=args.backward_capacity).cuda().bfloat16()
     fn = torch.compile(layer, fullgraph=True) if args.compiled else layer
-    x = torch.randn(args.tokens, shape["dim"], device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    x = torch.randn(args.tokens, shape["dim"], device="cuda", dtype=torch.bfloat16)
+    if args.skew:
+        skew_router(layer, args.skew, seed=0)
+        x[:, 0] = 1.0  # the router-skew feature
+    x.requires_grad_()
+    grad_out = torch.randn_like(x)  # as layer_fwd_bwd.py: not .sum()'s all-ones, stride-0 gradient
 
     def step():
         if args.forward_only:
             with torch.no_grad():
                 fn(x)
             return
-        fn(x).sum().backward()
+        fn(x).backward(grad_out)
         x.grad = None
         for p in layer.parameters():
             p.grad = None
@@ -78,7 +85,7 @@ def main() -> None:
     total = sum(e.self_device_time_total for e in events)
     mode = (("compiled" if args.compiled else "eager") + (", forward only" if args.forward_only else "")
             + f", gathered GEMMs: {grouped_gemm_module._GATHER_KERNEL}")
-    print(f"# {args.shape}, tokens={args.tokens}, retain={args.retain:g}, {mode}: "
+    print(f"# {args.shape}, tokens={args.tokens}, retain={args.retain:g}, skew={args.skew:g}, {mode}: "
           f"{total / args.steps / 1e3:.3f} ms GPU time per step, {wall_ms:.3f} ms wall per step (unprofiled)")
     print(f"{'share':>6} {'ms/step':>8} {'calls/step':>10}  kernel")
     for e in sorted(events, key=lambda e: -e.self_device_time_total)[: args.rows]:
