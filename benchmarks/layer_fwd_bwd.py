@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import types
 import warnings
 
 import torch
@@ -311,9 +312,13 @@ def _row_steps(layer: nn.Module, x: torch.Tensor, grad_out: torch.Tensor, mode: 
     compiled side by side (no reset between them, no shared recompile limit, no float attribute turned dynamic by a
     recompile), and no row is served another row's graph (two LRMoE layers alike but for a kernel switch that no
     guard sees would otherwise share one)."""
-    scope = {"layer": layer}  # a function, not a partial: torch.compile wraps a partial in one shared function
-    exec("def call(x):\n    return layer(x)\n", scope)  # a new code object per row
-    call = scope["call"]
+
+    def call(x):
+        return layer(x)
+
+    # A copy of call's code object: Dynamo keeps its cache on the code object, and every row's closure would share
+    # this one. (Not a partial or an exec'd function: torch.compile wraps either in one shared function.)
+    call = types.FunctionType(call.__code__.replace(), call.__globals__, "call", None, call.__closure__)
     fn = call if mode == "eager" else torch.compile(call, fullgraph=fullgraph, mode=_COMPILE_MODES[mode])
     graphs = mode == "compiled-cg"
 
