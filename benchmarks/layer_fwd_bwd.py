@@ -275,14 +275,20 @@ def main() -> None:
             step()
             syncs = count_syncs(step) if mode != "compiled-cg" else -1
             # Peak memory of one step from no gradients (as do_bench's grad_to_none leaves them), before do_bench
-            # allocates its L2-flush buffer.
+            # allocates its L2-flush buffer: the step's rise over what was allocated before it, plus what the row
+            # holds between steps (its parameters, buffers, input and output gradient), as if it ran alone; the
+            # other rows' layers stay allocated beside it.
             for t in (x, *layer.parameters()):
                 t.grad = None
             torch.cuda.synchronize()
+            held = sum(t.numel() * t.element_size() for t in (*layer.parameters(), *layer.buffers(), x, grad_out))
+            before = torch.cuda.memory_allocated()
             torch.cuda.reset_peak_memory_stats()
             step()
             torch.cuda.synchronize()
-            peak = torch.cuda.max_memory_allocated() / 2**30
+            peak = (torch.cuda.max_memory_allocated() - before + held) / 2**30
+            for t in (x, *layer.parameters()):
+                t.grad = None
             rows.append(dict(name=name, mode=mode, gather=gather, fwd=fwd, step=step, grads=[x, *layer.parameters()],
                              peak=peak, syncs=syncs, fwd_ms=[], step_ms=[]))
     # Every row is timed once a round, the rows in a rotated order each round, so that a drift of the GPU's clocks
