@@ -19,7 +19,8 @@ the last kept pair with padding (-1, 0). With more groups than one plan step (BL
 
 "sample" (given the group order and a bound <= SORT_MAX on the group sizes, step 1 is instead ``_plan_kernel``
 on the group order, then ``_group_sort_kernel``: each group sorted by (score descending, pair id) in one
-program's registers, the same order without a global sort):
+program's registers, in the smallest power-of-two block from SORT_MIN up that holds it, the same order without a
+global sort):
 1. ``_group_keys_kernel`` (grid over max(P, R)): one int64 sort key per pair, ``group << 32 | descending score
    bits``, and the output buffers filled with padding (-1, 0) in the same launch; a stable radix sort of the keys
    (CUB on CUDA): group ascending, score descending, ties to the lower pair id (the order of the reference's two
@@ -65,6 +66,9 @@ BLOCK = 1024  # elements per program of the elementwise kernels: memory-bound, 4
 # take several steps.
 BLOCK_G = 16 if os.environ.get("TRITON_INTERPRET", "0") == "1" else 256
 SORT_MAX = 8192  # largest group one program sorts in registers ("sample" given a bound on the group sizes)
+# Smallest block of that sort (a group is sorted in the smallest power-of-two block from here up that holds it).
+# Small under the interpreter, so the tests' groups take several blocks.
+SORT_MIN = 4 if os.environ.get("TRITON_INTERPRET", "0") == "1" else 256
 # Members per step of a "top" program (a group up to this size is counted in registers). Small under the
 # interpreter, so the tests' groups take both paths.
 TOP_BLOCK = 16 if os.environ.get("TRITON_INTERPRET", "0") == "1" else 2048
@@ -321,12 +325,15 @@ def _top_kernel(
 @triton.jit
 def _group_sort_kernel(
     scores_ptr, order_ptr, starts_ptr, sizes_ptr, by_score_ptr, pair_ids_ptr, weights_ptr, G, R,
-    SORT_BLOCK: tl.constexpr, FILL_BLOCK: tl.constexpr,
+    SORT_MIN: tl.constexpr, LEVELS: tl.constexpr, FILL_BLOCK: tl.constexpr,
 ):
     # Programs 0..G-1: one group each, members taken in the group order (pair id ascending), sorted in registers
     # by (score descending, NaN as +inf, -0.0 as +0.0; then pair id ascending) -- the order of the global int64
-    # key sort, without it. The caller guarantees every group fits SORT_BLOCK. Programs G..: padding (-1, 0) over
-    # the whole output buffer, which the compaction then overwrites with the kept rows.
+    # key sort, without it. The caller guarantees every group fits the largest block, SORT_MIN << (LEVELS - 1).
+    # Each group is sorted in the smallest of the blocks SORT_MIN << level that holds it, a branch on its size:
+    # the bound the caller knows (the MoE layer's token count) is many times a typical group (16x at E = 128,
+    # k = 8), and a sort's cost grows with its block. Programs G..: padding (-1, 0) over the whole output buffer,
+    # which the compaction then overwrites with the kept rows.
     g = tl.program_id(0)
     if g >= G:
         i = (g - G).to(tl.int64) * FILL_BLOCK + tl.arange(0, FILL_BLOCK)
@@ -335,17 +342,29 @@ def _group_sort_kernel(
     else:
         start = tl.load(starts_ptr + g)
         size = tl.load(sizes_ptr + g)
-        j = tl.arange(0, SORT_BLOCK)
-        ok = j < size
-        pair = tl.load(order_ptr + start + j, mask=ok, other=0)
-        # Score descending, shifted into [-2^31, 2^31) so that << 32 keeps the order in signed int64; then the
-        # position in the group order (pair id ascending). Lanes past the group sort last.
-        desc = 2147483647 - _score_key(tl.load(scores_ptr + pair, mask=ok, other=0.0))
-        key = tl.where(ok, (desc << 32) | j.to(tl.int64), 9223372036854775807)
-        key = tl.sort(key, 0)
-        pos = key & 4294967295
-        first = tl.load(order_ptr + start + pos, mask=ok, other=0)
-        tl.store(by_score_ptr + start + j, first, mask=ok)
+        for level in tl.static_range(LEVELS):
+            # This level's sizes: (half its block, its block]; the first takes every size up to its block, the
+            # last every size above half of its block.
+            lo = -1 if level == 0 else (SORT_MIN << level) // 2
+            hi = 2147483647 if level == LEVELS - 1 else SORT_MIN << level
+            if (size > lo) & (size <= hi):
+                j = tl.arange(0, SORT_MIN << level)
+                ok = j < size
+                pair = tl.load(order_ptr + start + j, mask=ok, other=0)
+                pos = _by_score_positions(tl.load(scores_ptr + pair, mask=ok, other=0.0), ok, j)
+                first = tl.load(order_ptr + start + pos, mask=ok, other=0)
+                tl.store(by_score_ptr + start + j, first, mask=ok)
+
+
+@triton.jit
+def _by_score_positions(scores, ok, j):
+    """The positions j (in the group order) of a group's scores, sorted by score descending (NaN as +inf, -0.0 as
+    +0.0), ties by position. Lanes that are not ok sort last."""
+    # Score descending, shifted into [-2^31, 2^31) so that << 32 keeps the order in signed int64; then the
+    # position in the group order (pair id ascending).
+    desc = 2147483647 - _score_key(scores)
+    key = tl.where(ok, (desc << 32) | j.to(tl.int64), 9223372036854775807)
+    return tl.sort(key, 0) & 4294967295
 
 
 @triton.jit
@@ -456,10 +475,12 @@ def group_score_order(
     pair_ids_R = torch.empty(max_rows, dtype=torch.int64, device=device)
     weights_R = torch.empty(max_rows, dtype=torch.float32, device=device)
     sort_block = triton.next_power_of_2(max(max_group_size, 2))
+    sort_min = min(SORT_MIN, sort_block)
     if G + max_rows > 0:
         launch(_group_sort_kernel, (G + triton.cdiv(max_rows, BLOCK),))(
             scores_P, order_P, plan["starts"], plan["sizes"], by_score_P, pair_ids_R, weights_R, G, max_rows,
-            SORT_BLOCK=sort_block, FILL_BLOCK=BLOCK, num_warps=min(16, max(4, sort_block // 256)),
+            SORT_MIN=sort_min, LEVELS=(sort_block // sort_min).bit_length(), FILL_BLOCK=BLOCK,
+            num_warps=min(16, max(4, sort_block // 256)),
         )
     return by_score_P, pair_ids_R, weights_R
 

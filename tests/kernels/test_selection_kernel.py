@@ -48,11 +48,13 @@ def assert_same(scores, gids, quotas, max_rows, uniform=None, gid_dtype=torch.in
     for mode in ("top", "sample"):
         want = select_within_quota_reference(*t, max_rows, mode, u)
         # The Triton path sorting the group ids itself, and given their order (as the MoE layer gives it).
-        # max_group_size: the per-group register sort of "sample" (any bound >= every group's size). ends: the
-        # plan reads the groups' starts and sizes instead of searching for them.
+        # max_group_size: the per-group register sort of "sample" (any bound >= every group's size), tight, and
+        # loose as the layers give it (their token count), so that a group is sorted in a block far below the
+        # bound's (the kernel sorts each group in the smallest of several blocks that holds it). ends: the plan
+        # reads the groups' starts and sizes instead of searching for them.
         bound = max(len(scores), 1)
         paths = ((None, None, None), (order, None, None), (order, bound, None), (None, None, ends),
-                 (order, bound, ends))
+                 (order, 8 * bound + 5, ends))
         # every_path=False: the kernel finding everything itself, and given everything (as the layers call it).
         for given_order, bound, given_ends in paths if every_path else paths[::4]:
             got = select_within_quota_triton(*t, max_rows, mode, u, given_order, bound, given_ends)
@@ -82,6 +84,8 @@ CASES = {
     "zero scores fill in": ([9.0, 0.0, 0.0, 1.0], [0, 0, 0, 0], [3], 4),
     "group ids unsorted": ([1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0], [2, 0, 2, 1, 0, 2, 1], [2, 1, 3], 7),
     "buffer bigger than pairs": ([1.0, 3.0, 2.0], [0, 0, 0], [2], 9),
+    # Groups of 3 and 20: sorted in different blocks of the per-group sort ("sample" given a bound).
+    "a large group": ([float((i * 7) % 13) for i in range(23)], [1] * 10 + [0] * 3 + [1] * 10, [2, 11], 16),
 }
 
 
