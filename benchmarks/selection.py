@@ -13,9 +13,11 @@ this scale do_bench measures the host's launch cost too. Rows:
 - reference: lrmoe.ops.selection.select_within_quota_reference (pure PyTorch, the op's CPU kernel) on CUDA;
 - triton: lrmoe.ops.selection.select_within_quota_triton (the op's CUDA kernel), sorting the group ids itself;
 - triton, order given: the same given the group order (the stable argsort of the group ids), as the MoE layers
-  call it (they have that order from their forward dispatch); for "sample" also with a bound on the group sizes
-  (the layers pass T), which sorts each group in registers instead of all pairs at once; and with the groups'
-  ends (the single-device layer passes its GEMM offsets), which the plan reads instead of searching;
+  call it (they have that order from their forward dispatch); for "sample" also with a bound on the group sizes,
+  which sorts each group in registers instead of all pairs at once: the layers' bound, their token count
+  T = P / --top-k (each token picks an expert at most once), and, in a row of its own, the largest group's size
+  (tighter than any caller knows without a host read); and with the groups' ends (the single-device layer passes
+  its GEMM offsets), which the plan reads instead of searching. "order + bound + ends" is the layers' call;
 - and the pieces of the Triton path: the group order (an int32 sort), the one-program plan ("sample"; "top"
   plans inside its one kernel), for "top" that kernel (plan + threshold + write); for "sample" keys + torch.sort
   (lrmoe_kernels.selection.score_order) and its per-group probabilities kernel.
@@ -66,6 +68,8 @@ def main() -> None:
     parser.add_argument("--groups", type=int, default=128)
     parser.add_argument("--retain", type=float, default=0.75)
     parser.add_argument("--skew", type=float, default=0.0)
+    parser.add_argument("--top-k", type=int, default=8,
+                        help="k of the layers' routing: the group-size bound they pass is T = P / k")
     parser.add_argument("--methods", nargs="+", choices=("do_bench", "graph"), default=["do_bench", "graph"])
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -94,12 +98,13 @@ def main() -> None:
 
     order = argsort_ids(gids)
     biggest = int(torch.bincount(gids).max())  # the largest group (a host read: fine in a benchmark)
+    bound = max(P // args.top_k, biggest)  # the layers': their token count (no group exceeds it there)
     ends = torch.bincount(gids, minlength=G).cumsum(0).int()  # the groups' ends, as the layer's GEMM offsets
     for mode in ("top", "sample"):
         want = select_within_quota_reference(scores, gids, quotas, R, mode, uniform)
-        for given, bound, given_ends in ((None, None, None), (order, None, None), (order, biggest, None),
-                                         (order, None, ends), (order, biggest, ends)):
-            got = select_within_quota_triton(scores, gids, quotas, R, mode, uniform, given, bound, given_ends)
+        for given, given_bound, given_ends in ((None, None, None), (order, None, None), (order, bound, None),
+                                               (order, None, ends), (order, bound, ends), (order, biggest, ends)):
+            got = select_within_quota_triton(scores, gids, quotas, R, mode, uniform, given, given_bound, given_ends)
             for name, w, g in zip(("pair_ids", "weights", "counts", "offsets"), want, got):
                 if not torch.equal(w, g):  # never time a wrong kernel
                     raise SystemExit(f"{mode}: Triton {name} differs from the reference (order given: "
@@ -107,7 +112,7 @@ def main() -> None:
             torch.cuda.synchronize()
             torch.cuda.set_sync_debug_mode("error")
             try:
-                select_within_quota_triton(scores, gids, quotas, R, mode, uniform, given, bound, given_ends)
+                select_within_quota_triton(scores, gids, quotas, R, mode, uniform, given, given_bound, given_ends)
             finally:
                 torch.cuda.set_sync_debug_mode("default")
         row(mode, "reference", lambda: select_within_quota_reference(scores, gids, quotas, R, mode, uniform),
@@ -117,10 +122,12 @@ def main() -> None:
             lambda: select_within_quota_triton(scores, gids, quotas, R, mode, uniform, order))
         row(mode, "triton, order + ends",
             lambda: select_within_quota_triton(scores, gids, quotas, R, mode, uniform, order, None, ends))
-        if mode == "sample" and biggest <= kernels.SORT_MAX:  # the layers also pass a bound on the group sizes
+        if mode == "sample" and bound <= kernels.SORT_MAX:  # the layers also pass a bound on the group sizes
             row(mode, "triton, order + size bound",
-                lambda: select_within_quota_triton(scores, gids, quotas, R, mode, uniform, order, biggest))
+                lambda: select_within_quota_triton(scores, gids, quotas, R, mode, uniform, order, bound))
             row(mode, "triton, order + bound + ends",
+                lambda: select_within_quota_triton(scores, gids, quotas, R, mode, uniform, order, bound, ends))
+            row(mode, "the same, tight bound",
                 lambda: select_within_quota_triton(scores, gids, quotas, R, mode, uniform, order, biggest, ends))
 
     row("both", "  group order (int32 sort)", lambda: argsort_ids(gids))
