@@ -6,7 +6,8 @@ torch._grouped_mm layer, eager and compiled, all in the same run.
 
 Prints one table: medians of CUDA-event timings (triton.testing.do_bench over 200 ms, ~45 steps of 4.4 ms; every row
 timed once in each of --rounds rounds, 3 by default, in a rotated order, the median over rounds printed with the
-rounds' spread and the ratio to the transformers block taken round by round), the
+rounds' spread and the ratio to the transformers block taken round by round; every row's layer is built first and
+stays on the GPU, so the rows' parameters add up: DeepSeek-V3's experts are 22 GiB a layer), the
 dense-equivalent TFLOP/s (the dense step's GEMM FLOP over the step's time: at retain < 1 the backward does less
 work, so this is not the GEMMs' rate), the peak memory of one step measured apart from the timing (do_bench's
 256 MiB L2-flush buffer would count), and the host synchronisations torch.cuda.set_sync_debug_mode("warn") reported
@@ -261,6 +262,8 @@ def main() -> None:
     rows = []
     for name, make, gather in layers:
         grouped_gemm_module._GATHER_KERNEL = gather  # read when an op call runs or is traced
+        torch.cuda.synchronize()
+        others = torch.cuda.memory_allocated()  # the rows built before this one
         torch.manual_seed(0)
         layer = make().cuda().bfloat16()
         x = torch.randn(T, d, device="cuda", dtype=torch.bfloat16)
@@ -269,37 +272,46 @@ def main() -> None:
             x[:, 0] = 1.0  # the router-skew feature
         x.requires_grad_()
         grad_out = torch.randn(T, d, device="cuda", dtype=torch.bfloat16)  # the same for every layer (seeded above)
+        held = torch.cuda.memory_allocated() - others  # this layer's parameters and buffers, its input, the gradient
         for mode in args.modes:
+            for t in (x, *layer.parameters()):
+                t.grad = None
+            torch.cuda.synchronize()
+            before_mode = torch.cuda.memory_allocated()
             fwd, step = _row_steps(layer, x, grad_out, mode, fullgraph=name.startswith("lrmoe"))
             step()
             step()
             syncs = count_syncs(step) if mode != "compiled-cg" else -1
             # Peak memory of one step from no gradients (as do_bench's grad_to_none leaves them), before do_bench
-            # allocates its L2-flush buffer: the step's rise over what was allocated before it, plus what the row
-            # holds between steps (its parameters, buffers, input and output gradient), as if it ran alone; the
-            # other rows' layers stay allocated beside it.
+            # allocates its L2-flush buffer, as if the row ran alone (the rows built before it stay allocated): the
+            # step's rise, plus what the layer holds (held) and what this mode keeps allocated between steps (kept;
+            # a CUDA-graph row's pool is reserved, not allocated, and counts in neither, as before the rounds).
             for t in (x, *layer.parameters()):
                 t.grad = None
             torch.cuda.synchronize()
-            held = sum(t.numel() * t.element_size() for t in (*layer.parameters(), *layer.buffers(), x, grad_out))
             before = torch.cuda.memory_allocated()
+            kept = before - before_mode
             torch.cuda.reset_peak_memory_stats()
             step()
             torch.cuda.synchronize()
-            peak = (torch.cuda.max_memory_allocated() - before + held) / 2**30
+            peak = (torch.cuda.max_memory_allocated() - before + kept + held) / 2**30
             for t in (x, *layer.parameters()):
                 t.grad = None
             rows.append(dict(name=name, mode=mode, gather=gather, fwd=fwd, step=step, grads=[x, *layer.parameters()],
                              peak=peak, syncs=syncs, fwd_ms=[], step_ms=[]))
-    # Every row is timed once a round, the rows in a rotated order each round, so that a drift of the GPU's clocks
-    # or of the host over the run falls on every row alike and ratios are taken between rows timed close together.
+    # Every row is timed once a round; round r starts r / rounds of the way down the rows, so that each row takes
+    # early and late places over the run and a drift of the GPU's clocks or of the host falls on the rows alike,
+    # and the ratio to the baseline is taken within each round.
     for r in range(args.rounds):
-        for row in rows[r % len(rows):] + rows[: r % len(rows)]:
+        start = r * len(rows) // args.rounds
+        for row in rows[start:] + rows[:start]:
             grouped_gemm_module._GATHER_KERNEL = row["gather"]  # eager rows read it at every op call
             # warmup and rep are milliseconds: ~45 timed steps of 4.4 ms (rep=40 gave ~8).
             row["fwd_ms"].append(do_bench(row["fwd"], warmup=25, rep=200, return_mode="median"))
             row["step_ms"].append(do_bench(row["step"], warmup=25, rep=200, return_mode="median",
                                            grad_to_none=row["grads"]))
+            for t in row["grads"]:  # do_bench leaves the last step's gradients: every row's would add up
+                t.grad = None
     base = {row["mode"]: row for row in rows if row["name"].startswith("transformers")}
     for row in rows:
         step_ms = statistics.median(row["step_ms"])

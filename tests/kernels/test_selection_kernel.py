@@ -48,10 +48,10 @@ def assert_same(scores, gids, quotas, max_rows, uniform=None, gid_dtype=torch.in
     for mode in ("top", "sample"):
         want = select_within_quota_reference(*t, max_rows, mode, u)
         # The Triton path sorting the group ids itself, and given their order (as the MoE layer gives it).
-        # max_group_size: the per-group register sort of "sample" (any bound >= every group's size), tight, and
-        # loose as the layers give it (their token count), so that a group is sorted in a block far below the
-        # bound's (the kernel sorts each group in the smallest of several blocks that holds it). ends: the plan
-        # reads the groups' starts and sizes instead of searching for them.
+        # max_group_size: the per-group register sort of "sample" (any bound >= every group's size): the pair
+        # count, and a looser one as the layers give it (their token count, far above a group's size), so that a
+        # group is sorted in a block below the bound's (the kernel sorts each group in the smallest of several
+        # blocks that holds it). ends: the plan reads the groups' starts and sizes instead of searching for them.
         bound = max(len(scores), 1)
         paths = ((None, None, None), (order, None, None), (order, bound, None), (None, None, ends),
                  (order, 8 * bound + 5, ends))
