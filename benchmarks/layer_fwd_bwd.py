@@ -284,8 +284,8 @@ def main() -> None:
             syncs = count_syncs(step) if mode != "compiled-cg" else -1
             # Peak memory of one step from no gradients (as do_bench's grad_to_none leaves them), before do_bench
             # allocates its L2-flush buffer, as if the row ran alone (the rows built before it stay allocated): the
-            # step's rise, plus what the layer holds (held) and what this mode keeps allocated between steps (kept;
-            # a CUDA-graph row's pool is reserved, not allocated, and counts in neither, as before the rounds).
+            # step's rise, plus what the layer holds (held) and what this mode keeps allocated between steps (kept).
+            # Memory a CUDA-graph row's pool reserves beyond what is allocated in it counts in neither, as before.
             for t in (x, *layer.parameters()):
                 t.grad = None
             torch.cuda.synchronize()
@@ -356,6 +356,7 @@ def _row_steps(layer: nn.Module, x: torch.Tensor, grad_out: torch.Tensor, mode: 
         fn(x).backward(grad_out)
 
     return fwd, step
+
 
 if __name__ == "__main__":
     main()
