@@ -258,6 +258,8 @@ def selective_swiglu_experts(
         if stats_probe.shape[0] != N_BACKWARD_STATS:
             raise ValueError(f"stats_probe must have shape [{N_BACKWARD_STATS}] (one slot per backward statistic), "
                              f"got {tuple(stats_probe.shape)}")
+        if not stats_probe.requires_grad:  # its .grad would stay None: no statistics, silently
+            raise ValueError("stats_probe must require grad: the backward adds its statistics to stats_probe.grad")
     check_retain(retain, min_retain)
     check_choice("metric", metric, METRICS)
     check_choice("selection", selection, MODES)

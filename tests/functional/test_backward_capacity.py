@@ -171,6 +171,9 @@ def test_selective_swiglu_experts_checks_the_probe_and_devices():
     x, w_gu, w_d, ids, gates = _problem(8, 16, 12, 6, 2, 0.0, seed=0)
     with pytest.raises(ValueError, match="stats_probe"):
         selective_swiglu_experts(x, w_gu, w_d, ids, gates, retain=0.5, stats_probe=torch.zeros(2, requires_grad=True))
+    # A probe that does not require grad would get no .grad: no statistics, and nothing said.
+    with pytest.raises(ValueError, match="stats_probe must require grad"):
+        selective_swiglu_experts(x, w_gu, w_d, ids, gates, retain=0.5, stats_probe=torch.zeros(3))
     with pytest.raises(ValueError, match="down_EDF on meta"):
         selective_swiglu_experts(x, w_gu, w_d.to("meta"), ids, gates, retain=0.5)
 

@@ -53,7 +53,7 @@ def test_group_ends_change_nothing_and_wrong_ones_are_refused_on_cpu(mode):
         assert all(torch.equal(a, b) for a, b in zip(got, want))
     wrong = ends.clone()
     wrong[0] += 1  # one member moved to the next group
-    with pytest.raises(ValueError, match="group_ends must be the cumulative group sizes"):
+    with pytest.raises(ValueError, match=r"group_ends \(select_within_quota's group_ends_G\) must be the cumulative"):
         select_within_quota(scores, gids, quotas, 9, mode, uniform, order, None, wrong)
     with pytest.raises(ValueError, match="group_ends_G must have the shape of quotas_G"):
         select_fn(scores, gids, quotas, max_rows=9, mode=mode, uniform_G=uniform, group_ends_G=ends[:-1])
