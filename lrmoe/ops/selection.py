@@ -124,9 +124,8 @@ def select_within_quota_reference(
     if group_ends_G is not None and group_ends_G.device.type == "cpu":
         want_G = starts_G + sizes_G
         if group_ends_G.shape != want_G.shape or not torch.equal(group_ends_G.long(), want_G):
-            raise ValueError(f"lrmoe::select_within_quota: group_ends (select_within_quota's group_ends_G) must be "
-                             f"the cumulative group sizes {want_G.tolist()}, "
-                             f"got {group_ends_G.tolist()}")  # CPU tensors: no device sync
+            raise ValueError(f"lrmoe::select_within_quota: group_ends (select_within_quota's group_ends_G) must be the "
+                             f"cumulative group sizes {want_G.tolist()}, got {group_ends_G.tolist()}")  # CPU: no sync
     order_P = argsort_ids(gid_P) if group_order_P is None else group_order_P  # by group, then pair id
     g_P = gid_P[order_P]
 
