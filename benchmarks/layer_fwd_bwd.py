@@ -273,10 +273,8 @@ def main() -> None:
         x.requires_grad_()
         grad_out = torch.randn(T, d, device="cuda", dtype=torch.bfloat16)  # the same for every layer (seeded above)
         held = torch.cuda.memory_allocated() - others  # this layer's parameters and buffers, its input, the gradient
+        grads = [x, *layer.parameters()]  # no .grad before a mode's first step (cleared after each mode's peak)
         for mode in args.modes:
-            for t in (x, *layer.parameters()):
-                t.grad = None
-            torch.cuda.synchronize()
             before_mode = torch.cuda.memory_allocated()
             fwd, step = _row_steps(layer, x, grad_out, mode, fullgraph=name.startswith("lrmoe"))
             step()
@@ -286,7 +284,7 @@ def main() -> None:
             # allocates its L2-flush buffer, as if the row ran alone (the rows built before it stay allocated): the
             # step's rise, plus what the layer holds (held) and what this mode keeps allocated between steps (kept).
             # Memory a CUDA-graph row's pool reserves beyond what is allocated in it counts in neither, as before.
-            for t in (x, *layer.parameters()):
+            for t in grads:
                 t.grad = None
             torch.cuda.synchronize()
             before = torch.cuda.memory_allocated()
@@ -295,10 +293,10 @@ def main() -> None:
             step()
             torch.cuda.synchronize()
             peak = (torch.cuda.max_memory_allocated() - before + kept + held) / 2**30
-            for t in (x, *layer.parameters()):
+            for t in grads:
                 t.grad = None
-            rows.append(dict(name=name, mode=mode, gather=gather, fwd=fwd, step=step, grads=[x, *layer.parameters()],
-                             peak=peak, syncs=syncs, fwd_ms=[], step_ms=[]))
+            rows.append(dict(name=name, mode=mode, gather=gather, fwd=fwd, step=step, grads=grads, peak=peak,
+                             syncs=syncs, fwd_ms=[], step_ms=[]))
     # Every row is timed once a round; round r starts r / rounds of the way down the rows, so that each row takes
     # early and late places over the run and a drift of the GPU's clocks or of the host falls on the rows alike,
     # and the ratio to the baseline is taken within each round.
