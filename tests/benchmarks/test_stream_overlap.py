@@ -1,0 +1,39 @@
+"""benchmarks/stream_overlap.py's problem (the part that needs no GPU): each expert keeps round(retain * load) of its
+pairs, and the buffer's rows, their tokens and the per-token slots agree with each other."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+@pytest.fixture(scope="module")
+def script():
+    spec = importlib.util.spec_from_file_location("bench_stream_overlap", BENCHMARKS / "stream_overlap.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.SHAPES["tiny"] = (64, 8, 2, 16, 8)  # T, E, K, d, f
+    return module
+
+
+@pytest.mark.parametrize("retain", [1.0, 0.75, 0.5])
+def test_problem_rows(script, retain):
+    p = script.make_problem("tiny", retain, device="cpu")
+    n_tok, n_exp, top_k, dim, ffn = script.SHAPES["tiny"]
+    slot_TK = p["slot_TK"]
+    kept = slot_TK[slot_TK >= 0]
+    assert torch.equal(kept.sort().values, torch.arange(p["rows"]))  # every buffer row holds one pair
+    tokens = torch.arange(n_tok).unsqueeze(1).expand(n_tok, top_k)[slot_TK >= 0]
+    assert torch.equal(p["tok_R"][kept], tokens)  # row s is a pair of token tok_R[s]
+    sizes = torch.diff(p["offsets_E"].long(), prepend=torch.zeros(1, dtype=torch.long))
+    assert torch.equal(sizes, torch.round(retain * p["loads_E"].double()).long())
+    assert int(p["loads_E"].sum()) == n_tok * top_k and p["dh_RF2"].shape == (p["rows"], 2 * ffn)
+    if retain == 1.0:
+        assert p["rows"] == n_tok * top_k
+    else:
+        assert 0 < p["rows"] < n_tok * top_k
