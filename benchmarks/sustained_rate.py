@@ -9,8 +9,9 @@ idles the GPU for --idle seconds, then runs the GEMM back to back for --seconds,
 events, and prints the TFLOP/s of the fastest batch in the first 0.2 s (burst: the clocks ramp up from idle first), the
 median batch of each --window of GPU time, and the last window over the burst.
 Problems: the dense 8192³ matmul, and torch._grouped_mm at the Qwen3-30B-A3B gate/up shape (65,536 rows, 128
-experts, 2048 → 1536) on equal groups and on a random router's groups (512 ± ~22 rows). Run nvidia-smi beside it to
-see the clocks and the power (devscripts do). Importable on a CPU machine; main() needs CUDA.
+experts, 2048 → 1536) on equal groups and on a random router's groups (512 ± ~22 rows). To see the clocks and the
+power, run ``nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,clocks_event_reasons.active --format=csv -lms 100``
+beside it. Importable on a CPU machine; main() needs CUDA.
 """
 
 from __future__ import annotations
