@@ -128,20 +128,22 @@ def timeline_stats(intervals: list[tuple[float, float, str]]) -> tuple[float, fl
         if end >= cur_end:
             cur_end, cur_name = end, name
     busy += cur_end - cur_start
-    return intervals[-1][1] - intervals[0][0], busy, gaps
+    return cur_end - intervals[0][0], busy, gaps  # the latest end: the last kernel to start may end earlier
 
 
 def print_timeline(prof, steps: int) -> None:
     """The GPU's timeline over the profiled steps, launched back to back: span and busy time per step, the idle time
-    between kernels (the GPU waiting for the host's launches), and the largest gaps. The profiler slows the host,
-    so compare the span with the unprofiled wall time printed first: on the H200 (twenty-fourth session) a step
-    at retain 1 was 4.417 ms wall against 4.383 ms of kernels."""
+    between kernels (the GPU waiting for the host's launches, and for the profiler's own buffer requests, which are
+    printed apart), and the largest gaps. The profiler slows the host, so compare the span with the unprofiled wall
+    time printed first: on the H200 (twenty-fourth session) a step at retain 1 was 4.417 ms wall against 4.383 ms of
+    kernels."""
     import json
     import tempfile
 
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         prof.export_chrome_trace(f.name)
-        trace = json.load(open(f.name))
+        with open(f.name) as trace_file:
+            trace = json.load(trace_file)
     intervals = kernel_intervals(trace)
     if not intervals:
         print("# timeline: no GPU events in the trace")

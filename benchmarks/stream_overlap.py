@@ -55,7 +55,8 @@ def make_problem(shape: str, retain: float, device: str = "cuda") -> dict:
         x_TD=rand(n_tok, dim), gate_up_EFD=rand(n_exp, 2 * ffn, dim, scale=dim**-0.5),
         dy_RD=rand(n_rows, dim), phi_RF=rand(n_rows, ffn), dh_RF2=rand(n_rows, 2 * ffn),
         tok_R=(pair_R // top_k).to(device), offsets_E=keep_E.cumsum(0).int().to(device),
-        slot_TK=slot_P.view(n_tok, top_k).to(device), rows=n_rows, loads_E=loads_E,
+        slot_TK=slot_P.view(n_tok, top_k).to(device), rows=n_rows, loads_E=loads_E, ids_TK=ids_TK,
+        pair_R=pair_R,
         flop=2 * n_rows * (dim * ffn + 2 * ffn * dim + 2 * ffn * dim),
     )
 
@@ -87,9 +88,12 @@ def run_variant(fns: dict, lanes: list[list[str]], side: list[torch.cuda.Stream]
         stream.wait_event(fork)
         with torch.cuda.stream(stream):
             out.update({n: fns[n]() for n in names})
+    side_outputs = list(out.values())
     out.update({n: fns[n]() for n in lanes[0]})
     for stream in side[: len(lanes) - 1]:
         main.wait_stream(stream)
+    for t in side_outputs:  # allocated on a side stream, used and freed on the caller's: tell the allocator
+        t.record_stream(main)
     return out
 
 

@@ -17,6 +17,7 @@ beside it. Importable on a CPU machine; main() needs CUDA.
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 
 import torch
@@ -40,7 +41,7 @@ def problems(device: str = "cuda") -> dict:
     }
 
 
-def sustained(fn, flop: int, seconds: float, batch: int) -> list[tuple[float, float]]:
+def sustained(fn, seconds: float, batch: int) -> list[tuple[float, float]]:
     """(GPU ms, ms per call) of consecutive batches of ``batch`` calls, back to back for about ``seconds``."""
     events = []
     wall_end = time.perf_counter() + seconds
@@ -52,7 +53,7 @@ def sustained(fn, flop: int, seconds: float, batch: int) -> list[tuple[float, fl
         end.record()
         events.append((start, end))
         if len(events) % 8 == 0:
-            events[-8][1].synchronize()  # keep the host at most 8 batches ahead, so the wall time bounds the GPU's
+            events[-8][1].synchronize()  # keep the host at most 16 batches ahead, so the wall time bounds the GPU's
     torch.cuda.synchronize()
     out, clock = [], 0.0
     for start, end in events:
@@ -63,15 +64,15 @@ def sustained(fn, flop: int, seconds: float, batch: int) -> list[tuple[float, fl
 
 
 def window_medians(batches: list[tuple[float, float]], window_ms: float) -> list[float]:
-    """The median ms per call of the batches in each window of ``window_ms`` of GPU time (a batch belongs to the
-    window its end falls in; a last, partial window is dropped)."""
-    medians, edge, acc = [], window_ms, []
+    """The median ms per call of the batches in each window [i * window_ms, (i + 1) * window_ms) of GPU time, in
+    window order: a batch belongs to the window its end falls in; windows without a batch are skipped, and the
+    window of the last batch is dropped (the run ended inside it)."""
+    windows: dict[int, list[float]] = {}
     for clock, ms in batches:
-        acc.append(ms)
-        if clock >= edge:
-            medians.append(sorted(acc)[len(acc) // 2])
-            acc, edge = [], edge + window_ms
-    return medians
+        windows.setdefault(int(clock // window_ms), []).append(ms)
+    if batches:
+        del windows[int(batches[-1][0] // window_ms)]
+    return [statistics.median(windows[i]) for i in sorted(windows)]
 
 
 def main() -> None:
@@ -90,9 +91,10 @@ def main() -> None:
             fn()
         torch.cuda.synchronize()
         time.sleep(args.idle)
-        batches = sustained(fn, flop, args.seconds, args.batch)
+        batches = sustained(fn, args.seconds, args.batch)
         rate = [flop / ms / 1e9 for ms in window_medians(batches, args.window * 1e3)]
-        burst = max(flop / ms / 1e9 for clock, ms in batches if clock <= 200)  # clocks ramp up from idle
+        # clocks ramp up from idle: the fastest batch ending in the first 0.2 s (or the first batch)
+        burst = max(flop / ms / 1e9 for clock, ms in batches if clock <= 200 or clock == batches[0][0])
         print(f"{name}: burst (the fastest batch of {args.batch} calls in the first 0.2 s) {burst:.0f}; windows "
               + " ".join(f"{r:.0f}" for r in rate) + f"; last / burst {rate[-1] / burst:.3f}")
 

@@ -28,6 +28,7 @@ def script():
     ([(0, 10, "a"), (12, 20, "b"), (25, 30, "c")], 30, 23, [(2, "a", "b"), (5, "b", "c")]),
     # two streams: b runs inside a, c starts before a ends; the one gap is after the later-ending kernel
     ([(0, 10, "a"), (2, 4, "b"), (8, 15, "c"), (18, 20, "d")], 20, 17, [(3, "c", "d")]),
+    ([(0, 10, "a"), (2, 4, "b")], 10, 10, []),  # the last kernel to start ends first: the span ends with a
     ([(0, 10, "a"), (10, 12, "b")], 12, 12, []),  # touching: no gap
     ([(5, 9, "a")], 4, 4, []),
 ])

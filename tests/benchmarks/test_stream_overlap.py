@@ -33,7 +33,19 @@ def test_problem_rows(script, retain):
     sizes = torch.diff(p["offsets_E"].long(), prepend=torch.zeros(1, dtype=torch.long))
     assert torch.equal(sizes, torch.round(retain * p["loads_E"].double()).long())
     assert int(p["loads_E"].sum()) == n_tok * top_k and p["dh_RF2"].shape == (p["rows"], 2 * ffn)
+    # the rows of group e are pairs routed to expert e, in expert order
+    experts_R = p["ids_TK"].flatten()[p["pair_R"]]
+    assert torch.equal(experts_R, torch.repeat_interleave(torch.arange(n_exp), sizes))
     if retain == 1.0:
         assert p["rows"] == n_tok * top_k
     else:
         assert 0 < p["rows"] < n_tok * top_k
+
+
+def test_every_variant_runs_each_op_once(script):
+    p = script.make_problem("tiny", 0.5, device="cpu")
+    ops = set(script.ops(p))
+    for name, lanes in script.VARIANTS.items():
+        names = [n for lane in lanes for n in lane]
+        assert sorted(names) == sorted(ops), name
+        assert len(lanes) - 1 <= 2, name  # main() makes two side streams
