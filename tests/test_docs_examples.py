@@ -4,7 +4,9 @@ renamed or removed argument fails here, not in a user's hands); and the self-con
 results checked: README's composition of the primitives, and docs/memory.md's planner.
 
 A doc's blocks build on each other (a later block may use what an earlier one imported), so a call is checked
-against the names every block of the same file imports. Calls inside comments are not checked.
+against the names every block of the same file imports, unless a block of that file also defines the name itself.
+Not checked: calls inside comments, calls through an attribute (``lrmoe.nn.LRMoE(...)``, ``moe.stats()``), and the
+keywords of a function that takes ``**options`` (``swap_experts``): any keyword binds there.
 """
 
 from __future__ import annotations
@@ -29,16 +31,32 @@ def python_blocks(path: Path) -> list[str]:
 
 
 def lrmoe_imports(codes: list[str]) -> dict[str, object]:
-    """name -> object for every ``from lrmoe... import name`` in the blocks (asserting that it exists)."""
-    names = {}
+    """name -> object for every ``from lrmoe... import name`` in the blocks (asserting that it exists), less the
+    names a block defines itself (def, class, assignment)."""
+    names, defined = {}, set()
     for code in codes:
         for node in ast.walk(ast.parse(code)):
-            if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "lrmoe":
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+                defined.add(node.name)
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                defined.add(node.id)
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "lrmoe":
                 module = importlib.import_module(node.module)
                 for alias in node.names:
+                    if alias.name == "*":
+                        names.update({k: getattr(module, k) for k in getattr(module, "__all__", [])})
+                        continue
+                    if not hasattr(module, alias.name):  # a submodule not imported yet
+                        importlib.import_module(f"{node.module}.{alias.name}")
                     assert hasattr(module, alias.name), f"{node.module} has no {alias.name}"
                     names[alias.asname or alias.name] = getattr(module, alias.name)
-    return names
+    return {k: v for k, v in names.items() if k not in defined}
+
+
+def signature(obj) -> inspect.Signature:
+    """The signature a call of ``obj`` binds to: a torch.library custom op's is its Python function's (the op object
+    itself shows (*args, **kwargs))."""
+    return inspect.signature(getattr(obj, "_init_fn", obj))
 
 
 def unbound_calls(code: str, names: dict[str, object]) -> tuple[int, list[str]]:
@@ -50,8 +68,8 @@ def unbound_calls(code: str, names: dict[str, object]) -> tuple[int, list[str]]:
         if any(isinstance(a, ast.Starred) for a in node.args) or any(k.arg is None for k in node.keywords):
             continue  # *args / **kwargs: what they hold is not in the text
         try:
-            inspect.signature(names[node.func.id]).bind(*node.args, **{k.arg: k.value for k in node.keywords})
-        except TypeError as e:
+            signature(names[node.func.id]).bind(*node.args, **{k.arg: k.value for k in node.keywords})
+        except (TypeError, ValueError) as e:  # ValueError: no signature to read
             bad.append(f"line {node.lineno}: {ast.unparse(node)[:80]}: {e}")
         checked += 1
     return checked, bad
@@ -69,9 +87,9 @@ def test_the_docs_have_examples():
 def test_examples_parse_and_their_lrmoe_calls_bind(doc):
     codes = DOC_BLOCKS[doc]
     names = lrmoe_imports(codes)
-    assert names, f"{doc}: no block imports from lrmoe"
     results = [unbound_calls(code, names) for code in codes]
-    assert sum(checked for checked, _ in results) > 0, f"{doc}: no lrmoe call checked"
+    if doc == "README.md":
+        assert sum(checked for checked, _ in results) >= 5, "README: its examples' lrmoe calls were not found"
     bad = [f"block {i}, {msg}" for i, (_, msgs) in enumerate(results, 1) for msg in msgs]
     assert not bad, f"{doc}: calls that no longer match the library:\n" + "\n".join(bad)
 
@@ -81,6 +99,15 @@ def test_the_signature_check_catches_a_renamed_argument():
     assert unbound_calls("plan_quotas(loads_E, retain=0.75)", names) == (1, [])
     checked, bad = unbound_calls("plan_quotas(loads_E, retian=0.75)", names)
     assert checked == 1 and len(bad) == 1 and "retian" in bad[0]
+
+
+def test_the_signature_check_reads_custom_ops_and_skips_names_a_doc_defines():
+    ops = lrmoe_imports(["from lrmoe.ops import gather_sum_rows"])
+    assert unbound_calls("gather_sum_rows(src, rows)", ops) == (1, [])
+    checked, bad = unbound_calls("gather_sum_rows(src, rows, w, nonsense=1)", ops)
+    assert checked == 1 and "nonsense" in bad[0]
+    names = lrmoe_imports(["from lrmoe.functional import plan_quotas", "def plan_quotas(x):\n    return x"])
+    assert "plan_quotas" not in names
 
 
 def test_readme_primitives_compute_the_retained_rows_input_gradient():
