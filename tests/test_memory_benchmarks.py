@@ -8,38 +8,25 @@ a real layer on CPU and a fake out-of-memory threshold; the chart script end to 
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+from benchmark_scripts import load_script
 from hypothesis import given
 from hypothesis import strategies as st
 
 from lrmoe.memory import ADAMW_FP32, MemoryConfig, layer_memory
 
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
-
-
-def _load(name: str, monkeypatch):
-    monkeypatch.syspath_prepend(str(BENCHMARKS))  # the scripts import each other, as when run from benchmarks/
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCHMARKS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, spec.name, module)  # dataclasses look their module up while it executes
-    spec.loader.exec_module(module)
-    return module
-
 
 @pytest.fixture
 def batch(monkeypatch):
-    return _load("memory_batch", monkeypatch)
+    return load_script("memory_batch", monkeypatch)
 
 
 @pytest.fixture
 def breakdown(monkeypatch):
-    return _load("memory_breakdown", monkeypatch)
+    return load_script("memory_breakdown", monkeypatch)
 
 
 # ---------------------------------------------------------------------------------------------- bisection
@@ -78,7 +65,7 @@ def _load_batch_only():
     global _BATCH
     if _BATCH is None:
         with pytest.MonkeyPatch.context() as mp:
-            _BATCH = _load("memory_batch", mp)
+            _BATCH = load_script("memory_batch", mp)
     return _BATCH
 
 
@@ -241,7 +228,7 @@ def test_breakdown_script_writes_a_png_on_cpu(breakdown, capsys, tmp_path):
 
 
 def test_memory_planner_plans_the_largest_retain_whose_bytes_fit_and_rejects_the_next(monkeypatch, capsys):
-    planner = _load("memory_planner", monkeypatch)
+    planner = load_script("memory_planner", monkeypatch)
     budgets, margin, tokens = [7.0, 7.25, 7.5], 0.02, 4096  # the experts alone (weights, grads, AdamW) ~6.9 GiB
     rows = planner.main(["--device", "cpu", "--tokens", str(tokens), "--margin", str(margin),
                          "--budgets-gib", *map(str, budgets)])

@@ -6,7 +6,6 @@ what the table and JSON say, so a GPU session only has to change the launch line
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
@@ -16,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from benchmark_scripts import load_script
 
 ROOT = Path(__file__).resolve().parents[2]
 BENCHMARKS = ROOT / "benchmarks"
@@ -188,17 +188,8 @@ def test_ep_train_reports_time_to_target(ep_train):
     assert len(rows) == 2 and rows[0].startswith("dense") and rows[1].startswith("lrmoe r=0.5")
 
 
-def _load(name: str, monkeypatch):
-    monkeypatch.syspath_prepend(str(BENCHMARKS))  # the scripts import each other, as when run from benchmarks/
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCHMARKS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, spec.name, module)  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_ep_layer_configurations_per_plan_location(monkeypatch):
-    configurations = _load("ep_layer", monkeypatch).configurations
+    configurations = load_script("ep_layer", monkeypatch).configurations
     one = configurations([0.5], 2, 1.25)
     assert [c.name for c in one] == ["dense R=0", "lrmoe r=0.5 R=0 c=1.25", "dense R=2", "lrmoe r=0.5 R=2 c=1.25"]
     assert {c.plan_on for c in one} == {"host"}  # ExpertParallel's default
@@ -214,7 +205,7 @@ def test_ep_layer_configurations_per_plan_location(monkeypatch):
 def test_ep_layer_rank_skew_raises_only_rank_zeros_experts(monkeypatch):
     from lrmoe.nn import LRMoE
 
-    skew_router = _load("ep_layer", monkeypatch).skew_router
+    skew_router = load_script("ep_layer", monkeypatch).skew_router
     logits = []
     for rank_skew in (0.0, 2.0):
         torch.manual_seed(0)
@@ -241,7 +232,7 @@ def test_ep_train_compiled_trains_like_eager(ep_train, ep_train_compiled):
 
 
 def test_ep_train_settle_marks_unreached_runs(monkeypatch):
-    settle = _load("ep_train", monkeypatch).settle
+    settle = load_script("ep_train", monkeypatch).settle
     run = {"history": [{"step": 0, "train_s": 0.0, "moe_s": 0.0, "loss": 5.0},
                        {"step": 4, "train_s": 1.0, "moe_s": 0.5, "loss": 4.0},
                        {"step": 8, "train_s": 2.0, "moe_s": 1.0, "loss": 3.5}]}
@@ -258,7 +249,7 @@ def test_ep_layer_split_ignores_gpu_copies_of_the_step_ranges(monkeypatch):
 
     from torch.autograd import DeviceType
 
-    bench = _load("ep_layer", monkeypatch)
+    bench = load_script("ep_layer", monkeypatch)
 
     def event(name, start, end, device_us=0.0, device=DeviceType.CPU):
         return SimpleNamespace(name=name, time_range=SimpleNamespace(start=start, end=end), thread=0,

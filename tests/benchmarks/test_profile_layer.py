@@ -3,25 +3,13 @@ on intervals whose answer is worked out by hand, and the kernels it takes from a
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
-
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+from benchmark_scripts import load_script_once
 
 
 @pytest.fixture(scope="module")
 def script():
-    sys.path.insert(0, str(BENCHMARKS))  # it imports layer_fwd_bwd
-    try:
-        spec = importlib.util.spec_from_file_location("bench_profile_layer", BENCHMARKS / "profile_layer.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(str(BENCHMARKS))
-    return module
+    return load_script_once("profile_layer")
 
 
 @pytest.mark.parametrize("intervals, span, busy, gaps", [

@@ -3,20 +3,14 @@ pairs, and the buffer's rows, their tokens and the per-token slots agree with ea
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
-
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+from benchmark_scripts import load_script_once
 
 
 @pytest.fixture(scope="module")
 def script():
-    spec = importlib.util.spec_from_file_location("bench_stream_overlap", BENCHMARKS / "stream_overlap.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_script_once("stream_overlap")
     module.SHAPES["tiny"] = (64, 8, 2, 16, 8)  # T, E, K, d, f
     return module
 

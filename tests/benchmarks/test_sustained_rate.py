@@ -2,20 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
-
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+from benchmark_scripts import load_script_once
 
 
 @pytest.fixture(scope="module")
 def script():
-    spec = importlib.util.spec_from_file_location("bench_sustained_rate", BENCHMARKS / "sustained_rate.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script_once("sustained_rate")
 
 
 @pytest.mark.parametrize("batches, window, medians", [
