@@ -349,8 +349,10 @@ def _row_steps(layer: nn.Module, x: torch.Tensor, grad_out: torch.Tensor, mode: 
             torch.compiler.cudagraph_mark_step_begin()
             for t in (x, *layer.parameters()):
                 t.grad = None
-            if hasattr(layer, "reset_stats"):  # LRMoE's statistics accumulate in a probe's .grad
-                layer.reset_stats()
+        # LRMoE's statistics accumulate in a probe's .grad, in every mode: the layer's CUDA-graph row leaves a graph
+        # output there, which another row's graphs may overwrite before this row's next step adds to it
+        if hasattr(layer, "reset_stats"):
+            layer.reset_stats()
         fn(x).backward(grad_out)
 
     return fwd, step
