@@ -17,9 +17,10 @@ synchronisation):
 Rows: per-expert loads from a router with random logits (T tokens each pick top_k distinct experts), each expert
 keeping its first round(retain * load) pairs, as a balanced plan keeps. Each variant's results must equal the
 one-stream results exactly (same kernels, same inputs) before it is timed.
-Times: "graph", each variant captured in a CUDA graph and replayed (GPU time; the graph keeps the streams' fork and
-join), and "eager", the ops launched from Python (events around each call); medians over the replays, then the
-median over --rounds rounds that time the variants in turn. Importable on a CPU machine; main() needs CUDA.
+Times: "graph", each variant captured in a CUDA graph and replayed (scoring_bandwidth.graph_ms: GPU time; the graph
+keeps the streams' fork and join), and "eager", the ops launched from Python (events around each call); medians over
+the replays, then the median over --rounds rounds that time the variants in turn. Importable on a CPU machine;
+main() needs CUDA.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import argparse
 import statistics
 
 import torch
+from scoring_bandwidth import graph_ms
 
 from lrmoe.ops import gather_grouped_mm, gather_sum_rows, grouped_outer
 
@@ -97,19 +99,6 @@ def run_variant(fns: dict, lanes: list[list[str]], side: list[torch.cuda.Stream]
     return out
 
 
-def graph_ms(fn, replays: int = 20) -> float:
-    warm = torch.cuda.Stream()
-    warm.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(warm):
-        fn()
-    torch.cuda.current_stream().wait_stream(warm)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(3):
-            fn()
-    return 1 / 3 * events_ms(graph.replay, replays)
-
-
 def events_ms(fn, reps: int = 20) -> float:
     fn()
     times = []
@@ -152,7 +141,7 @@ def main() -> None:
             names = names[r % len(names):] + names[: r % len(names)]
             for name in names:
                 call = lambda lanes=VARIANTS[name]: run_variant(fns, lanes, side)  # noqa: E731
-                times[name][0].append(graph_ms(call))
+                times[name][0].append(graph_ms(call, [()]))
                 times[name][1].append(events_ms(call))
         base = statistics.median(times["one stream"][0])
         for name, (graph, eager) in times.items():

@@ -93,6 +93,8 @@ def main() -> None:
         time.sleep(args.idle)
         batches = sustained(fn, args.seconds, args.batch)
         rate = [flop / ms / 1e9 for ms in window_medians(batches, args.window * 1e3)]
+        if not rate:
+            raise SystemExit(f"--seconds {args.seconds} gave no whole --window {args.window} of GPU time")
         # clocks ramp up from idle: the fastest batch ending in the first 0.2 s (or the first batch)
         burst = max(flop / ms / 1e9 for clock, ms in batches if clock <= 200 or clock == batches[0][0])
         print(f"{name}: burst (the fastest batch of {args.batch} calls in the first 0.2 s) {burst:.0f}; windows "
