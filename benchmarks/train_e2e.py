@@ -398,6 +398,9 @@ def free(device):
 
 def run_variant(name, spec, c, data, args, device, shared, seeds):
     """Warm up (compile, autotune) on a throwaway model, then train each seed; failures are recorded, not raised."""
+    if time.perf_counter() - _START + 60 > args.deadline:
+        log(f"{name}: skipped (deadline)")
+        return {str(seed): dict(error="skipped: --deadline") for seed in seeds}
     results = {}
     try:
         t0 = time.perf_counter()
@@ -406,7 +409,8 @@ def run_variant(name, spec, c, data, args, device, shared, seeds):
             # anything in this process (see `imports`); training and evaluation use this shape only.
             layer = make_moe("sonic", c, device).to(device, torch.bfloat16)
             x = torch.randn(c["batch"], c["seq"], c["dim"], device=device, dtype=torch.bfloat16, requires_grad=True)
-            layer(x)[0].sum().backward()
+            out = layer(x)[0]
+            out.backward(torch.randn_like(out))  # not .sum(): SonicMoE's GEMMs reject its stride-0 gradient
             del layer, x
             log(f"{name}: SonicMoE first call {time.perf_counter() - t0:.1f} s")
         fns = compile_fns(spec["variant"], args.compile, shared)
@@ -778,7 +782,8 @@ def scenario_main(args):
             for v in ("lrmoe-0.75", "transformers"):
                 layer = make_moe(v.split("-")[0], shape, device, retain_of(v)).to(device, torch.bfloat16)
                 x = torch.randn(2, 4096, shape["dim"], device=device, dtype=torch.bfloat16, requires_grad=True)
-                torch.compile(layer, dynamic=False)(x).sum().backward()
+                out = torch.compile(layer, dynamic=False)(x)
+                out.backward(torch.randn_like(out))
             torch.cuda.synchronize()
         log(f"{step}: {time.perf_counter() - t0:.1f} s")
     changed = {k: v for k, v in os.environ.items() if env0.get(k) != v}
@@ -786,35 +791,34 @@ def scenario_main(args):
     t0 = time.perf_counter()
     sonic = make_moe("sonic", shape, device).to(device, torch.bfloat16)
     x = torch.randn(2, 4096, shape["dim"], device=device, dtype=torch.bfloat16, requires_grad=True)
-    sonic(x)[0].sum().backward()
+    out = sonic(x)[0]
+    out.backward(torch.randn_like(out))  # not .sum(): SonicMoE's GEMMs reject its stride-0 gradient
     torch.cuda.synchronize()
     print(f"SONIC_FIRST_CALL_S {time.perf_counter() - t0:.1f}", flush=True)
 
 
 def imports_main(args):
-    """Every SCENARIOS entry in a subprocess of its own (concurrently), each with fresh quack caches, under a
-    timeout; prints each one's first-call time or its stack dump."""
+    """Every SCENARIOS entry in a subprocess of its own, one after another, under a timeout; prints each one's
+    first-call time or its stack dump. The first scenario runs with an empty quack cache (SonicMoE's autotuner
+    then compiles every config, in worker processes of its own); the others share the cache it filled, unless
+    --cold-each gives each an empty one."""
     import tempfile
 
-    procs = {}
-    for name in args.scenarios:
-        cache = tempfile.mkdtemp(prefix="quack_")
+    lines, shared_cache = ["| import order | quack cache | exit | wall s | SonicMoE first fwd+bwd s |",
+                           "| --- | --- | --- | --- | --- |"], tempfile.mkdtemp(prefix="quack_")
+    for i, name in enumerate(args.scenarios):
+        cold = i == 0 or args.cold_each
+        cache = tempfile.mkdtemp(prefix="quack_") if args.cold_each and i else shared_cache
         env = dict(os.environ, QUACK_CACHE_DIR=cache, QUACK_HOME=cache, PYTHONUNBUFFERED="1")
-        log_path = Path(tempfile.mkdtemp()) / "log"
-        cmd = ["timeout", str(args.limit + 20), sys.executable, __file__, "_scenario", name, "--limit",
-               str(args.limit)]
-        procs[name] = (subprocess.Popen(cmd, env=env, stdout=log_path.open("w"), stderr=subprocess.STDOUT),
-                       log_path, time.perf_counter())
-        if not args.parallel:
-            procs[name][0].wait()
-    lines = ["| import order | exit | wall s | SonicMoE first fwd+bwd s |", "| --- | --- | --- | --- |"]
-    for name, (proc, log_path, t0) in procs.items():
-        rc = proc.wait()
-        wall = time.perf_counter() - t0
-        text = log_path.read_text()
+        limit = args.cold_limit if cold else args.limit
+        t0 = time.perf_counter()
+        done = subprocess.run(["timeout", str(limit + 20), sys.executable, __file__, "_scenario", name, "--limit",
+                               str(limit)], env=env, capture_output=True, text=True)
+        text = done.stdout + done.stderr
         first = next((ln.split()[-1] for ln in text.splitlines() if ln.startswith("SONIC_FIRST_CALL_S")), "-")
-        lines.append(f"| {name} | {rc} | {wall:.0f} | {first} |")
-        print(f"===== {name} (exit {rc}) =====\n{text[-6000:]}", flush=True)
+        lines.append(f"| {name} | {'empty' if cold else 'filled'} | {done.returncode} | "
+                     f"{time.perf_counter() - t0:.0f} | {first} |")
+        print(f"===== {name} (exit {done.returncode}) =====\n{text[-6000:]}", flush=True)
     print("\n".join(lines), flush=True)
 
 
@@ -866,7 +870,8 @@ def main():
     p = sub.add_parser("imports")
     p.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=list(SCENARIOS))
     p.add_argument("--limit", type=int, default=120, help="seconds before a scenario dumps its stack and exits")
-    p.add_argument("--serial", dest="parallel", action="store_false")
+    p.add_argument("--cold-limit", type=int, default=600, help="--limit of a scenario with an empty quack cache")
+    p.add_argument("--cold-each", action="store_true", help="an empty quack cache for every scenario")
     p.set_defaults(func=imports_main)
     p = sub.add_parser("_scenario")
     p.add_argument("name", choices=list(SCENARIOS))
