@@ -9,9 +9,9 @@ q/k RMSNorm, rotary, causal SDPA; RMSNorm; E 128, k 8, f 768 SwiGLU experts; tie
 AdamW (fused, bf16 moments) with clipping, trained on the Python standard library's sources (every 10th file held
 out). Variants share the seed's initial weights (the same values in every layout), its data order and its held-out
 batches; only the MoE layer differs: transformers' Qwen3MoeSparseMoeBlock (grouped_mm experts), LRMoE at retain
-1 / 0.75 / 0.5 (default "sample" selection), SonicMoE (run in a child process that imports neither lrmoe nor
-transformers' model code, see `imports`). Each block's attention half and MoE half are compiled separately (one
-attention graph for all variants; SonicMoE's layer runs as its own kernels, uncompiled). Each (regime, variant,
+1 / 0.75 / 0.5 (default "sample" selection), SonicMoE (run first, see `imports`; `report` merges runs made
+apart). Each block's attention half and MoE half are compiled separately (one attention graph for all variants;
+SonicMoE's layer runs as its own kernels, uncompiled). Each (regime, variant,
 seed) trains for --seconds of wall-clock after a warm-up model has compiled everything; held-out loss is evaluated
 every --eval-every steps (the clock stops during evaluation).
 Regimes: unconstrained (the batch every variant fits); constrained: a per-process memory cap
@@ -451,24 +451,6 @@ def run_variant(name, spec, c, data, args, device, shared, seeds):
     return results
 
 
-def sonic_child(args, out_json: Path):
-    """The SonicMoE variant in a process of its own (the parent imports lrmoe and transformers)."""
-    cmd = [sys.executable, __file__, "train", "--variants", "sonic", "--regimes", "unconstrained", "--json-out",
-           str(out_json), "--deadline", str(args.sonic_seconds_total)]
-    for key in ("preset", "layers", "batch", "seq", "seconds", "eval_every", "eval_batches", "lr", "warmup",
-                "max_steps", "device", "corpus_bytes", "warmup_steps"):
-        value = getattr(args, key)
-        if value is not None:
-            cmd += [f"--{key.replace('_', '-')}", str(value)]
-    cmd += ["--seeds", *map(str, args.seeds)] + ([] if args.compile else ["--no-compile"])
-    log("SonicMoE child:", " ".join(cmd[2:]))
-    try:
-        subprocess.run(cmd, timeout=args.sonic_seconds_total + 30, check=False)
-        return json.loads(out_json.read_text())
-    except Exception as err:  # noqa: BLE001
-        return {"error": f"{type(err).__name__}: {err}"}
-
-
 def train_main(args):
     device = torch.device(args.device)
     c = dict(PRESETS[args.preset])
@@ -479,12 +461,8 @@ def train_main(args):
     results = dict(config=c, args={k: v for k, v in vars(args).items() if k != "func"}, runs={}, plans={},
                    versions=dict(torch=torch.__version__, python=sys.version.split()[0],
                                  gpu=torch.cuda.get_device_name() if device.type == "cuda" else "cpu"))
-    variants = [v for v in args.variants if v != "sonic"]
-    if "sonic" in args.variants and args.variants != ["sonic"] and "unconstrained" in args.regimes:
-        results["runs"]["unconstrained/sonic"] = sonic_child(args, out / "sonic.json").get(
-            "runs", {}).get("unconstrained/sonic", {"error": "child gave no result"})
-    elif args.variants == ["sonic"]:
-        variants = ["sonic"]
+    # SonicMoE first: its autotuner compiles per shape at its first call, before Inductor compiles anything here
+    variants = sorted(dict.fromkeys(args.variants), key=lambda v: v != "sonic")
     train_N, heldout_N = load_corpus(args.corpus_bytes)
     heldout = [windows(heldout_N, starts, c["seq"], device) for starts in
                torch.linspace(0, heldout_N.numel() - c["seq"] - 2, c["batch"] * args.eval_batches).long()
@@ -496,7 +474,7 @@ def train_main(args):
         for v in variants:
             spec = dict(variant=v.split("-")[0], retain=retain_of(v), activations="save", checkpoint=False)
             results["runs"][f"unconstrained/{v}"] = run_variant(v, spec, c, data, args, device, shared, args.seeds)
-    if "constrained" in args.regimes and args.variants != ["sonic"]:
+    if "constrained" in args.regimes and REFERENCE in variants:
         ref = results["runs"].get(f"unconstrained/{REFERENCE}", {})
         peaks = [r["peak_gib"] for r in ref.values() if "peak_gib" in r]
         cap = args.cap_gib * 2**30 if args.cap_gib else (args.cap_fraction * max(peaks) * 2**30 if peaks else None)
@@ -525,8 +503,6 @@ def train_main(args):
                                                                      args.seeds)
             if device.type == "cuda":
                 torch.cuda.set_per_process_memory_fraction(1.0)
-    if args.json_out:
-        Path(args.json_out).write_text(json.dumps(results, default=str))
     write_report(results, out)
 
 
@@ -850,9 +826,7 @@ def main():
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--no-compile", dest="compile", action="store_false")
     p.add_argument("--deadline", type=float, default=1e9, help="seconds from start after which no run starts")
-    p.add_argument("--sonic-seconds-total", type=float, default=150.0, help="limit of the SonicMoE child process")
     p.add_argument("--out", default="runs/e2e")
-    p.add_argument("--json-out")
     p.set_defaults(func=train_main)
     p = sub.add_parser("report")
     p.add_argument("results", nargs="+")
