@@ -37,7 +37,7 @@ def run_dir(tmp_path_factory):
 def test_writes_table_and_plots(run_dir):
     table = (run_dir / "table.md").read_text()
     for name in ("| unconstrained | transformers |", "| unconstrained | lrmoe-0.5 |", "| constrained | transformers+ckpt |",
-                 "| constrained | lrmoe-plan"):
+                 "| constrained | lrmoe-plan", "| constrained | lrmoe (0.5, "):
         assert name in table
     for regime in ("unconstrained", "constrained"):
         assert (run_dir / f"curves_{regime}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -46,7 +46,7 @@ def test_writes_table_and_plots(run_dir):
 def test_every_run_trains_and_evaluates(run_dir):
     results = json.loads((run_dir / "results.json").read_text())
     runs = results["runs"]
-    assert len(runs) == 5
+    assert len(runs) == 6  # 3 unconstrained; constrained: the checkpointed reference, the plan, retain 0.5
     for key, per_seed in runs.items():
         run = per_seed["0"]
         assert "error" not in run, (key, run)
