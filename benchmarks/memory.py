@@ -69,6 +69,7 @@ from common import (
 )
 
 from lrmoe.memory import DEFAULT_RETAIN_CHOICES, LayerMemory, MemoryConfig, layer_memory, plan_memory
+from lrmoe.nn import LRMoE
 
 MiB = 2**20
 SHAPE_CHOICES = {**SHAPES, "tiny": TINY}  # tiny: the tests' CPU runs

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 from cuda_sync import no_host_sync
 from hypothesis import given
 from hypothesis import strategies as st
