@@ -1,15 +1,8 @@
 """What the benchmark scripts share, and what their tests check without a GPU (tests/benchmarks/ import this module;
-no script imports another).
-
-* shapes: the MoE layers timed (SHAPES) and routed-row problems of their grouped GEMMs;
-* baselines: transformers' MoE blocks, and a skewed router for any layer;
-* timing: CUDA-graph and CUDA-event medians, medians over interleaved rounds, host-sync counts;
-* profiles: GPU timelines (busy, idle, overlap) and the expert-parallel step's split, from torch.profiler;
-* distributed: process group setup and teardown;
-* memory: the probes that find the largest step fitting a byte budget.
-
-Run the scripts from the repository root, e.g. ``python benchmarks/layer.py time``; each script's docstring lists
-its subcommands.
+no script imports another): shapes and routed-row problems, baselines (transformers' MoE blocks, a skewed router),
+timing (CUDA graphs, CUDA events, interleaved rounds, host-sync counts), profiles (GPU timelines, the
+expert-parallel step's split), distributed setup and teardown, and the memory probes. Run the scripts from the
+repository root, e.g. ``python benchmarks/layer.py time``; each script's docstring lists its subcommands.
 """
 
 from __future__ import annotations
@@ -82,6 +75,29 @@ def retained_rows_problem(shape: dict, tokens: int, retain: float, device: str =
         slot_TK=slot_P.view(tokens, top_k).to(device), rows=n_rows, loads_E=loads_E, ids_TK=ids_TK, pair_R=pair_R,
         flop=2 * n_rows * (dim * ffn + 2 * ffn * dim + 2 * ffn * dim),
     )
+
+
+def backward_ops(p: dict) -> dict:
+    """The compact expert backward's last three GEMMs on a retained_rows_problem: the down and gate/up weight
+    gradients, and the input gradient with its per-token sum (lrmoe.functional.experts runs them in this order)."""
+    from lrmoe.ops import gather_grouped_mm, gather_sum_rows, grouped_outer
+
+    return {
+        "down": lambda: grouped_outer(p["dy_RD"], p["phi_RF"], None, p["offsets_E"]),
+        "gu": lambda: grouped_outer(p["dh_RF2"], p["x_TD"], p["tok_R"], p["offsets_E"]),
+        "dx": lambda: gather_sum_rows(
+            gather_grouped_mm(p["dh_RF2"], p["gate_up_EFD"].transpose(1, 2), None, p["offsets_E"]), p["slot_TK"]),
+    }
+
+
+# benchmarks/gemm.py streams: lists of backward_ops names, the first on the caller's stream, each other on a side
+# stream of its own.
+STREAM_VARIANTS = {
+    "one stream": [["down", "gu", "dx"]],
+    "dx | down, gu": [["dx"], ["down", "gu"]],
+    "dx, down | gu": [["dx", "down"], ["gu"]],
+    "three streams": [["dx"], ["down"], ["gu"]],
+}
 
 
 # --------------------------------------------------------------------------------------------------- baselines
