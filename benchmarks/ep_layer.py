@@ -352,6 +352,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--compile", action="store_true",
                    help="time torch.compile(layer, fullgraph=True); expert ops inlined into the compiled code on "
                         "CUDA do not show as ops, so the split's expert column is not meaningful then")
+    p.add_argument("--list", action="store_true",
+                   help="print the configurations it would time (JSON, one per line) and exit: no process group")
     args = p.parse_args(argv)
     if args.steps < 1 or args.profile_steps < 0 or args.warmup < 0:
         p.error("--steps must be >= 1, --profile-steps and --warmup >= 0")
@@ -360,6 +362,13 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
+    capacity = args.capacity_factor if args.capacity_factor else None
+    blocks = {"off": (False,), "on": (True,), "both": (False, True)}[args.backward_blocks]
+    configs = configurations(args.retain, args.max_replicas, capacity, tuple(dict.fromkeys(args.plan_on)), blocks)
+    if args.list:
+        for cfg in configs:
+            print(json.dumps(asdict(cfg)))
+        return
     ranks = Ranks(args.device)
     if args.compile:
         torch._dynamo.config.capture_scalar_outputs = True
@@ -367,7 +376,6 @@ def main() -> None:
     if shape["num_experts"] % ranks.world:
         raise SystemExit(f"--shape {args.shape}: E={shape['num_experts']} is not divisible by W={ranks.world}")
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype or ("bf16" if ranks.cuda else "fp32")]
-    capacity = args.capacity_factor if args.capacity_factor else None
     if args.quota_align > 1 and capacity is not None:
         raise SystemExit("--quota-align > 1 needs --capacity-factor 0: the EP layer refuses aligned quotas under a "
                          "backward capacity")
@@ -383,8 +391,7 @@ def main() -> None:
         "split_time": "device (kernel) time" if ranks.cuda else "CPU time",
     }
     rows = []
-    blocks = {"off": (False,), "on": (True,), "both": (False, True)}[args.backward_blocks]
-    for cfg in configurations(args.retain, args.max_replicas, capacity, tuple(dict.fromkeys(args.plan_on)), blocks):
+    for cfg in configs:
         layer = build_layer(shape, cfg, args, ranks, dtype)
         rows.append(measure(layer, cfg, args, ranks))
         del layer

@@ -342,7 +342,7 @@ def gather_grouped_mm_triton(
     """y_RO[i] = weight_EOI[e(i)] @ x_NI[rows_R[i]] for i < offsets_E[-1], 0 after; dtype of x. No host sync.
 
     The output is allocated with torch.empty: the kernel writes every row, zeros included. ``config`` launches
-    those blocks instead of autotuning (for benchmarks/grouped_gemm.py --configs). ``b_desc``: read the weight
+    those blocks instead of autotuning (for benchmarks/gemm.py grouped --configs). ``b_desc``: read the weight
     through a TMA descriptor (True), through pointers (False), or the descriptor where it can be one (None).
     """
     _check_device(x_NI, weight_EOI, rows_R, offsets_E)

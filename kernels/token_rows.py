@@ -140,7 +140,7 @@ def _block_c(n_cols: int, elem_bytes: int, kp: int, tile_bytes: int) -> int:
 def gather_sum_rows_triton(src_NC: torch.Tensor, rows_TK: torch.Tensor, weights_TK: torch.Tensor | None, *,
                            block_c: int | None = None, num_warps: int | None = None) -> torch.Tensor:
     """out_TC[t] = sum_k weights[t, k] * src[rows[t, k]] (fp32 accumulation, src's dtype); rows < 0 skipped.
-    ``block_c``, ``num_warps`` override the defaults, for tuning (benchmarks/token_rows.py)."""
+    ``block_c``, ``num_warps`` override the defaults, for tuning (benchmarks/kernels.py token-rows)."""
     _check(src_NC, rows_TK)
     n_tok, top_k = rows_TK.shape
     n_cols = src_NC.shape[1]
@@ -167,7 +167,7 @@ def gather_sum_rows_triton(src_NC: torch.Tensor, rows_TK: torch.Tensor, weights_
 def gather_dot_rows_triton(src_NC: torch.Tensor, rows_TK: torch.Tensor, g_TC: torch.Tensor, *,
                            block_c: int | None = None, num_warps: int | None = None) -> torch.Tensor:
     """out_TK[t, k] = <g[t], src[rows[t, k]]> in fp32; 0 where rows < 0. ``block_c``, ``num_warps`` override the
-    defaults, for tuning (benchmarks/token_rows.py)."""
+    defaults, for tuning (benchmarks/kernels.py token-rows)."""
     _check(src_NC, rows_TK)
     n_tok, top_k = rows_TK.shape
     out_TK = torch.empty(n_tok, top_k, dtype=torch.float32, device=src_NC.device)

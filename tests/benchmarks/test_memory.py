@@ -190,7 +190,7 @@ def test_modelled_bars_sum_to_the_peak_and_planned_ones_fit(run_script, tmp_path
 
 
 def test_single_device_bars_run_the_measuring_path_on_cpu(run_script, tmp_path):
-    # What the GPU session runs, at the tiny shape on CPU, where the allocator reads 0: the bars come in
+    # What a GPU run measures, at the tiny shape on CPU, where the allocator reads 0: the bars come in
     # measured/modelled pairs and the measured base is the module's own weights, gradients and optimiser state.
     run_script("memory.py", "breakdown", "--device", "cpu", "--shape", "tiny", "--tokens", "32", "--world-size", "2",
                "--replicas", "2", "--retain", "0.5", "--measure", "--no-out", "--json", str(tmp_path / "bars.json"))
