@@ -24,10 +24,13 @@ import subprocess
 import sys
 import tempfile
 
-if os.environ.get("TRITON_INTERPRET", "0") == "1":
+import torch
+
+from lrmoe.ops._kernels import kernel_module
+
+if kernel_module("launch").interpreting():
     raise SystemExit("sm90_compile.py compiles real kernels: run it without TRITON_INTERPRET=1")
 
-import torch  # noqa: E402
 import triton  # noqa: E402
 from triton import knobs  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
