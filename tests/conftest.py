@@ -21,9 +21,9 @@ import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
 from interpreter_versions import interpreter_numpy_problem  # noqa: E402  (this folder is on sys.path)
 
-from lrmoe_kernels.launch import interpreting  # noqa: E402  (reads TRITON_INTERPRET, set above)
+from lrmoe.ops._kernels import kernel_module  # noqa: E402  (after TRITON_INTERPRET is set; imports no kernel)
 
-if interpreting():
+if (launch := kernel_module("launch")) is not None and launch.interpreting():
     import numpy
     import triton
 
