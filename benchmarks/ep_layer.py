@@ -47,32 +47,34 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import sys
 import time
 from dataclasses import asdict, dataclass
 
 import torch
 import torch.distributed as dist
-from layer_fwd_bwd import SHAPES as GPU_SHAPES
-from layer_fwd_bwd import skew_router
-from torch.autograd import DeviceType
-from torch.distributed.device_mesh import init_device_mesh
+from common import (
+    BACKWARD_RANGE,
+    FORWARD_RANGE,
+    SHAPES,
+    SPLIT_KEYS,
+    TINY,
+    Ranks,
+    shutdown,
+    skew_router,
+    split_from_profile,
+)
 from torch.distributed.tensor.parallel import parallelize_module
+from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from lrmoe.nn import ExpertParallel, LRMoE
 
-SHAPES = {**GPU_SHAPES, "tiny": {"dim": 32, "hidden_dim": 64, "num_experts": 8, "top_k": 2}}
+SHAPES = {**SHAPES, "tiny": TINY}
 
-# Per-step split keys (milliseconds) and per-step byte keys, in table order.
-SPLIT_KEYS = ("expert_fwd", "expert_bwd", "dispatch_fwd", "combine_fwd", "dispatch_bwd", "combine_bwd",
-              "replica_fwd", "replica_bwd", "load_allgather")
+# Per-step byte keys, in table order (the split's keys: common.SPLIT_KEYS).
 BYTE_KEYS = ("dispatch_fwd", "combine_fwd", "dispatch_bwd", "combine_bwd", "replica_fwd", "replica_bwd")
 PLAN_OP = "lrmoe::ep_plan"
-EXPERT_OPS = ("lrmoe::gather_grouped_mm", "lrmoe::grouped_outer", "aten::bmm")  # bmm: the blocked backward
-FORWARD_RANGE, BACKWARD_RANGE = "ep_bench.forward", "ep_bench.backward"
 
 
 @dataclass(frozen=True)
@@ -105,17 +107,6 @@ def configurations(retains: list[float], max_replicas: int, capacity_factor: flo
 # ------------------------------------------------------------------------------------------------- profile
 
 
-def _outermost(events: list) -> list:
-    """Drop events nested inside another kept event of the same thread (an op and the ops it calls)."""
-    kept, open_end = [], {}
-    for e in sorted(events, key=lambda e: (e.time_range.start, -e.time_range.end)):
-        if e.time_range.end <= open_end.get(e.thread, -1):
-            continue
-        kept.append(e)
-        open_end[e.thread] = e.time_range.end
-    return kept
-
-
 def top_ops(averages, n: int, steps: int, cuda: bool) -> dict[str, list]:
     """The n ops with the most self host time and (on GPU) the n kernels with the most device time, per profiled
     step: [name, calls per step, ms per step]."""
@@ -137,119 +128,6 @@ def print_top_ops(rows: list[dict]) -> None:
             print(f"# {r['name']}: top {where} time per step (rank 0)")
             for name, calls, ms in entries:
                 print(f"#   {ms:8.3f} ms  {calls:7.1f} calls  {name[:90]}")
-
-
-def split_from_profile(events: list, device_time: bool, bwd_indices: bool) -> list[dict[str, float]]:
-    """Per profiled step, milliseconds per SPLIT_KEYS from torch.profiler events (see the module docstring);
-    ``bwd_indices``: whether the backward dispatch sends row indices beside its rows (not the dense backward).
-
-    Steps are the ``ep_bench.forward`` / ``ep_bench.backward`` ranges the caller recorded; an op belongs to the
-    range in which it starts (backward ops may run on autograd's thread, inside the range in time).
-    """
-    def ms(e) -> float:
-        return (e.device_time_total if device_time else e.cpu_time_total) / 1e3
-
-    # With CUDA activity each record_function range also appears on the GPU timeline (a "user annotation" event of
-    # the same name); the ops and ranges to match are the host-side events.
-    events = [e for e in events if e.device_type == DeviceType.CPU]
-    ranges = sorted((e for e in events if e.name in (FORWARD_RANGE, BACKWARD_RANGE)), key=lambda e: e.time_range.start)
-    comm = _outermost([e for e in events if e.name.endswith(("::all_to_all_single", "::all_gather_into_tensor"))
-                       or e.name == "_c10d_functional::wait_tensor"])
-    gemms = _outermost([e for e in events if e.name in EXPERT_OPS])
-
-    # Collectives in time order, each with the time of the wait_tensor that completes it (on gloo the transfer
-    # happens there; on NCCL the wait is a stream dependency, the kernel is the collective op's device time).
-    collectives: list[list] = []  # [event, ms]
-    for e in sorted(comm, key=lambda e: e.time_range.start):
-        if e.name != "_c10d_functional::wait_tensor":
-            collectives.append([e, ms(e), False])
-            continue
-        for entry in reversed(collectives):
-            if not entry[2]:
-                entry[1] += ms(e)
-                entry[2] = True
-                break
-
-    def inside(e, r) -> bool:
-        return r.time_range.start <= e.time_range.start < r.time_range.end
-
-    steps = []
-    for fwd, bwd in zip(ranges[::2], ranges[1::2], strict=True):
-        assert fwd.name == FORWARD_RANGE and bwd.name == BACKWARD_RANGE, (fwd.name, bwd.name)
-        row = dict.fromkeys(SPLIT_KEYS, 0.0)
-        row["expert_fwd"] = sum(ms(e) for e in gemms if inside(e, fwd))
-        row["expert_bwd"] = sum(ms(e) for e in gemms if inside(e, bwd))
-        for phase, r in (("fwd", fwd), ("bwd", bwd)):
-            a2a = []
-            for e, t, _ in collectives:
-                if not inside(e, r):
-                    continue
-                if e.name.endswith("all_gather_into_tensor"):
-                    row["load_allgather"] += t
-                else:
-                    a2a.append(t)
-            need = 3 if phase == "fwd" or bwd_indices else 2
-            if len(a2a) < need:
-                raise RuntimeError(f"expected >= {need} all-to-alls in {phase}, found {len(a2a)}: the layer changed?")
-            if phase == "fwd":  # [replica weights], dispatch, combine (rows, ||phi||^2)
-                *rep, row["dispatch_fwd"], combine_rows, combine_scalars = a2a
-                row["combine_fwd"] = combine_rows + combine_scalars
-            else:  # dispatch (retained rows[, their indices]), input-gradient return, [replica weight gradients]
-                if bwd_indices:
-                    dispatch_rows, dispatch_indices, row["combine_bwd"], *rep = a2a
-                    row["dispatch_bwd"] = dispatch_rows + dispatch_indices
-                else:
-                    row["dispatch_bwd"], row["combine_bwd"], *rep = a2a
-            row[f"replica_{phase}"] = sum(rep)
-        steps.append(row)
-    return steps
-
-
-# --------------------------------------------------------------------------------------------------- run
-
-
-class Ranks:
-    """The process group, device and a few collectives on Python values."""
-
-    def __init__(self, device: str):
-        cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
-        dist.init_process_group("nccl" if cuda else "gloo")
-        self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        self.local_rank = int(os.environ.get("LOCAL_RANK", self.rank))
-        if cuda:
-            torch.cuda.set_device(self.local_rank)
-        self.cuda = cuda
-        self.device = torch.device("cuda", self.local_rank) if cuda else torch.device("cpu")
-        self.mesh = init_device_mesh(self.device.type, (self.world,), mesh_dim_names=("ep",))
-
-    def sync(self) -> None:
-        if self.cuda:
-            torch.cuda.synchronize()
-        dist.barrier(device_ids=[self.local_rank] if self.cuda else None)
-        if self.cuda:
-            torch.cuda.synchronize()
-
-    def gather(self, values: list[float]) -> list[list[float]]:
-        """values of every rank, [W][n] (one all-gather)."""
-        mine = torch.tensor(values, dtype=torch.float64, device=self.device)
-        out = [torch.empty_like(mine) for _ in range(self.world)]
-        dist.all_gather(out, mine)
-        return [t.tolist() for t in out]
-
-    def close(self) -> None:
-        shutdown()
-
-
-def shutdown() -> None:
-    """Leave the process group; under gloo, exit at once (it may abort at interpreter teardown after all work is
-    done, docs/expert_parallel.md)."""
-    gloo = dist.get_backend() == "gloo"
-    dist.barrier()
-    dist.destroy_process_group()
-    if gloo:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
 
 
 def build_layer(shape: dict, cfg: Config, args, ranks: Ranks, dtype: torch.dtype) -> LRMoE:
@@ -474,6 +352,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--compile", action="store_true",
                    help="time torch.compile(layer, fullgraph=True); expert ops inlined into the compiled code on "
                         "CUDA do not show as ops, so the split's expert column is not meaningful then")
+    p.add_argument("--list", action="store_true",
+                   help="print the configurations it would time (JSON, one per line) and exit: no process group")
     args = p.parse_args(argv)
     if args.steps < 1 or args.profile_steps < 0 or args.warmup < 0:
         p.error("--steps must be >= 1, --profile-steps and --warmup >= 0")
@@ -482,6 +362,13 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
+    capacity = args.capacity_factor if args.capacity_factor else None
+    blocks = {"off": (False,), "on": (True,), "both": (False, True)}[args.backward_blocks]
+    configs = configurations(args.retain, args.max_replicas, capacity, tuple(dict.fromkeys(args.plan_on)), blocks)
+    if args.list:
+        for cfg in configs:
+            print(json.dumps(asdict(cfg)))
+        return
     ranks = Ranks(args.device)
     if args.compile:
         torch._dynamo.config.capture_scalar_outputs = True
@@ -489,7 +376,6 @@ def main() -> None:
     if shape["num_experts"] % ranks.world:
         raise SystemExit(f"--shape {args.shape}: E={shape['num_experts']} is not divisible by W={ranks.world}")
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype or ("bf16" if ranks.cuda else "fp32")]
-    capacity = args.capacity_factor if args.capacity_factor else None
     if args.quota_align > 1 and capacity is not None:
         raise SystemExit("--quota-align > 1 needs --capacity-factor 0: the EP layer refuses aligned quotas under a "
                          "backward capacity")
@@ -505,8 +391,7 @@ def main() -> None:
         "split_time": "device (kernel) time" if ranks.cuda else "CPU time",
     }
     rows = []
-    blocks = {"off": (False,), "on": (True,), "both": (False, True)}[args.backward_blocks]
-    for cfg in configurations(args.retain, args.max_replicas, capacity, tuple(dict.fromkeys(args.plan_on)), blocks):
+    for cfg in configs:
         layer = build_layer(shape, cfg, args, ranks, dtype)
         rows.append(measure(layer, cfg, args, ranks))
         del layer
@@ -518,7 +403,7 @@ def main() -> None:
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"meta": meta, "rows": rows}, f, indent=1)
-    ranks.close()
+    shutdown()
 
 
 if __name__ == "__main__":

@@ -30,15 +30,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from ep_layer import shutdown
-from torch.distributed.device_mesh import init_device_mesh
+from common import Ranks, settle, shutdown
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
 
@@ -229,14 +227,6 @@ def train_run(retain: float, target: float | None, args, corpus, heldout, device
                 "moe_ms": 1e3 * history[-1]["moe_s"] / max(history[-1]["step"] - 1, 1)}
 
 
-def settle(run: dict, target: float) -> dict:
-    """The first evaluation at or below the target (a dense run that set the target trained to the end)."""
-    hit = next((h for h in run["history"] if h["loss"] <= target), None)
-    return {**run, "reached": hit is not None, "reached_at": hit,
-            "time_to_target_s": None if hit is None else hit["train_s"],
-            "moe_time_to_target_s": None if hit is None else hit["moe_s"]}
-
-
 def print_table(runs: list[dict], meta: dict) -> None:
     print(f"# MoELM {meta['model']}, W={meta['world']} ({meta['backend']}, {meta['device_name']}), {meta['dtype']}, "
           f"{meta['tokens_per_rank']} tokens/rank/step, {meta['steps']} steps max, eval every {meta['eval_every']}")
@@ -260,19 +250,13 @@ def print_table(runs: list[dict], meta: dict) -> None:
 
 def main() -> None:
     args = parse_args()
-    cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
-    dist.init_process_group("nccl" if cuda else "gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    local_rank = int(os.environ.get("LOCAL_RANK", rank))
-    if cuda:
-        torch.cuda.set_device(local_rank)
-    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+    ranks = Ranks(args.device)
+    rank, world, device, cuda, mesh = ranks.rank, ranks.world, ranks.device, ranks.cuda, ranks.mesh
     if args.experts % world:
         raise SystemExit(f"--experts {args.experts} is not divisible by W={world}")
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype or ("bf16" if cuda else "fp32")]
     if args.compile:  # the EP layers' all-to-all split sizes become unbacked SymInts: one graph for every step
         torch._dynamo.config.capture_scalar_outputs = True
-    mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("ep",))
     corpus = load_corpus(args.corpus, max_bytes=args.max_bytes)
     # The same held-out bytes in every run, split over the ranks (each evaluates its share, then the mean).
     heldout = heldout_batches(corpus.heldout_N, args.batch_size, args.seq_len, args.eval_batches * world)[rank::world]

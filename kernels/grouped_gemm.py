@@ -28,48 +28,24 @@ runs them on the tensor cores (wgmma), and a small autotune set keyed on (O, I, 
 Operands: gathered rows come through pointer loads, software-pipelined by Triton with cp.async (Hopper's TMA
 cannot gather rows; Blackwell's gather4 can). gather_grouped_mm reads a 16-bit weight through a 3-D TMA
 descriptor (either layout: the forward's [E, O, I] and the input gradient's transposed view), which on one H200
-took it from 0.84-0.95 to 0.90-1.01 of torch._grouped_mm on pre-gathered rows (eleventh session,
-docs/performance.md). gather_grouped_swiglu reads it the same way, a gate and an up block per K step, 128 gate
-columns a program: 0.95-1.14x of index_select + torch._grouped_mm + a compiled SwiGLU on its own, at the Qwen3
-and GLM-4.5-Air shapes (thirteenth session), but more GPU time than the unfused kernels inside the compiled layer,
-which therefore does not call it. Descriptors only on a GPU with TMA (compute capability 9.0 on); elsewhere the
-pointer path. grouped_outer reads a 16-bit a_RO (the weight gradient's contiguous operand) through a ragged TMA
-descriptor (triton.tools.ragged_tma: the group's rows as a slice, zeros past its end) with its own config list:
-0.79-0.85 of torch._grouped_mm on pre-gathered rows where its pointer path ran at 0.71-0.76 (seventeenth
-session). Tried and not kept: grouped_outer reading a_RO's whole K blocks through a plain descriptor and writing its
-output through descriptors (the partial last block by masked pointer loads; the old configs) was 1-7 % slower at 7
-of the 8 benchmark problems and 2 % faster at the eighth; a device-side descriptor per group
-(tl.make_tensor_descriptor) ran as fast as the ragged one but needs a process-wide Triton allocator; Triton 3.6's
-warp specialisation of the K loop (tl.range(warp_specialize=True)) failed to compile with 4 warps and changed
-nothing with 8; gather_grouped_mm with 64-row tiles (less padding past a group's end on
-router-like group sizes, 512 +- 22 rows) ran at 0.62-0.88 of the best 128-row config (thirteenth session).
-
-What to try next on the H200:
-- registers: compiled for sm_90 with a launch's specialisations (`python tests/kernels/sm90_compile.py
-  --resources`), every GPU config of gather_grouped_mm and grouped_outer fits without spilling (bf16: 108-234
-  registers, no stack), so the gap to _grouped_mm is not spills (gather_grouped_swiglu at 128 gate columns: 248-255
-  registers, and 16 bytes of stack on its pointer path);
-- a persistent grid (one program per SM looping over tiles) to save launch/tail cost when groups are small. Tried
-  for grouped_outer in the twelfth session (tiles in expert order, static round-robin, output by pointers or a TMA
-  store): 1-3 % faster on balanced groups, 2-20 % slower on skewed ones, where the programs holding a hot expert's
-  tiles run long; not kept. A dynamic tile queue (an atomic counter) would be the next form of it;
-- grouped_outer under skew: a hot expert's programs loop over many more rows than the rest; split-K over the
-  rows of big groups, or launching the biggest groups first (a device-side argsort of the group sizes, no host
-  read), shortens the tail;
-- a warp-specialised producer/consumer split once Triton's Hopper warp specialisation is stable.
+took it from 0.84-0.95 to 0.90-1.01 of torch._grouped_mm on pre-gathered rows (docs/performance.md). Descriptors
+only on a GPU with TMA (compute capability 9.0 on); elsewhere the pointer path. grouped_outer reads a 16-bit a_RO
+(the weight gradient's contiguous operand) through a ragged TMA descriptor (triton.tools.ragged_tma: the group's
+rows as a slice, zeros past its end) with its own config list: 0.79-0.85 of torch._grouped_mm on pre-gathered rows
+where its pointer path ran at 0.71-0.76. Compiled for sm_90 (`python tests/kernels/sm90_compile.py --resources`),
+every GPU config of both kernels fits without spilling (bf16: 108-234 registers, no stack).
 """
 
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from .launch import known_empty, launch, tracing
+from .launch import interpreting, known_empty, launch, tracing
 
 try:  # Triton >= 3.5: TMA over a slice of rows, zero past its end (the weight gradient's groups)
     from triton.tools.ragged_tma import create_ragged_descriptor, load_ragged
@@ -78,14 +54,10 @@ except ImportError:  # pragma: no cover - older Triton: grouped_outer reads a_RO
 
 __all__ = [
     "gather_grouped_mm_triton",
-    "gather_grouped_swiglu_triton",
     "grouped_outer_triton",
     "zero_rows_past_last_offset_",
 ]
 
-# Read once, like triton.jit itself reads it when the kernels below are defined: the interpreter is either on for
-# the whole process or off.
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 # ----------------------------------------------------------------------------------------------- launch configs
@@ -104,10 +76,10 @@ _SMALL_CONFIG = triton.Config(dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32), num_warp
 def _gpu_configs() -> list[triton.Config]:
     """Candidate blocks for gather_grouped_mm on Hopper (BLOCK_M x BLOCK_N output tile, BLOCK_K deep): 128 rows x 256
     columns with 8 warps feeds wgmma; 3-4 stages keep the shared memory under the H200's 227 KiB per block
-    ((BM + BN) * BK * 2 bytes a stage in bf16; 5 stages of 64 overflow). Measured (ninth session, one H200, 65,536
-    rows, E = 128, bf16, the Qwen3 and GLM shapes balanced and skewed; benchmarks/grouped_gemm.py --configs and two
-    sweeps, docs/performance.md): 128 x 256 x 64 was the best config or within 6 % of it in every case; 128 x 128 x
-    64 (the old first choice) trailed by 8-34 %, 64-row and 128-deep tiles further still. 256 x 128 x 64 matched
+    ((BM + BN) * BK * 2 bytes a stage in bf16; 5 stages of 64 overflow). Measured (one H200, 65,536 rows, E = 128,
+    bf16, the Qwen3 and GLM shapes balanced and skewed; benchmarks/gemm.py grouped --configs, docs/performance.md):
+    128 x 256 x 64 was the best config or within 6 % of it in every case; 128 x 128 x 64 trailed by 8-34 %, 64-row
+    and 128-deep tiles further still. 256 x 128 x 64 matched
     128 x 256 on balanced groups but fell to 0.55-0.70 of it on skewed ones (a 256-row tile spends most of its rows
     on padding past small groups), and the autotuner keys on (O, I) only, so a balanced first call would keep it
     for skewed steps (seen at the GLM down shape: 0.60 of torch._grouped_mm): it is not a candidate."""
@@ -122,11 +94,10 @@ def _gpu_configs() -> list[triton.Config]:
 def _outer_gpu_configs() -> list[triton.Config]:
     """Candidate blocks for grouped_outer, whose reduction runs over one group's rows (~R / E of them, 512 at the
     target shapes): with so short a K loop, each tile's pipeline fill and its L2 reads of the two operands weigh more
-    than in gather_grouped_mm, and shallow K blocks with deep pipelines win. Measured (ninth session, same problems;
-    BLOCK_M here runs over the output's O, not over rows, so skew does not waste it): the best of these was 11-20 %
-    faster than the best of the old list at every shape in the --configs run (0.76-0.99 of torch._grouped_mm on
-    pre-gathered rows); 256 x 128 x 32 with 5 or 6 stages led, 4 stages lost ~30 %; 128 x 128 x 32 with 4 warps was
-    as good in some Qwen3 cases."""
+    than in gather_grouped_mm, and shallow K blocks with deep pipelines win. Measured (same problems; BLOCK_M here
+    runs over the output's O, not over rows, so skew does not waste it): the best of these ran at 0.76-0.99 of
+    torch._grouped_mm on pre-gathered rows, 11-20 % faster than 64-deep K blocks; 256 x 128 x 32 with 5 or 6
+    stages led, 4 stages lost ~30 %; 128 x 128 x 32 with 4 warps was as good in some Qwen3 cases."""
     return [
         triton.Config(dict(BLOCK_M=256, BLOCK_N=128, BLOCK_K=32), num_warps=8, num_stages=6),
         triton.Config(dict(BLOCK_M=256, BLOCK_N=128, BLOCK_K=32), num_warps=8, num_stages=5),
@@ -137,8 +108,8 @@ def _outer_gpu_configs() -> list[triton.Config]:
 
 def _outer_tma_gpu_configs() -> list[triton.Config]:
     """Candidate blocks for grouped_outer with a_RO read through a ragged TMA descriptor (_a_operand). Measured
-    (seventeenth session, one H200, 65,536 rows, E = 128, bf16, Qwen3 and GLM-4.5-Air up and down, balanced and
-    router-like groups, 14 configs; devscripts, docs/performance.md): 128 x 128 x 64 with 4 warps and 3 stages was
+    (one H200, 65,536 rows, E = 128, bf16, Qwen3 and GLM-4.5-Air up and down, balanced and
+    router-like groups, 14 configs, docs/performance.md): 128 x 128 x 64 with 4 warps and 3 stages was
     the best at 6 of the 8 problems (0.80-0.85 of torch._grouped_mm on pre-gathered rows, where the pointer path's
     configs reached 0.71-0.76), 128 x 128 x 32 with 6 stages at the other two (0.80-0.82); 8 warps, 256-wide and
     128-deep tiles lost 5-50 %."""
@@ -179,7 +150,7 @@ def _with_config(kernel, configs, key=("O", "I"), prune=_prune_small):
     ``key`` (the problem's widths) plus the argument dtypes (Triton's autotuner appends those), never on R, which
     changes per step. Each config sets the TMA descriptor's blocks before its launch (_set_desc_blocks; a no-op for
     grouped_outer)."""
-    if _INTERPRET:
+    if interpreting():
         return kernel
     configs = [triton.Config(c.kwargs, num_warps=c.num_warps, num_stages=c.num_stages, pre_hook=_set_desc_blocks)
                for c in configs]
@@ -190,24 +161,24 @@ def _kernel_and_blocks(tuned, bare, config: triton.Config | None) -> tuple:
     """(kernel, launch kwargs) for a launcher: ``config`` given, the bare kernel with its blocks (and, on a GPU, its
     warps and stages), for benchmarks that time one config; else the interpreter's fixed blocks or the autotuner."""
     if config is not None:
-        extra = {} if _INTERPRET else dict(num_warps=config.num_warps, num_stages=config.num_stages)
+        extra = {} if interpreting() else dict(num_warps=config.num_warps, num_stages=config.num_stages)
         return bare, {**config.kwargs, **extra}
-    return tuned, _interpreter_config() if _INTERPRET else {}
+    return tuned, _interpreter_config() if interpreting() else {}
 
 
 def _dot_flags(dtype: torch.dtype) -> dict:
     """Constexprs for tl.dot: UPCAST (interpreter only, see the module docstring), the accumulator dtype, and the
     fp32 input precision, which follows torch's own switch so the kernel rounds like torch.matmul would."""
-    fp32_tf32 = dtype == torch.float32 and not _INTERPRET and torch.backends.cuda.matmul.allow_tf32
+    fp32_tf32 = dtype == torch.float32 and not interpreting() and torch.backends.cuda.matmul.allow_tf32
     return dict(
-        UPCAST=_INTERPRET and dtype in (torch.bfloat16, torch.float16),
+        UPCAST=interpreting() and dtype in (torch.bfloat16, torch.float16),
         ACC_FP64=dtype == torch.float64,
         INPUT_PRECISION="tf32" if fp32_tf32 or dtype in (torch.bfloat16, torch.float16) else "ieee",
     )
 
 
 def _check_device(*tensors: torch.Tensor) -> None:
-    if not _INTERPRET and any(t.device.type != "cuda" for t in tensors):
+    if not interpreting() and any(t.device.type != "cuda" for t in tensors):
         raise ValueError("the Triton grouped GEMMs need CUDA tensors (or TRITON_INTERPRET=1 for CPU tensors)")
 
 
@@ -332,7 +303,7 @@ def _has_tma(device: torch.device) -> bool:
 
 
 def _weight_operand(weight_EOI: torch.Tensor, b_desc: bool | None) -> tuple:
-    """(w argument, B_DESC) for _gather_grouped_mm_kernel and _gather_grouped_swiglu_kernel: a TMA descriptor over
+    """(w argument, B_DESC) for _gather_grouped_mm_kernel: a TMA descriptor over
     the weight when ``b_desc`` is True, or None (the default) and it can be one: 16-bit dtype on a GPU with TMA
     (the interpreter: any), a nonempty weight with one of its last two dims contiguous, the other strides and the
     base 16-byte aligned (TMA's rules), and not traced (the launch then goes into a compiled graph through
@@ -347,7 +318,7 @@ def _weight_operand(weight_EOI: torch.Tensor, b_desc: bool | None) -> tuple:
     can = (
         mode > 0
         and min(E, O, I) > 0
-        and (_INTERPRET or (size == 2 and _has_tma(weight_EOI.device)))
+        and (interpreting() or (size == 2 and _has_tma(weight_EOI.device)))
         and weight_EOI.data_ptr() % 16 == 0
         and all(s * size % 16 == 0 for s in other)
         and not tracing()
@@ -371,7 +342,7 @@ def gather_grouped_mm_triton(
     """y_RO[i] = weight_EOI[e(i)] @ x_NI[rows_R[i]] for i < offsets_E[-1], 0 after; dtype of x. No host sync.
 
     The output is allocated with torch.empty: the kernel writes every row, zeros included. ``config`` launches
-    those blocks instead of autotuning (for benchmarks/grouped_gemm.py --configs). ``b_desc``: read the weight
+    those blocks instead of autotuning (for benchmarks/gemm.py grouped --configs). ``b_desc``: read the weight
     through a TMA descriptor (True), through pointers (False), or the descriptor where it can be one (None).
     """
     _check_device(x_NI, weight_EOI, rows_R, offsets_E)
@@ -392,176 +363,6 @@ def gather_grouped_mm_triton(
         G_POW2=triton.next_power_of_2(E + 1), **_dot_flags(x_NI.dtype), **fixed, B_DESC=mode,
     )  # fmt: skip
     return y_RO
-
-
-# ------------------------------------------------------------------------------------- gate/up GEMM + SwiGLU
-
-
-def _swiglu_gpu_configs() -> list[triton.Config]:
-    """Blocks for the fused gate/up + SwiGLU GEMM: each program holds two BLOCK_M x BLOCK_N accumulators (gate and
-    up columns), BLOCK_N from _swiglu_block_n (not tuned: the launcher sizes the per-tile ||phi||^2 partial sums by
-    it). Measured (thirteenth session, one H200, 65,536 rows, E = 128, bf16, the weight through TMA, router-like
-    and balanced groups; benchmarks/grouped_gemm.py --configs): with 128 gate columns (the 128 x 256 tile of
-    _gpu_configs' first entry) 128 x 64 deep with 4 stages led at the Qwen3 shape, 3 stages and 32 deep with 5
-    at GLM-4.5-Air's; the fastest 64-column config was 26-33 % slower, the fastest 64-row one 19-27 %. The last
-    entry is the smallest, for narrow problems and wide dtypes (_prune_small_swiglu)."""
-    return [
-        triton.Config(dict(BLOCK_M=128, BLOCK_K=64), num_warps=8, num_stages=4),
-        triton.Config(dict(BLOCK_M=128, BLOCK_K=64), num_warps=8, num_stages=3),
-        triton.Config(dict(BLOCK_M=128, BLOCK_K=32), num_warps=8, num_stages=5),
-        triton.Config(dict(BLOCK_M=64, BLOCK_K=32), num_warps=4, num_stages=3),
-    ]
-
-
-def _swiglu_block_n(dtype_bytes: int, F: int) -> int:
-    """Gate (and up) columns per program: 16 in the interpreter so test widths cross tiles; on a GPU 128 for 16-bit
-    inputs at least that wide (two 128 x 128 fp32 accumulators over 8 warps: 128 registers a thread), else 64 (an
-    fp32 problem at 128 would spill)."""
-    if _INTERPRET:
-        return 16
-    return 128 if dtype_bytes == 2 and F >= 128 else 64
-
-
-def _prune_small_swiglu(configs, named_args, **kwargs):
-    """As _prune_small, for (F, I): the smallest config for narrow problems and wide dtypes."""
-    if min(named_args["F"], named_args["I"]) < 128 or named_args["dtype_bytes"] > 2:
-        return [min(configs, key=lambda c: c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_K"])]
-    return configs
-
-
-@triton.heuristics(dict(EVEN_K=lambda args: args["I"] % args["BLOCK_K"] == 0))
-@triton.jit
-def _gather_grouped_swiglu_kernel(
-    x_ptr, w, rows_ptr, offsets_ptr, h_ptr, phi_ptr, part_ptr,
-    R, F, I, E, dtype_bytes,
-    stride_xn, stride_xi, stride_we, stride_wo, stride_wi, stride_hr, stride_hf, stride_pr, stride_pf, stride_qr,
-    G_POW2: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-    UPCAST: tl.constexpr, ACC_FP64: tl.constexpr, INPUT_PRECISION: tl.constexpr, STORE_H: tl.constexpr,
-    B_DESC: tl.constexpr = 0,
-):  # fmt: skip
-    # gather_grouped_mm's loop with two accumulators: columns n of the gate half (weight rows n) and of the up half
-    # (weight rows F + n), so the epilogue has both halves of its phi columns. Each value is rounded to the output
-    # dtype where the unfused path rounds it (h, then silu(gate), then the product), so phi matches
-    # silu(h[:, :F]) * h[:, F:] computed by PyTorch in that dtype. ``w`` and B_DESC as in _gather_grouped_mm_kernel
-    # (a descriptor's gate block past F reads up rows: only into columns that are never stored or summed).
-    group, offs_m, m_mask, offs_n = _tile(offsets_ptr, R, E, F, G_POW2, BLOCK_M, BLOCK_N)
-    mask = m_mask[:, None] & (offs_n[None, :] < F)
-    rows64 = offs_m[:, None].to(tl.int64)
-    h_ptrs = h_ptr + rows64 * stride_hr + offs_n[None, :] * stride_hf
-    phi_ptrs = phi_ptr + rows64 * stride_pr + offs_n[None, :] * stride_pf
-    part_ptrs = part_ptr + offs_m.to(tl.int64) * stride_qr + tl.program_id(0) % tl.cdiv(F, BLOCK_N)  # column tile
-    dtype = phi_ptr.dtype.element_ty
-
-    if group == E:  # the tail: zeros everywhere
-        zeros = tl.zeros((BLOCK_M, BLOCK_N), dtype=dtype)
-        if STORE_H:
-            tl.store(h_ptrs, zeros, mask=mask)
-            tl.store(h_ptrs + F * stride_hf, zeros, mask=mask)
-        tl.store(phi_ptrs, zeros, mask=mask)
-        tl.store(part_ptrs, tl.zeros((BLOCK_M,), dtype=tl.float32), mask=m_mask)
-    elif group < E:
-        if B_DESC == 0:
-            a_ptrs, g_ptrs, offs_k = _gather_operands(x_ptr, w, rows_ptr, group, offs_m, m_mask, offs_n, F,
-                                                      stride_xn, stride_xi, stride_we, stride_wo, stride_wi, BLOCK_K)
-            u_ptrs = g_ptrs + F * stride_wo
-        else:
-            a_ptrs, offs_k = _gather_a(x_ptr, rows_ptr, offs_m, m_mask, stride_xn, stride_xi, BLOCK_K)
-            n0 = (tl.program_id(0) % tl.cdiv(F, BLOCK_N)) * BLOCK_N
-        acc_dtype = tl.float64 if ACC_FP64 else tl.float32
-        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=acc_dtype)
-        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=acc_dtype)
-        for k in range(0, tl.cdiv(I, BLOCK_K)):
-            if EVEN_K:
-                a = tl.load(a_ptrs)
-            else:
-                k_mask = offs_k < I - k * BLOCK_K
-                a = tl.load(a_ptrs, mask=k_mask[None, :], other=0.0)
-            if B_DESC == 1:
-                bg = tl.trans(w.load([group, n0, k * BLOCK_K]).reshape(BLOCK_N, BLOCK_K))
-                bu = tl.trans(w.load([group, F + n0, k * BLOCK_K]).reshape(BLOCK_N, BLOCK_K))
-            elif B_DESC == 2:
-                bg = w.load([group, k * BLOCK_K, n0]).reshape(BLOCK_K, BLOCK_N)
-                bu = w.load([group, k * BLOCK_K, F + n0]).reshape(BLOCK_K, BLOCK_N)
-            elif EVEN_K:
-                bg = tl.load(g_ptrs)
-                bu = tl.load(u_ptrs)
-            else:
-                bg = tl.load(g_ptrs, mask=k_mask[:, None], other=0.0)
-                bu = tl.load(u_ptrs, mask=k_mask[:, None], other=0.0)
-            if UPCAST:
-                a = a.to(tl.float32)
-                bg = bg.to(tl.float32)
-                bu = bu.to(tl.float32)
-            acc_g = tl.dot(a, bg, acc_g, input_precision=INPUT_PRECISION, out_dtype=acc_dtype)
-            acc_u = tl.dot(a, bu, acc_u, input_precision=INPUT_PRECISION, out_dtype=acc_dtype)
-            a_ptrs += BLOCK_K * stride_xi
-            if B_DESC == 0:
-                g_ptrs += BLOCK_K * stride_wi
-                u_ptrs += BLOCK_K * stride_wi
-        h_gate = acc_g.to(dtype)
-        h_up = acc_u.to(dtype)
-        if STORE_H:
-            tl.store(h_ptrs, h_gate, mask=mask)
-            tl.store(h_ptrs + F * stride_hf, h_up, mask=mask)
-        # silu and the product in the accumulator's precision, as PyTorch computes bf16 elementwise ops in fp32
-        gate = h_gate.to(acc_dtype)
-        silu = (gate / (1.0 + tl.exp(-gate))).to(dtype)
-        phi = (silu.to(acc_dtype) * h_up.to(acc_dtype)).to(dtype)
-        tl.store(phi_ptrs, phi, mask=mask)
-        phi32 = tl.where(mask, phi.to(tl.float32), 0.0)
-        tl.store(part_ptrs, tl.sum(phi32 * phi32, 1), mask=m_mask)
-
-
-_gather_grouped_swiglu = _with_config(_gather_grouped_swiglu_kernel, _swiglu_gpu_configs(), key=("F", "I"),
-                                     prune=_prune_small_swiglu)
-
-
-def gather_grouped_swiglu_triton(
-    x_NI: torch.Tensor, gate_up_EFI: torch.Tensor, rows_R: torch.Tensor, offsets_E: torch.Tensor,
-    store_h: bool = True, config: triton.Config | None = None, b_desc: bool | None = None,
-    block_n: int | None = None,
-) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
-    """The gate/up GEMM with the SwiGLU in its epilogue: (h_R2F, phi_RF, phi_sq_R) where h = gather_grouped_mm(x,
-    gate_up, rows, offsets) (None unless ``store_h``), phi = silu(h[:, :F]) * h[:, F:] in x's dtype, and
-    phi_sq = ||phi||^2 per row in fp32 (from the rounded phi). Rows past offsets_E[-1]: zeros. No host sync.
-
-    ||phi||^2 is summed in two steps: every program writes the sum over its BLOCK_N columns, and PyTorch adds the
-    cdiv(F, BLOCK_N) partial sums of a row (deterministic, no atomics). ``config`` (BLOCK_M, BLOCK_K, warps,
-    stages), ``b_desc`` and ``block_n`` (gate columns a program, default _swiglu_block_n) as in
-    gather_grouped_mm_triton, for benchmarks/grouped_gemm.py --configs.
-    """
-    _check_device(x_NI, gate_up_EFI, rows_R, offsets_E)
-    rows_R, offsets_E = rows_R.contiguous(), offsets_E.contiguous()  # read as flat arrays
-    R, (E, F2, I) = rows_R.shape[0], gate_up_EFI.shape
-    if F2 % 2:
-        raise ValueError(f"gate_up_EFI must be [E, 2F, I], got {tuple(gate_up_EFI.shape)}")
-    F = F2 // 2
-    phi_RF = torch.empty((R, F), dtype=x_NI.dtype, device=x_NI.device)
-    h_R2F = torch.empty((R, F2), dtype=x_NI.dtype, device=x_NI.device) if store_h else None
-    block_n = block_n or _swiglu_block_n(x_NI.element_size(), F)
-    part_RT = torch.empty((R, triton.cdiv(F, block_n)), dtype=torch.float32, device=x_NI.device)
-    if known_empty(R, F):
-        return h_R2F, phi_RF, part_RT.sum(1)
-    h_out = phi_RF if h_R2F is None else h_R2F  # an unused stand-in pointer when h is not stored
-    kernel, fixed = _kernel_and_blocks(_gather_grouped_swiglu, _gather_grouped_swiglu_kernel, config)
-    fixed.pop("BLOCK_N", None)
-    w, mode = _weight_operand(gate_up_EFI, b_desc)
-    if mode == 2 and F * gate_up_EFI.element_size() % 16:  # the up blocks would start off TMA's 16-byte grid
-        if b_desc:
-            raise ValueError("b_desc=True needs 16-byte aligned up columns in a transposed gate_up_EFI")
-        w, mode = gate_up_EFI, 0
-    if fixed:  # no autotuner to run the configs' pre_hook
-        _set_desc_blocks({"w": w, "B_DESC": mode, "BLOCK_N": block_n, **fixed})
-    grid = lambda meta: ((triton.cdiv(R, meta["BLOCK_M"]) + E) * triton.cdiv(F, block_n),)  # noqa: E731
-    launch(kernel, grid)(
-        x_NI, w, rows_R, offsets_E, h_out, phi_RF, part_RT,
-        R, F, I, E, x_NI.element_size(),
-        *x_NI.stride(), *gate_up_EFI.stride(), *h_out.stride(), *phi_RF.stride(), part_RT.stride(0),
-        G_POW2=triton.next_power_of_2(E + 1), BLOCK_N=block_n, STORE_H=store_h, **_dot_flags(x_NI.dtype), **fixed,
-        B_DESC=mode,
-    )  # fmt: skip
-    return h_R2F, phi_RF, part_RT.sum(1)
 
 
 # ------------------------------------------------------------------------------------------------- zero tail
@@ -590,8 +391,8 @@ def zero_rows_past_last_offset_(y_RO: torch.Tensor, offsets_E: torch.Tensor) -> 
         return y_RO
     if E == 0:
         return y_RO.zero_()
-    block_r = 16 if _INTERPRET else 32
-    block_o = min(triton.next_power_of_2(O), 32 if _INTERPRET else 256)
+    block_r = 16 if interpreting() else 32
+    block_o = min(triton.next_power_of_2(O), 32 if interpreting() else 256)
     launch(_zero_tail_kernel, (triton.cdiv(R, block_r),))(
         y_RO, offsets_E, R, O, E, *y_RO.stride(), BLOCK_R=block_r, BLOCK_O=block_o, num_warps=4,
     )
@@ -672,7 +473,7 @@ def _a_operand(a_RO: torch.Tensor, a_tma: bool | None) -> tuple:
         and not tracing()  # first: R may be an unbacked size while traced, which the tests below would guard on
         and min(R, O) > 0
         and R <= 2**30
-        and (_INTERPRET or (size == 2 and _has_tma(a_RO.device)))
+        and (interpreting() or (size == 2 and _has_tma(a_RO.device)))
         and a_RO.stride(1) == 1
         and a_RO.data_ptr() % 16 == 0
         and a_RO.stride(0) * size % 16 == 0

@@ -5,20 +5,49 @@ Every launcher in this package starts its kernels with ``launch(kernel, grid)(*a
 into its launcher, see lrmoe.ops._kernels.inline_when_compiled) it goes through ``torch.library.wrap_triton``, so
 the compiled graph holds the kernel itself and Inductor launches it with its own launcher: no custom-op dispatch
 and no Python launcher at run time.
+
+``interpreting()`` is the one place that says whether Triton's interpreter runs the kernels (TRITON_INTERPRET=1:
+CPU tensors, Python speed; how the tests run without a GPU). Launchers ask it to pick small blocks and to accept
+CPU tensors. It is read once, at import, as triton.jit reads it when the kernels are defined: the interpreter is on
+for the whole process or off. Set TRITON_INTERPRET before importing this package (tests/conftest.py does, on a
+machine without a GPU).
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
-__all__ = ["known_empty", "launch", "traced", "tracing"]
+__all__ = ["as_interpreted", "interpreting", "known_empty", "launch", "traced", "tracing"]
 
 _state = threading.local()
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def interpreting() -> bool:
+    """Whether the launchers run their kernels in Triton's interpreter (see the module docstring)."""
+    return getattr(_state, "interpret", _INTERPRET)
+
+
+@contextlib.contextmanager
+def as_interpreted(on: bool) -> Iterator[None]:
+    """Launchers inside this block choose blocks, flags and device checks as if the interpreter were ``on``; the
+    kernels themselves stay as defined. For tests/kernels/sm90_compile.py, which records launches on CPU tensors
+    (``on=True`` passes the device checks) and compiles the GPU's choices (``on=False``)."""
+    before = getattr(_state, "interpret", None)
+    _state.interpret = on
+    try:
+        yield
+    finally:
+        if before is None:
+            del _state.interpret
+        else:
+            _state.interpret = before
 
 
 @contextlib.contextmanager

@@ -32,17 +32,15 @@ small, so the odd test shapes cross several tiles and masked edges.
 
 from __future__ import annotations
 
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-from .launch import known_empty, launch, tracing
+from .launch import interpreting, known_empty, launch, tracing
 
 __all__ = ["gather_host_rows_triton"]
 
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 @triton.jit
@@ -76,12 +74,12 @@ def _gather_rows_kernel(
 def _blocks(n_cols: int, elem_bytes: int, on_host: bool = False) -> dict:
     """Tile sizes: 8 rows a program, 4 warps; BLOCK_C up to 512 bytes of a row from device memory, 1 KiB from host
     memory (a first guess for the link, untuned); narrow rows get a narrower BLOCK_C instead of masked lanes.
-    Device rows measured on one H200 (benchmarks/row_gather.py --sweep, bf16, T = 8192, 65,536 and 32,768 rows out
-    of 2,048 / 4,096 columns, 32 shapes, tenth session): 8 x 256 elements was within 1 % of the best shape in all six
+    Device rows measured on one H200 (benchmarks/kernels.py row-gather --sweep, bf16, T = 8192, 65,536 and 32,768
+    rows out of 2,048 / 4,096 columns, 32 shapes): 8 x 256 elements was within 1 % of the best shape in all six
     cases, and 3-5 % faster than 8 x 512: 5.4-6.3 TB/s counting each output row read and written once, 1.33-1.51x
     a clone of the output's size (the source rows come from the L2), and 0.65-0.80 of Inductor's time for the same
     gathers (the layers' row gathers use it, compiled too: lrmoe.ops.grouped_gemm)."""
-    if _INTERPRET:
+    if interpreting():
         return {"BLOCK_R": 4, "BLOCK_C": 16, "num_warps": 1}
     block_c = min(triton.next_power_of_2(max(n_cols, 1)), max((1024 if on_host else 512) // elem_bytes, 16))
     return {"BLOCK_R": 8, "BLOCK_C": block_c, "num_warps": 4}
@@ -96,7 +94,7 @@ def gather_host_rows_triton(src_NC: torch.Tensor, rows_R: torch.Tensor, coef_R: 
     if src_NC.dim() != 2 or rows_R.dim() != 1:
         raise ValueError(f"src_NC must be 2-D and rows_R 1-D, got shapes {tuple(src_NC.shape)} and "
                          f"{tuple(rows_R.shape)}")
-    if not _INTERPRET and not tracing() and rows_R.device.type != "cuda":  # traced: recorded, not launched here
+    if not interpreting() and not tracing() and rows_R.device.type != "cuda":  # traced: recorded, not launched here
         raise ValueError("gather_host_rows_triton needs rows_R on CUDA (or TRITON_INTERPRET=1 for CPU tensors)")
     n_rows, n_cols = src_NC.shape
     rows_R = rows_R.contiguous()  # rows_R and coef_R are read as flat arrays
@@ -104,7 +102,7 @@ def gather_host_rows_triton(src_NC: torch.Tensor, rows_R: torch.Tensor, coef_R: 
     out_RC = torch.empty(rows_R.shape[0], n_cols, dtype=src_NC.dtype, device=rows_R.device)
     if known_empty(rows_R.shape[0], n_cols):  # nothing to read (an empty source may not even be pinned)
         return out_RC
-    if not _INTERPRET and not tracing() and src_NC.device != rows_R.device and not src_NC.is_pinned():
+    if not interpreting() and not tracing() and src_NC.device != rows_R.device and not src_NC.is_pinned():
         raise ValueError(f"src_NC must be pinned host memory or on {rows_R.device}, got {src_NC.device} memory "
                          "that is not pinned (not mapped into the device's address space)")
     cfg = blocks or _blocks(n_cols, src_NC.element_size(), on_host=src_NC.device != rows_R.device)

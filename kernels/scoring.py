@@ -3,15 +3,12 @@
 Shapes: T tokens, K top-k, D model dim.
 
 For metric "lrm" the score of pair (t, k) is alpha_tk^2 * ||g_t||^2 * phi_sq_tk; "grad_l2" drops phi_sq;
-"grad_abs" is |alpha_tk| * ||g_t||_1 (DESIGN.md section 3). Any non-finite gate, phi_sq, token norm or product
-gives +inf, exactly like the reference in lrmoe.ops.scoring, so a diverging pair is always kept.
+"grad_abs" is |alpha_tk| * ||g_t||_1 (docs/design.md, 'The metric'). Any non-finite gate, phi_sq, token norm or
+product gives +inf, exactly like the reference in lrmoe.ops.scoring, so a diverging pair is always kept.
 
 The work is memory-bound: g [T, D] is T*D elements against T*K of everything else, so each program reads a block
 of whole token rows of g exactly once (both norms from the same loads), then its pairs' gates and phi_sq, and
 writes its pairs' fp32 scores. Everything is accumulated in fp32 whatever the input dtype.
-
-``row_sqnorm_triton(x_ND) -> out_N`` (behind ``lrmoe::row_sqnorm``) is the same pass over rows without the pairs:
-the layers' ||phi||^2 per pair in forward, with no fp32 copy of phi.
 """
 
 from __future__ import annotations
@@ -22,7 +19,7 @@ import triton.language as tl
 
 from .launch import known_empty, launch
 
-__all__ = ["METRIC_IDS", "row_sqnorm_triton", "score_pairs_triton"]
+__all__ = ["METRIC_IDS", "score_pairs_triton"]
 
 # The deterministic metrics, as the kernel's constexpr METRIC ("random" never reaches a kernel).
 METRIC_IDS = {"lrm": 0, "grad_l2": 1, "grad_abs": 2}
@@ -110,24 +107,16 @@ def _score_pairs_kernel(
     tl.store(out_ptr + t64_T[:, None] * K + k_K[None, :], s_TK, mask=mask_TK)
 
 
-@triton.jit
-def _row_sqnorm_kernel(x_ptr, out_ptr, N, D, stride_n, stride_d, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
-    n_T = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    ok_T = n_T < N
-    sq_T, _ = _row_norms(x_ptr + n_T.to(tl.int64) * stride_n, ok_T, D, stride_d, 0, BLOCK_T, BLOCK_D)
-    tl.store(out_ptr + n_T, sq_T, mask=ok_T)
-
-
 def _block_sizes(T: int, K: int, D: int) -> tuple[int, int, int, int]:
     """(BLOCK_T, BLOCK_D, BLOCK_K, num_warps) for a [T, D] gradient and K pairs per token.
 
     BLOCK_D: up to 128 columns a step, BLOCK_T: rows per program so that a step moves 512 elements (4 rows of 128
     from D = 128 on, more rows for narrower D, at most 32), 4 warps: 4 elements per thread a step, a few registers,
     so many programs fit on an SM. T = 8192 launches 2048 programs, ~15 per SM on an H200's 132 SMs.
-    Measured on one H200 (benchmarks/scoring_bandwidth.py --sweep --methods graph, bf16, K = 8, metric lrm, 38
-    block shapes, ninth session): (4, 128, 4 warps) read g at 75 % / 82 % of the device copy bandwidth at T = 8192
+    Measured on one H200 (benchmarks/kernels.py scoring --sweep --methods graph, bf16, K = 8, metric lrm, 38
+    block shapes): (4, 128, 4 warps) read g at 75 % / 82 % of the device copy bandwidth at T = 8192
     (D = 2048 / 4096) and 99 % / 101 % at T = 131072; the best shape per case reached 76 / 83 / 101 / 103 %, and
-    the previous default (4, 512, 4 warps) 59 / 71 / 88 / 96 %. (16, 512, 4 warps) did as well as (4, 128) but holds
+    (4, 512, 4 warps) 59 / 71 / 88 / 96 %. (16, 512, 4 warps) did as well as (4, 128) but holds
     16x the registers (two accumulators for grad_abs), so it was not taken. Timed with the inputs rotated through
     copies larger than the L2 inside one CUDA graph; do_bench's L2 flush made the same kernel at T = 8192 read 19
     to 39 us in different runs where the graph method gave 13.4-13.7 us.
@@ -187,17 +176,3 @@ def score_pairs_triton(
         num_warps=nw,
     )
     return scores_TK
-
-
-def row_sqnorm_triton(x_ND: torch.Tensor) -> torch.Tensor:
-    """The fp32 sum of squares of every row of x_ND (any float dtype, any strides): the pass over g that scores the
-    pairs, without the pairs (the kernel behind ``lrmoe::row_sqnorm``). No host sync."""
-    N, D = x_ND.shape
-    out_N = torch.empty((N,), dtype=torch.float32, device=x_ND.device)
-    if known_empty(N):
-        return out_N
-    bt, bd, _, nw = _block_sizes(N, 1, D)
-    launch(_row_sqnorm_kernel, (triton.cdiv(N, bt),))(
-        x_ND, out_N, N, D, x_ND.stride(0), x_ND.stride(1), BLOCK_T=bt, BLOCK_D=bd, num_warps=nw
-    )
-    return out_N

@@ -4,7 +4,7 @@ Shapes: P pairs, G groups, R = max_rows (the static size of the compact buffer).
 
 Both modes select in the group order: pairs by group ascending, pair id within (a stable argsort of the group ids,
 which a caller such as the MoE layer already has from its forward dispatch and passes in; otherwise one int32 sort).
-Per mode (DESIGN.md section 4, item 3):
+Per mode (docs/design.md, 'The five primitives'):
 
 "top" (one launch given the group order, when run eagerly): ``_top_kernel``, one program per group, each first
 planning all groups (``_plan_block``: per group, start and size by a 16-ary search over the group ids read through
@@ -49,13 +49,12 @@ negated for descending order and shifted into [0, 2^32).
 
 from __future__ import annotations
 
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-from .launch import known_empty, launch, tracing
+from .launch import interpreting, known_empty, launch, tracing
 
 __all__ = [
     "SORT_MAX", "compact", "group_score_order", "plan_groups", "sample_probabilities", "score_order", "select_top",
@@ -64,14 +63,14 @@ __all__ = [
 BLOCK = 1024  # elements per program of the elementwise kernels: memory-bound, 4 warps, 8 elements a thread
 # Groups per step of the plan (it loops over larger G); small under the interpreter, so that the tests' few groups
 # take several steps.
-BLOCK_G = 16 if os.environ.get("TRITON_INTERPRET", "0") == "1" else 256
+BLOCK_G = 16 if interpreting() else 256
 SORT_MAX = 8192  # largest group one program sorts in registers ("sample" given a bound on the group sizes)
 # Smallest block of that sort (a group is sorted in the smallest power-of-two block from here up that holds it).
 # Small under the interpreter, so the tests' groups take several blocks.
-SORT_MIN = 4 if os.environ.get("TRITON_INTERPRET", "0") == "1" else 256
+SORT_MIN = 4 if interpreting() else 256
 # Members per step of a "top" program (a group up to this size is counted in registers). Small under the
 # interpreter, so the tests' groups take both paths.
-TOP_BLOCK = 16 if os.environ.get("TRITON_INTERPRET", "0") == "1" else 2048
+TOP_BLOCK = 16 if interpreting() else 2048
 
 
 @triton.jit

@@ -17,24 +17,22 @@ Why one kernel: the layer's backward needs phi (the down projection's weight-gra
 projection's output gradient) of the same retained rows, both from h. Compiled, Inductor produced them in two
 kernels that each gathered h through two index loads per element (the retained row's pair, then that pair's row of
 the saved h) over a flattened [R, 2F] range, 0.216 + 0.077 ms at the Qwen3 shape, retain 1, on the H200 (read
-off Inductor's generated code and the profile, ninth session). Here each program loads its rows' index once and
+off Inductor's generated code and the profile). Here each program loads its rows' index once and
 reads contiguous runs of the gate and up halves of those rows: h read once in place (the saved h with the row
 index, no gathered copy), dphi once, dh and phi written once (0.148 ms at that shape, the same profile).
 """
 
 from __future__ import annotations
 
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-from .launch import known_empty, launch
+from .launch import interpreting, known_empty, launch
 
 __all__ = ["swiglu_backward_triton", "swiglu_sqnorm_triton"]
 
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 @triton.jit
@@ -112,7 +110,7 @@ def _swiglu_sqnorm_kernel(
 def _blocks(F: int) -> dict:
     """GPU: 8 rows x up to 256 columns, 4 warps: 16 elements of each of the five [R, F] tiles per thread. A first
     choice, not swept. Interpreter: small, so test shapes cross tiles and masked edges."""
-    if _INTERPRET:
+    if interpreting():
         return {"BLOCK_R": 4, "BLOCK_F": 8, "num_warps": 1}
     return {"BLOCK_R": 8, "BLOCK_F": min(triton.next_power_of_2(max(F, 1)), 256), "num_warps": 4}
 
@@ -120,7 +118,7 @@ def _blocks(F: int) -> dict:
 def _sqnorm_blocks(F: int) -> dict:
     """GPU: 4 rows x up to 256 columns a step, 4 warps (as _blocks, half the rows: each program loops over F).
     A first choice, not swept. Interpreter: small, so test shapes cross tiles, steps and masked edges."""
-    if _INTERPRET:
+    if interpreting():
         return {"BLOCK_R": 4, "BLOCK_F": 8, "num_warps": 1}
     return {"BLOCK_R": 4, "BLOCK_F": min(triton.next_power_of_2(max(F, 1)), 256), "num_warps": 4}
 

@@ -25,18 +25,16 @@ gather_dot program owns one token and sweeps the columns, so g[t] is read once. 
 
 from __future__ import annotations
 
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-from .launch import known_empty, launch
+from .launch import interpreting, known_empty, launch
 from .scoring import METRIC_IDS, _pair_scores
 
 __all__ = ["gather_dot_rows_triton", "gather_dot_scores_triton", "gather_sum_rows_triton"]
 
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 @triton.jit
@@ -134,7 +132,7 @@ def _check(src_NC: torch.Tensor, rows_TK: torch.Tensor) -> None:
 def _block_c(n_cols: int, elem_bytes: int, kp: int, tile_bytes: int) -> int:
     """Columns per program (or per step): a [KP, BLOCK_C] tile of about ``tile_bytes`` on a GPU; small under the
     interpreter, so the tests' odd shapes cross several blocks and masked edges."""
-    if _INTERPRET:
+    if interpreting():
         return 8
     return max(16, min(triton.next_power_of_2(max(n_cols, 1)), tile_bytes // (kp * elem_bytes)))
 
@@ -142,7 +140,7 @@ def _block_c(n_cols: int, elem_bytes: int, kp: int, tile_bytes: int) -> int:
 def gather_sum_rows_triton(src_NC: torch.Tensor, rows_TK: torch.Tensor, weights_TK: torch.Tensor | None, *,
                            block_c: int | None = None, num_warps: int | None = None) -> torch.Tensor:
     """out_TC[t] = sum_k weights[t, k] * src[rows[t, k]] (fp32 accumulation, src's dtype); rows < 0 skipped.
-    ``block_c``, ``num_warps`` override the defaults, for tuning (benchmarks/token_rows.py)."""
+    ``block_c``, ``num_warps`` override the defaults, for tuning (benchmarks/kernels.py token-rows)."""
     _check(src_NC, rows_TK)
     n_tok, top_k = rows_TK.shape
     n_cols = src_NC.shape[1]
@@ -154,14 +152,14 @@ def gather_sum_rows_triton(src_NC: torch.Tensor, rows_TK: torch.Tensor, weights_
     w_TK = rows_TK if weights_TK is None else weights_TK.contiguous()  # rows: an unused stand-in pointer
     kp = triton.next_power_of_2(max(top_k, 1))
     # GPU: 16 KiB tiles, 4 warps: within 3 % of the best of 12 shapes at D = 2,048 and 4,096 (benchmarks/
-    # token_rows.py --sweep, tenth session; 0.85 / 0.90 of a clone of y's bandwidth).
+    # kernels.py token-rows --sweep; 0.85 / 0.90 of a clone of y's bandwidth).
     block_c = block_c or _block_c(n_cols, src_NC.element_size(), kp, 16384)
     grid = (n_tok, triton.cdiv(n_cols, block_c))
     launch(_gather_sum_rows_kernel, grid)(
         src_NC, rows_TK, w_TK, out_TC,
         n_cols, top_k,
         src_NC.stride(0), out_TC.stride(0),
-        HAS_W=weights_TK is not None, KP=kp, BLOCK_C=block_c, num_warps=num_warps or (1 if _INTERPRET else 4),
+        HAS_W=weights_TK is not None, KP=kp, BLOCK_C=block_c, num_warps=num_warps or (1 if interpreting() else 4),
     )  # fmt: skip
     return out_TC
 
@@ -169,7 +167,7 @@ def gather_sum_rows_triton(src_NC: torch.Tensor, rows_TK: torch.Tensor, weights_
 def gather_dot_rows_triton(src_NC: torch.Tensor, rows_TK: torch.Tensor, g_TC: torch.Tensor, *,
                            block_c: int | None = None, num_warps: int | None = None) -> torch.Tensor:
     """out_TK[t, k] = <g[t], src[rows[t, k]]> in fp32; 0 where rows < 0. ``block_c``, ``num_warps`` override the
-    defaults, for tuning (benchmarks/token_rows.py)."""
+    defaults, for tuning (benchmarks/kernels.py token-rows)."""
     _check(src_NC, rows_TK)
     n_tok, top_k = rows_TK.shape
     out_TK = torch.empty(n_tok, top_k, dtype=torch.float32, device=src_NC.device)
@@ -180,15 +178,15 @@ def gather_dot_rows_triton(src_NC: torch.Tensor, rows_TK: torch.Tensor, g_TC: to
     rows_TK = rows_TK.contiguous()
     kp = triton.next_power_of_2(max(top_k, 1))
     # GPU: 16 KiB tiles over 2 warps (at K = 8, bf16: 1,024 columns, 128 fp32 accumulators a thread). Measured on
-    # one H200 (benchmarks/token_rows.py --sweep, T = 8192, K = 8, tenth session): the best of 12 shapes at D =
-    # 2,048 and 4,096, 85.7 / 151.9 us against 102.3 / 184.4 for the 8 KiB, 4-warp tiles before (0.85 / 0.95 of a
-    # clone of y's bandwidth).
+    # one H200 (benchmarks/kernels.py token-rows --sweep, T = 8192, K = 8): the best of 12 shapes at D = 2,048 and
+    # 4,096, 85.7 / 151.9 us against 102.3 / 184.4 for 8 KiB, 4-warp tiles (0.85 / 0.95 of a clone of y's
+    # bandwidth).
     block_c = block_c or _block_c(src_NC.shape[1], src_NC.element_size(), kp, 16384)
     launch(_gather_dot_rows_kernel, (n_tok,))(
         src_NC, rows_TK, g_TC, out_TK,
         src_NC.shape[1], top_k,
         src_NC.stride(0), g_TC.stride(0),
-        KP=kp, BLOCK_C=block_c, num_warps=num_warps or (1 if _INTERPRET else 2),
+        KP=kp, BLOCK_C=block_c, num_warps=num_warps or (1 if interpreting() else 2),
     )  # fmt: skip
     return out_TK
 
@@ -211,8 +209,8 @@ def gather_dot_scores_triton(src_NC: torch.Tensor, rows_TK: torch.Tensor, g_TC: 
     g_TC = g_TC if g_TC.stride(1) == 1 else g_TC.contiguous()
     rows_TK, gates_TK, phi_sq_TK = rows_TK.contiguous(), gates_TK.contiguous(), phi_sq_TK.contiguous()
     kp = triton.next_power_of_2(max(top_k, 1))
-    # GPU: 8 KiB tiles (512 columns at K 8 in bf16), 2 warps, half of gather_dot_rows' tile. Measured (fourteenth
-    # session, benchmarks/token_rows.py --sweep, 12 shapes): 0.90 / 0.99 of a clone's bandwidth at D = 2,048 /
+    # GPU: 8 KiB tiles (512 columns at K 8 in bf16), 2 warps, half of gather_dot_rows' tile. Measured (one H200,
+    # benchmarks/kernels.py token-rows --sweep, 12 shapes): 0.90 / 0.99 of a clone's bandwidth at D = 2,048 /
     # 4,096 against 0.83 / 0.95 with 16 KiB; the next best, 16 KiB with 4 warps, 0.88 / 0.98 (gather_dot_rows
     # itself is best at 16 KiB, 2 warps). sm_90 registers at the Qwen3 shape: 120 a thread here, 234 with 16 KiB.
     block_c = block_c or _block_c(src_NC.shape[1], src_NC.element_size(), kp, 8192)
@@ -221,6 +219,6 @@ def gather_dot_scores_triton(src_NC: torch.Tensor, rows_TK: torch.Tensor, g_TC: 
         src_NC.shape[1], top_k,
         src_NC.stride(0), g_TC.stride(0),
         METRIC=METRIC_IDS[metric], NORMS=2 if metric == "grad_abs" else 1, KP=kp, BLOCK_C=block_c,
-        num_warps=num_warps or (1 if _INTERPRET else 2),
+        num_warps=num_warps or (1 if interpreting() else 2),
     )  # fmt: skip
     return out_TK, scores_TK

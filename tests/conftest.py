@@ -4,8 +4,9 @@ Hypothesis profiles: "ci" (the default) keeps every property test small and fast
 minutes on two CPU cores; "dev" explores more examples. Pick one with HYPOTHESIS_PROFILE=dev.
 
 Triton: without a GPU, kernels run in Triton's interpreter, which must be switched on before any @triton.jit
-function is defined, so it is set here, before the tests import lrmoe_kernels. On a GPU machine the kernels
-compile for the device as usual.
+function is defined, so it is set here, before the tests import lrmoe_kernels; from then on tests ask
+lrmoe_kernels.launch.interpreting(), the one place that reads it. On a GPU machine the kernels compile for the
+device as usual.
 """
 
 from __future__ import annotations
@@ -20,7 +21,9 @@ import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
 from interpreter_versions import interpreter_numpy_problem  # noqa: E402  (this folder is on sys.path)
 
-if os.environ.get("TRITON_INTERPRET") == "1":
+from lrmoe.ops._kernels import kernel_module  # noqa: E402  (after TRITON_INTERPRET is set; imports no kernel)
+
+if (launch := kernel_module("launch")) is not None and launch.interpreting():
     import numpy
     import triton
 

@@ -27,9 +27,11 @@ def use_cuda_kernels_on_cpu() -> list[str]:
     from torch._library.custom_ops import CustomOpDef
 
     import lrmoe.nn  # noqa: F401  (imports every module that defines an op)
+    from lrmoe.ops._kernels import kernel_module
 
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        raise RuntimeError("set TRITON_INTERPRET=1 before starting this process")
+    launch = kernel_module("launch")
+    if launch is None or not launch.interpreting():
+        raise RuntimeError("needs Triton, with TRITON_INTERPRET=1 set before this process starts")
     ops = {}
     for name, module in list(sys.modules.items()):
         if module is not None and name.startswith("lrmoe"):

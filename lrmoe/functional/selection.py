@@ -27,14 +27,6 @@ from lrmoe.ops.selection import select_within_quota as select_within_quota_op
 __all__ = ["Selection", "select_within_quota", "inclusion_probabilities", "MODES"]
 
 
-# What a compiled graph runs for mode "sample": the op (one node; its Triton kernels on CUDA), or the reference's
-# PyTorch traced inline for Inductor to fuse (bit-identical on the same device). The op since the fourth GPU
-# session: on an H200, compiled LRMoE steps at retain 0.75 / 0.5 took 4.66 / 5.66 ms with the op against 6.07 /
-# 5.88 ms inlined, and 4.60 / 3.83 against 4.58 / 3.87 ms under CUDA graphs (docs/performance.md).
-# benchmarks/layer_fwd_bwd.py --compiled-sample swaps this to time both.
-_COMPILED_SAMPLE = select_within_quota_op
-
-
 @dataclass(frozen=True)
 class Selection:
     """Compact index buffer of the kept pairs.
@@ -135,11 +127,9 @@ def select_within_quota(
         uniform_G = torch.rand(quotas_G.shape[0], generator=generator, device=scores_P.device)
     # One custom op: the reference on CPU, Triton kernels on CUDA. The selection is not differentiated, so the
     # scores are detached: callers may pass tensors that require grad.
-    # Under torch.compile, "sample" runs _COMPILED_SAMPLE (the op unless a benchmark swaps it, see there).
-    select = select_within_quota_op
-    if mode == "sample" and torch.compiler.is_compiling():
-        select = _COMPILED_SAMPLE
-    pair_ids_R, weights_R, counts_G, offsets_G = select(
+    # Compiled, too, the graph holds the op (one node; its Triton kernels on CUDA): the reference traced inline
+    # was slower in the compiled layer on an H200 at retain 0.75 and 0.5 (docs/performance.md).
+    pair_ids_R, weights_R, counts_G, offsets_G = select_within_quota_op(
         scores_P.detach(), group_ids_P, quotas_G, max_rows, mode, uniform_G if mode == "sample" else None,
         group_order_P, max_group_size, group_ends_G,
     )

@@ -6,15 +6,11 @@ Inductor launches itself (lrmoe.ops._kernels.inline_when_compiled); on CPU each 
 reference).
 """
 
-from lrmoe.ops.grouped_gemm import (
-    gather_grouped_mm,
-    gather_grouped_swiglu,
-    grouped_outer,
-)
+from lrmoe.ops.grouped_gemm import gather_grouped_mm, grouped_outer
 from lrmoe.ops.offload import gather_host_rows, offload_to_host, offload_wait
 from lrmoe.ops.quotas import waterfill
 from lrmoe.ops.routing import topk_ids
-from lrmoe.ops.rows import gather_scale_rows, row_sqnorm
+from lrmoe.ops.rows import gather_scale_rows
 from lrmoe.ops.scoring import score_pairs
 from lrmoe.ops.selection import argsort_ids, select_within_quota
 from lrmoe.ops.swiglu import swiglu, swiglu_backward, swiglu_sqnorm
@@ -25,14 +21,12 @@ __all__ = [
     "gather_dot_rows",
     "gather_dot_scores",
     "gather_grouped_mm",
-    "gather_grouped_swiglu",
     "gather_host_rows",
     "gather_scale_rows",
     "gather_sum_rows",
     "grouped_outer",
     "offload_to_host",
     "offload_wait",
-    "row_sqnorm",
     "score_pairs",
     "select_within_quota",
     "swiglu",

@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 
+from lrmoe.ops._torch_internals import export_keeps_custom_ops, register_functional_rule, traced_tensor_types
+
 __all__ = ["forward_only", "inline_when_compiled", "kernel_module"]
 
 _PACKAGE = "lrmoe_kernels"
@@ -61,39 +63,30 @@ def inline_when_compiled(op, cuda_kernel: Callable[..., Any], when: Callable[...
     PyTorch ops) of ``cuda_kernel`` instead of one opaque op call, and Inductor launches them with its own
     launcher. Measured on the H200's host: lrmoe::gather_sum_rows took 80 µs of host time per call, its Triton
     launcher alone 44 µs, an aten index_select 20 µs; the compiled layer's step at retain 0.5 went from 4.7 to 2.9
-    ms of host time with the ops inlined (docs/performance.md, fifth GPU session).
+    ms of host time with the ops inlined (docs/performance.md).
 
-    How: AOTAutograd functionalizes the graph it traces; for ``op`` with CUDA tensors only (and ``when(*args)``,
-    if given), the functionalization runs ``cuda_kernel`` itself, with the kernels' launches recorded through
-    ``torch.library.wrap_triton`` (lrmoe_kernels.launch.traced). Everything else keeps the opaque op: CPU calls
+    How (with PyTorch internals, lrmoe.ops._torch_internals says which and why): AOTAutograd functionalizes the
+    graph it traces; for ``op`` with CUDA tensors only (and ``when(*args)``, if given), the functionalization runs
+    ``cuda_kernel`` itself, with the kernels' launches recorded through ``torch.library.wrap_triton``
+    (lrmoe_kernels.launch.traced). Everything else keeps the opaque op: CPU calls
     (so CPU graphs still call the reference), tensor subclasses, torch.export, machines without Triton. Eager
     calls are unaffected. Autograd is unaffected too: it sits above functionalization, so the op's backward
     formula runs first and its ops are inlined the same way.
     """
-    from torch._subclasses.fake_tensor import FakeTensor
-    from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
+    plain_types = traced_tensor_types()
 
     def decompose(mode, func, types, args, kwargs):
-        tensors = [a for a in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
-        plain = all(t in (torch.Tensor, FunctionalTensor, FakeTensor) for t in types)
+        tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]  # the ops take no lists
+        plain = all(t in plain_types for t in types)
         launcher = kernel_module("launch")
         if (plain and launcher is not None and tensors and all(t.device.type == "cuda" for t in tensors)
-                and not _export_keeps_ops() and (when is None or when(*args, **kwargs))):
+                and not export_keeps_custom_ops() and (when is None or when(*args, **kwargs))):
             with mode, launcher.traced():
                 return cuda_kernel(*args, **kwargs)
         return mode.__torch_dispatch__(func, types, args, kwargs)
 
-    op.register_torch_dispatch(FunctionalTensorMode, decompose)
+    register_functional_rule(op, decompose)
     INLINED[op._qualname] = (cuda_kernel, when)
-
-
-def _export_keeps_ops() -> bool:
-    """torch.export keeps custom ops whole (a graph of Triton kernels does not serialise), as for triton_op."""
-    try:
-        from torch.export._trace import custom_triton_ops_decomposition_disabled
-    except ImportError:
-        return False
-    return custom_triton_ops_decomposition_disabled()
 
 
 def forward_only(op, n_inputs: int) -> None:

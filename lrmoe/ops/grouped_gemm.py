@@ -7,10 +7,6 @@ Shapes: N source rows, R buffer rows, E experts (groups), O output features, I i
     (offsets are cumulative ends); y[i] = 0 past offsets[-1]. Differentiable in x and weight.
 ``lrmoe::grouped_outer(a_RO, b_NI, rows_R, offsets_E) -> w_EOI``
     w[e] = sum over i in group e of outer(a[i], b[rows[i]]): the weight gradient of the op above.
-``lrmoe::gather_grouped_swiglu(x_NI, gate_up_EFI, rows_R, offsets_E, store_h) -> (h_R2F, phi_RF, phi_sq_R)``
-    the gate/up GEMM with the SwiGLU in its epilogue (CUDA: one Triton kernel): h = gather_grouped_mm(x,
-    gate_up, rows, offsets) ([0, 2F] unless store_h), phi = silu(h[:, :F]) * h[:, F:] in x's dtype and
-    ||phi||^2 per row in fp32; zeros past offsets[-1]. Forward only (outputs non-differentiable).
 rows_R = None means the identity (rows[i] = i, so N = R): the rows are already in place, and the CUDA kernels
 skip the gather copy.
 
@@ -20,20 +16,18 @@ only). The CPU kernel is the reference: a loop over groups, reading the offsets 
 device synchronisation on CPU. The CUDA kernel uses torch._grouped_mm where its layout rules hold (bf16, 16-byte
 aligned rows: measured at ~610 TFLOP/s on the H200) and the Triton kernels of lrmoe_kernels.grouped_gemm (gather
 fused into the operand load) for every other dtype or shape; neither reads offsets on the host. Without Triton,
-CUDA falls back to the reference loop, which does synchronise. The layers' forward runs gather_grouped_mm then
-lrmoe::swiglu_sqnorm, not gather_grouped_swiglu: in the compiled layer on the H200 (thirteenth session,
-docs/performance.md) the fused kernel, with the weight through TMA, took 0.02 ms (Qwen3-30B-A3B) and 0.5 ms
-(GLM-4.5-Air) more GPU time per step than those two.
+CUDA falls back to the reference loop, which does synchronise. A gathered bf16 GEMM takes a row gather then
+torch._grouped_mm, not the gather-fused Triton kernel: inside the compiled layer on the H200 the two were within
+the run-to-run spread (docs/performance.md), and the torch path needs no autotuning.
 """
 
 from __future__ import annotations
 
 import torch
 
-from lrmoe.ops._kernels import forward_only, inline_when_compiled, kernel_module
-from lrmoe.ops.swiglu import swiglu_sqnorm_reference
+from lrmoe.ops._kernels import inline_when_compiled, kernel_module
 
-__all__ = ["gather_grouped_mm", "gather_grouped_swiglu", "grouped_outer"]
+__all__ = ["gather_grouped_mm", "grouped_outer"]
 
 
 def _group_bounds(offsets_E: torch.Tensor, n_rows: int) -> list[tuple[int, int, int]]:
@@ -64,9 +58,9 @@ def _take(x_NI: torch.Tensor, rows_R: torch.Tensor | None, start: int, end: int)
 def _rows_in_order(x_NI: torch.Tensor, rows_R: torch.Tensor | None) -> torch.Tensor:
     """x's rows gathered into buffer order, contiguous (torch._grouped_mm's stride rules). On CUDA the Triton row
     gather (lrmoe_kernels.offload), also under torch.compile, where this op is inlined: on one H200 it took
-    0.65-0.80 of the time of Inductor's gather kernel for the layers' gathers (benchmarks/row_gather.py, tenth
-    session), and padding rows (-1) come out as zeros. Elsewhere index_select, padding rows reading row 0. Either
-    way the GEMM's rows for padding lie past the last offset, so their values never reach a result."""
+    0.65-0.80 of the time of Inductor's gather kernel for the layers' gathers (benchmarks/kernels.py row-gather),
+    and padding rows (-1) come out as zeros. Elsewhere index_select, padding rows reading row 0. Either way the
+    GEMM's rows for padding lie past the last offset, so their values never reach a result."""
     if rows_R is None:
         return x_NI.contiguous()
     kernels = kernel_module("offload") if x_NI.device.type == "cuda" else None
@@ -96,20 +90,6 @@ def _grouped_mm_ok(*tensors: torch.Tensor) -> bool:
                for t in tensors)
 
 
-# Which kernel runs a bf16 gather_grouped_mm with an explicit row gather (rows_R given) on CUDA: "grouped_mm"
-# (index_select into buffer order, then torch._grouped_mm; inlined under compile) or "triton" (the gather fused into
-# the Triton GEMM's A loads; stays one op under compile, whose autotuned launch Inductor would otherwise re-tune).
-# On the H200 (docs/performance.md, sixth session) the Triton forward beat index_select + _grouped_mm at both
-# gate/up shapes, balanced and skewed (0.386 vs 0.449 ms Qwen3, 1.510 vs 1.786 GLM, balanced); inside the compiled
-# layer (eighth session) it was within +-3 % either way (4.65 / 4.30 / 3.58 against 4.79 / 4.27 / 3.63 ms at retain
-# 1 / 0.75 / 0.5), so the default stays; benchmarks/layer_fwd_bwd.py --gather-gemm sets this for that A/B.
-_GATHER_KERNEL = "grouped_mm"
-
-
-def _use_grouped_mm(x_NI: torch.Tensor, weight_EOI: torch.Tensor, rows_R: torch.Tensor | None) -> bool:
-    return _grouped_mm_ok(x_NI, weight_EOI) and (rows_R is None or _GATHER_KERNEL == "grouped_mm")
-
-
 # ---------------------------------------------------------------------------------------------- gather_grouped_mm
 
 
@@ -122,7 +102,7 @@ def gather_grouped_mm(
 
 @gather_grouped_mm.register_kernel("cuda")
 def _gather_grouped_mm_cuda(x_NI, weight_EOI, rows_R, offsets_E):
-    if not _use_grouped_mm(x_NI, weight_EOI, rows_R):
+    if not _grouped_mm_ok(x_NI, weight_EOI):
         kernels = kernel_module("grouped_gemm")
         if kernels is None:
             return _loop_mm(x_NI, weight_EOI, rows_R, offsets_E)
@@ -163,7 +143,7 @@ def _gather_grouped_mm_backward(ctx, grad_y_RO):
 gather_grouped_mm.register_autograd(_gather_grouped_mm_backward, setup_context=_gather_grouped_mm_setup)
 # Inlined under compile on the torch._grouped_mm path only: the Triton path autotunes, which Inductor would redo.
 inline_when_compiled(gather_grouped_mm, _gather_grouped_mm_cuda,
-                     when=lambda x, w, rows, *_: _use_grouped_mm(x, w, rows))
+                     when=lambda x, w, *_: _grouped_mm_ok(x, w))
 
 
 # -------------------------------------------------------------------------------------------------- grouped_outer
@@ -237,51 +217,3 @@ def _grouped_outer_backward(ctx, grad_w_EOI):
 
 grouped_outer.register_autograd(_grouped_outer_backward, setup_context=_grouped_outer_setup)
 inline_when_compiled(grouped_outer, _grouped_outer_cuda, when=lambda a, b, *_: _grouped_mm_ok(a, b))
-
-
-# --------------------------------------------------------------------------------------- gather_grouped_swiglu
-
-
-@torch.library.custom_op("lrmoe::gather_grouped_swiglu", mutates_args=())
-def gather_grouped_swiglu(
-    x_NI: torch.Tensor, gate_up_EFI: torch.Tensor, rows_R: torch.Tensor | None, offsets_E: torch.Tensor,
-    store_h: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    _check_swiglu(gate_up_EFI)
-    return _swiglu_reference(x_NI, gate_up_EFI, rows_R, offsets_E, store_h)
-
-
-def _check_swiglu(gate_up_EFI: torch.Tensor) -> None:
-    if gate_up_EFI.dim() != 3 or gate_up_EFI.shape[1] % 2:
-        raise ValueError(f"gate_up_EFI must be [E, 2F, I], got {tuple(gate_up_EFI.shape)}")
-
-
-def _swiglu_reference(x_NI, gate_up_EFI, rows_R, offsets_E, store_h):
-    """The unfused computation: h by gather_grouped_mm, phi = silu(gate) * up in x's dtype, ||phi||^2 in fp32."""
-    h_R2F = gather_grouped_mm(x_NI, gate_up_EFI, rows_R, offsets_E)
-    phi_RF, phi_sq_R = swiglu_sqnorm_reference(h_R2F)
-    return (h_R2F if store_h else h_R2F.new_empty(0, h_R2F.shape[1])), phi_RF, phi_sq_R
-
-
-@gather_grouped_swiglu.register_kernel("cuda")
-def _(x_NI, gate_up_EFI, rows_R, offsets_E, store_h):
-    _check_swiglu(gate_up_EFI)
-    kernels = kernel_module("grouped_gemm")
-    if kernels is None or x_NI.dtype == torch.float64:
-        return _swiglu_reference(x_NI, gate_up_EFI, rows_R, offsets_E, store_h)
-    h_R2F, phi_RF, phi_sq_R = kernels.gather_grouped_swiglu_triton(
-        x_NI, gate_up_EFI, _identity_rows(x_NI, rows_R), offsets_E, store_h=store_h
-    )
-    return (h_R2F if store_h else x_NI.new_empty(0, gate_up_EFI.shape[1])), phi_RF, phi_sq_R
-
-
-@gather_grouped_swiglu.register_fake
-def _(x_NI, gate_up_EFI, rows_R, offsets_E, store_h):
-    _check_swiglu(gate_up_EFI)
-    R, F2 = _n_rows(x_NI, rows_R), gate_up_EFI.shape[1]
-    return (x_NI.new_empty(R if store_h else 0, F2), x_NI.new_empty(R, F2 // 2),
-            x_NI.new_empty(R, dtype=torch.float32))
-
-
-# Forward only (the selective layers differentiate it themselves, see lrmoe.functional.experts).
-forward_only(gather_grouped_swiglu, 5)

@@ -1,5 +1,5 @@
 """Activations parked in pinned host memory, and the rows backward needs brought back, as custom ops (the
-activation policy "offload", DESIGN.md section 5).
+activation policy "offload", docs/design.md, 'Composition').
 
 Shapes: N rows, C columns, R gathered rows.
 
@@ -27,7 +27,8 @@ autograd.Function).
 
 Under torch.compile: only backward reads the host copy, so AOTAutograd's partitioner would move offload_to_host
 into the backward graph and save x on the device instead, undoing the policy; offload_to_host is registered as an
-effectful op (EffectType.ORDERED), which keeps it in the forward and saves its output. offload_wait, which has no
+effectful op (EffectType.ORDERED, through lrmoe.ops._torch_internals), which keeps it in the forward and saves its
+output. offload_wait, which has no
 output, is effectful too, or it would be dropped. Where the copy runs is Inductor's choice: its peak-memory
 reordering (config.reorder_for_peak_memory, on by default) counts the host buffer as memory and delays the op as far
 as it can. Generated for the CPU, the single-device layer's copy then runs just before offload_wait, overlapping
@@ -64,6 +65,7 @@ import functools
 import torch
 
 from lrmoe.ops._kernels import kernel_module
+from lrmoe.ops._torch_internals import register_ordered_effect
 
 __all__ = ["gather_host_rows", "offload_to_host", "offload_wait"]
 
@@ -115,25 +117,10 @@ def _offload_backward(ctx, grad_host):
 offload_to_host.register_autograd(_offload_backward, setup_context=_offload_setup)
 
 
-def _register_ordered_effect(op: torch._library.custom_ops.CustomOpDef) -> None:
-    """Registers the custom op ``op`` as effectful (EffectType.ORDERED): CustomOpDef.register_effect where torch has it
-    (2.13); older releases (2.11, the GPU machine's) register effectful ops through torch._higher_order_ops.effects.
-    Ops without outputs too (offload_wait): with_effects then returns the new token alone."""
-    if hasattr(op, "register_effect"):
-        from torch._library.effects import EffectType
-
-        op.register_effect(EffectType.ORDERED)
-        return
-    from torch._higher_order_ops import effects
-
-    effect = getattr(effects, "_EffectType", None) or effects.EffectType
-    effects._register_effectful_op(op._opoverload, effect.ORDERED)
-
-
 # The forward's outputs do not depend on the host copy, only backward reads it, so AOTAutograd's partitioner would
 # move the op into the backward graph and save h on the device instead, undoing the policy. An effectful op stays in
 # the forward, where it was called, and its output is saved (torch.compile threads effect tokens through the graph).
-_register_ordered_effect(offload_to_host)
+register_ordered_effect(offload_to_host)
 
 
 # --------------------------------------------------------------------------------------------------- offload_wait
@@ -157,7 +144,7 @@ def _(x, host, after):
 # Nothing reads an op without outputs, so the compiler would drop it (AOTAutograd does): the effect keeps it. Its
 # arguments, not the effect token, place it: Inductor 2.13 drops the token's ordering edge between effectful ops
 # (pytorch/pytorch#189209) and its peak-memory reordering hoists h's last use, which put the wait before the copy.
-_register_ordered_effect(offload_wait)
+register_ordered_effect(offload_wait)
 
 
 # ----------------------------------------------------------------------------------------------- gather_host_rows

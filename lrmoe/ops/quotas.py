@@ -9,7 +9,7 @@ Shapes: G groups (experts or expert instances), B bins (ranks under a capacity).
     that would need a host sync). ``waterfill_reference`` is its CPU kernel (and the per-bin form the capacity
     planner uses). On CUDA one Triton program (lrmoe_kernels.quotas) for G up to lrmoe_kernels.quotas.MAX_GROUPS:
     the reference is ~50 small PyTorch ops, which a compiled graph fuses but an eager step launches one by one
-    (docs/performance.md, twelfth session: the eager layer's step at retain < 1 is host-bound).
+    (docs/performance.md: the eager layer's step at retain < 1 is host-bound).
 
 Not differentiable (integers). Under torch.compile (lrmoe.ops._kernels.inline_when_compiled) a CUDA graph holds the
 Triton kernel itself.

@@ -1,4 +1,4 @@
-"""Row ops of the layers: a row gather with a per-row scale, and the per-row sum of squares.
+"""Row op of the layers: a row gather with a per-row scale.
 
 Shapes: N source rows, C columns, R rows out.
 
@@ -11,20 +11,10 @@ Shapes: N source rows, C columns, R rows out.
     Rows must lie in [0, N) (not checked: that would need a host sync); the CUDA kernel gives zeros for one outside,
     the reference fails.
 
-``lrmoe::row_sqnorm(x_NC) -> out_N``
-    out[n] = sum over c of x[n, c]^2 in fp32, whatever x's dtype (the layers keep ||phi||^2 in fp32, fp64 runs
-    included). The layers' ||phi||^2 per pair in forward until lrmoe::swiglu_sqnorm made it with phi: PyTorch
-    makes an fp32 copy of phi and its square first, N * F * 8 bytes (the forward's largest buffers at large
-    batches); on CUDA one Triton kernel (lrmoe_kernels.scoring's pass over rows) makes neither.
-
-The CPU kernels are the references; fp64 runs the references on every device. Not differentiable (the layers
-call them inside their autograd.Function). Under torch.compile (lrmoe.ops._kernels.inline_when_compiled) a CUDA
-graph holds each op's Triton kernel itself. On one H200 (tenth session): gather_scale_rows and the x-row gather
-write the backward's dy and x rows (two launches) in 0.68-0.80 of the time of Inductor's one fused gather of both
-(benchmarks/row_gather.py); row_sqnorm as its PyTorch form was not fused with the SwiGLU that makes phi:
-AOTAutograd's partitioner moved the reduction into the backward, recomputing silu(gate) * up from the saved h
-there (a 0.080 ms pass over [P, 2F] at the Qwen3 shape, retain 0.75), while the kernel reads phi once in forward
-(half the bytes) and its [P] result is what backward keeps.
+The CPU kernel is the reference; fp64 runs the reference on every device. Not differentiable (the layers call
+it inside their autograd.Function). Under torch.compile (lrmoe.ops._kernels.inline_when_compiled) a CUDA graph
+holds the Triton kernel itself: with the x-row gather it writes the backward's dy and x rows (two launches) in
+0.68-0.80 of the time of Inductor's one fused gather of both on an H200 (benchmarks/kernels.py row-gather).
 """
 
 from __future__ import annotations
@@ -34,7 +24,7 @@ from torch.fx.experimental.symbolic_shapes import guard_or_false
 
 from lrmoe.ops._kernels import forward_only, inline_when_compiled, kernel_module
 
-__all__ = ["gather_scale_rows", "row_sqnorm"]
+__all__ = ["gather_scale_rows"]
 
 
 def gather_scale_rows_reference(src_NC, rows_R, coef_R):
@@ -83,32 +73,3 @@ def _(src_NC, rows_R, coef_R):
 
 forward_only(gather_scale_rows, 3)
 inline_when_compiled(gather_scale_rows, _gather_scale_rows_cuda)
-
-
-def row_sqnorm_reference(x_NC):
-    return x_NC.float().square().sum(-1)
-
-
-@torch.library.custom_op("lrmoe::row_sqnorm", mutates_args=())
-def row_sqnorm(x_NC: torch.Tensor) -> torch.Tensor:
-    check_float_matrix("row_sqnorm", "x_NC", x_NC)
-    return row_sqnorm_reference(x_NC)
-
-
-@row_sqnorm.register_kernel("cuda")
-def _row_sqnorm_cuda(x_NC):
-    check_float_matrix("row_sqnorm", "x_NC", x_NC)
-    kernels = kernel_module("scoring")
-    if kernels is None or x_NC.dtype == torch.float64:  # the reference rounds fp64 to fp32 before squaring
-        return row_sqnorm_reference(x_NC)
-    return kernels.row_sqnorm_triton(x_NC)
-
-
-@row_sqnorm.register_fake
-def _(x_NC):
-    check_float_matrix("row_sqnorm", "x_NC", x_NC)
-    return x_NC.new_empty(x_NC.shape[0], dtype=torch.float32)
-
-
-forward_only(row_sqnorm, 1)
-inline_when_compiled(row_sqnorm, _row_sqnorm_cuda)

@@ -6,10 +6,11 @@ Shapes: N rows of h, R rows out, F the expert hidden dim; h is [N, 2F], gate hal
 ``swiglu(h_N2F) -> phi_NF``
     silu(gate) * up in h's dtype (plain PyTorch).
 ``lrmoe::swiglu_sqnorm(h_N2F) -> (phi_NF, phi_sq_N)``
-    The layers' forward SwiGLU: phi as ``swiglu`` gives it, and ||phi_n||^2 in fp32 from the rounded phi (as
-    lrmoe::row_sqnorm of it), which the "lrm" score needs. On CUDA one Triton kernel reading h once and writing
-    phi and the norms (eagerly no SiLU temporary, N * F elements; compiled, one pass instead of the SwiGLU's and
-    row_sqnorm's).
+    The layers' forward SwiGLU: phi as ``swiglu`` gives it, and ||phi_n||^2 in fp32 from the rounded phi, which
+    the "lrm" score needs. On CUDA one Triton kernel reading h once and writing phi and the norms (eagerly no SiLU
+    temporary, N * F elements). Compiled, the norms' PyTorch form would not fuse with the SwiGLU: AOTAutograd's
+    partitioner moves the reduction into the backward and recomputes silu(gate) * up from the saved h there,
+    while the kernel reads phi once in forward and backward keeps its [N] result.
 ``lrmoe::swiglu_backward(h_N2F, rows_R, dphi_RF) -> (dh_R2F, phi_RF)``
     For the rows h_i = h[rows[i]] (h itself when rows is None): the gradient of phi = silu(gate) * up with
     respect to h given dphi, computed in fp32 (fp64 for fp64 h) and rounded to h's dtype once (sigmoid's
@@ -30,7 +31,6 @@ import torch.nn.functional as F
 from torch.fx.experimental.symbolic_shapes import guard_or_false
 
 from lrmoe.ops._kernels import forward_only, inline_when_compiled, kernel_module
-from lrmoe.ops.rows import row_sqnorm_reference
 
 __all__ = ["swiglu", "swiglu_backward", "swiglu_sqnorm"]
 
@@ -102,7 +102,7 @@ inline_when_compiled(swiglu_backward, _swiglu_backward_cuda)
 
 def swiglu_sqnorm_reference(h_N2F):
     phi_NF = swiglu(h_N2F)
-    return phi_NF, row_sqnorm_reference(phi_NF)
+    return phi_NF, phi_NF.float().square().sum(-1)
 
 
 @torch.library.custom_op("lrmoe::swiglu_sqnorm", mutates_args=())

@@ -1,7 +1,7 @@
 """The multi-GPU benchmarks (benchmarks/ep_layer.py, benchmarks/ep_train.py) run end to end on 2 gloo CPU ranks.
 
 Each script is launched once with torchrun (module-scoped fixtures, ~10 s each on two cores); the tests then check
-what the table and JSON say, so a GPU session only has to change the launch line (docs/multi_gpu.md).
+what the table and JSON say, so a GPU run only has to change the launch line (docs/multi_gpu.md).
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import common
 import pytest
 import torch
-from benchmark_scripts import load_script
 
 ROOT = Path(__file__).resolve().parents[2]
 BENCHMARKS = ROOT / "benchmarks"
@@ -188,24 +188,30 @@ def test_ep_train_reports_time_to_target(ep_train):
     assert len(rows) == 2 and rows[0].startswith("dense") and rows[1].startswith("lrmoe r=0.5")
 
 
-def test_ep_layer_configurations_per_plan_location(monkeypatch):
-    configurations = load_script("ep_layer", monkeypatch).configurations
-    one = configurations([0.5], 2, 1.25)
-    assert [c.name for c in one] == ["dense R=0", "lrmoe r=0.5 R=0 c=1.25", "dense R=2", "lrmoe r=0.5 R=2 c=1.25"]
-    assert {c.plan_on for c in one} == {"host"}  # ExpertParallel's default
-    both = configurations([0.5], 0, None, ("device", "host"))
-    assert [(c.name, c.plan_on) for c in both] == [("dense R=0", "device"), ("lrmoe r=0.5 R=0", "device"),
-                                                  ("dense R=0 host", "host"), ("lrmoe r=0.5 R=0 host", "host")]
-    assert [c.name for c in configurations([1.0], 0, None, ("host",))] == ["dense R=0", "lrmoe r=1 R=0"]
-    blocked = configurations([0.5], 0, None, ("host",), (False, True))
-    assert [(c.name, c.backward_blocks) for c in blocked] == [
+def test_ep_layer_configurations_per_plan_location(run_script):
+    def configurations(*args: str) -> list[dict]:
+        out = run_script("ep_layer.py", "--list", *args)
+        return [json.loads(line) for line in out.splitlines()]
+
+    one = configurations("--retain", "0.5", "--max-replicas", "2", "--capacity-factor", "1.25")
+    assert [c["name"] for c in one] == ["dense R=0", "lrmoe r=0.5 R=0 c=1.25", "dense R=2", "lrmoe r=0.5 R=2 c=1.25"]
+    assert {c["plan_on"] for c in one} == {"host"}  # ExpertParallel's default
+    both = configurations("--retain", "0.5", "--max-replicas", "0", "--capacity-factor", "0", "--plan-on", "device",
+                          "host")
+    assert [(c["name"], c["plan_on"]) for c in both] == [("dense R=0", "device"), ("lrmoe r=0.5 R=0", "device"),
+                                                        ("dense R=0 host", "host"), ("lrmoe r=0.5 R=0 host", "host")]
+    only = configurations("--retain", "1", "--max-replicas", "0", "--capacity-factor", "0", "--plan-on", "host")
+    assert [c["name"] for c in only] == ["dense R=0", "lrmoe r=1 R=0"]
+    blocked = configurations("--retain", "0.5", "--max-replicas", "0", "--capacity-factor", "0", "--backward-blocks",
+                             "both")
+    assert [(c["name"], c["backward_blocks"]) for c in blocked] == [
         ("dense R=0", False), ("lrmoe r=0.5 R=0", False), ("dense R=0 blk", True), ("lrmoe r=0.5 R=0 blk", True)]
 
 
-def test_ep_layer_rank_skew_raises_only_rank_zeros_experts(monkeypatch):
+def test_ep_layer_rank_skew_raises_only_rank_zeros_experts():
     from lrmoe.nn import LRMoE
 
-    skew_router = load_script("ep_layer", monkeypatch).skew_router
+    skew_router = common.skew_router
     logits = []
     for rank_skew in (0.0, 2.0):
         torch.manual_seed(0)
@@ -231,8 +237,8 @@ def test_ep_train_compiled_trains_like_eager(ep_train, ep_train_compiled):
     assert math.isnan(compiled["moe_ms"]) and compiled["step_ms"] > 0
 
 
-def test_ep_train_settle_marks_unreached_runs(monkeypatch):
-    settle = load_script("ep_train", monkeypatch).settle
+def test_ep_train_settle_marks_unreached_runs():
+    settle = common.settle
     run = {"history": [{"step": 0, "train_s": 0.0, "moe_s": 0.0, "loss": 5.0},
                        {"step": 4, "train_s": 1.0, "moe_s": 0.5, "loss": 4.0},
                        {"step": 8, "train_s": 2.0, "moe_s": 1.0, "loss": 3.5}]}
@@ -242,14 +248,14 @@ def test_ep_train_settle_marks_unreached_runs(monkeypatch):
     assert not miss["reached"] and miss["time_to_target_s"] is None and miss["moe_time_to_target_s"] is None
 
 
-def test_ep_layer_split_ignores_gpu_copies_of_the_step_ranges(monkeypatch):
+def test_ep_layer_split_ignores_gpu_copies_of_the_step_ranges():
     """With CUDA activity the profiler repeats each record_function range on the GPU timeline; the split must
     match ops to the host-side ranges only (the first two-GPU run failed on the repeated ranges)."""
     from types import SimpleNamespace
 
     from torch.autograd import DeviceType
 
-    bench = load_script("ep_layer", monkeypatch)
+    bench = common
 
     def event(name, start, end, device_us=0.0, device=DeviceType.CPU):
         return SimpleNamespace(name=name, time_range=SimpleNamespace(start=start, end=end), thread=0,

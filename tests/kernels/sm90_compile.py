@@ -24,10 +24,13 @@ import subprocess
 import sys
 import tempfile
 
-if os.environ.get("TRITON_INTERPRET", "0") == "1":
+import torch
+
+from lrmoe.ops._kernels import kernel_module
+
+if kernel_module("launch").interpreting():
     raise SystemExit("sm90_compile.py compiles real kernels: run it without TRITON_INTERPRET=1")
 
-import torch  # noqa: E402
 import triton  # noqa: E402
 from triton import knobs  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
@@ -106,7 +109,6 @@ def run_launchers() -> None:
         for metric in score.METRIC_IDS:
             score.score_pairs_triton(torch.rand(16, 4).to(dtype), torch.randn(16, 256).to(dtype),
                                      torch.rand(16, 4), metric)
-        score.row_sqnorm_triton(torch.randn(16, 768).to(dtype))  # lrmoe::row_sqnorm
 
     rte = kernel_module("routing")
     for dtype, experts, k in ((torch.float32, 128, 8), (torch.bfloat16, 60, 4), (torch.float32, 256, 8)):
@@ -117,8 +119,8 @@ def run_launchers() -> None:
         qts.waterfill_triton(loads, loads // 4, loads.sum() // 2)
 
     swi = kernel_module("swiglu")
-    swi._blocks = _as_on_gpu(swi, swi._blocks)
-    swi._sqnorm_blocks = _as_on_gpu(swi, swi._sqnorm_blocks)
+    swi._blocks = _as_on_gpu(swi._blocks)
+    swi._sqnorm_blocks = _as_on_gpu(swi._sqnorm_blocks)
     for dtype in (torch.bfloat16, torch.float32):
         h = torch.randn(40, 2 * 768).to(dtype)  # the Qwen3 F: full column blocks
         for rows in (torch.randint(0, 40, (24,), generator=gen), torch.randint(0, 40, (24,), generator=gen).int(),
@@ -127,8 +129,12 @@ def run_launchers() -> None:
         swi.swiglu_sqnorm_triton(h)  # lrmoe::swiglu_sqnorm
 
     off = kernel_module("offload")
-    off._blocks = _as_on_gpu(off, off._blocks)  # the GPU's tiles, not the interpreter's
-    off._INTERPRET = True  # only to pass the launcher's device checks: the kernel is recorded, not run
+    off._blocks = _as_on_gpu(off._blocks)  # the GPU's tiles, not the interpreter's
+    with as_interpreted(True):  # only to pass the launchers' device checks: the kernels are recorded, not run
+        _offload_and_grouped_gemm(off, kernel_module("grouped_gemm"), gen)
+
+
+def _offload_and_grouped_gemm(off, gg, gen) -> None:
     for dtype in (torch.bfloat16, torch.float32):
         off.gather_host_rows_triton(torch.randn(30, 512).to(dtype), torch.randint(0, 30, (12,), generator=gen))
         off.gather_host_rows_triton(torch.randn(30, 512).to(dtype), torch.randint(0, 30, (12,), generator=gen),
@@ -137,15 +143,12 @@ def run_launchers() -> None:
         off.gather_host_rows_triton(torch.randn(30, 512).to(dtype), torch.randint(0, 30, (12,), generator=gen),
                                     blocks=host)
 
-    gg = kernel_module("grouped_gemm")
-    gg.zero_rows_past_last_offset_(torch.randn(48, 512).to(torch.bfloat16), torch.tensor([10, 20, 30, 40]).int())
-    gg._dot_flags = _as_on_gpu(gg, gg._dot_flags)
-    gg._INTERPRET = True  # only to pass the launchers' device checks
+    with as_interpreted(False):
+        gg.zero_rows_past_last_offset_(torch.randn(48, 512).to(torch.bfloat16), torch.tensor([10, 20, 30, 40]).int())
+    gg._dot_flags = _as_on_gpu(gg._dot_flags)
     gg._gather_grouped_mm, gg._grouped_outer = gg._gather_grouped_mm_kernel, gg._grouped_outer_kernel  # no autotune
-    gg._gather_grouped_swiglu = gg._gather_grouped_swiglu_kernel
-    gg._swiglu_block_n = _as_on_gpu(gg, gg._swiglu_block_n)
-    gg._weight_operand = _as_on_gpu(gg, gg._weight_operand)  # TMA descriptors for 16-bit weights only
-    gg._a_operand = _as_on_gpu(gg, gg._a_operand)  # and for 16-bit a_RO in grouped_outer
+    gg._weight_operand = _as_on_gpu(gg._weight_operand)  # TMA descriptors for 16-bit weights only
+    gg._a_operand = _as_on_gpu(gg._a_operand)  # and for 16-bit a_RO in grouped_outer
     gg._grouped_outer_tma = gg._grouped_outer_kernel
     gg._has_tma = lambda device: True  # the sm_90 target has TMA (the CPU tensors' device does not)
     for dtype in (torch.bfloat16, torch.float32):
@@ -164,25 +167,20 @@ def run_launchers() -> None:
         for config in gg._prune_small(gg._outer_tma_gpu_configs(), shape):  # bf16: a_RO through the ragged TMA
             gg._interpreter_config = lambda c=config: dict(c.kwargs, num_warps=c.num_warps, num_stages=c.num_stages)
             gg.grouped_outer_triton(torch.randn(48, 128).to(dtype), x, rows, offsets)
-        shape = dict(F=128, I=256, dtype_bytes=shape["dtype_bytes"])
-        for config in gg._prune_small_swiglu(gg._swiglu_gpu_configs(), shape):
-            gg._interpreter_config = lambda c=config: dict(c.kwargs, num_warps=c.num_warps, num_stages=c.num_stages)
-            x, w = torch.randn(64, 256).to(dtype), torch.randn(4, 256, 256).to(dtype)
-            rows, offsets = torch.randint(0, 64, (48,), generator=gen), torch.tensor([10, 20, 30, 40]).int()
-            for store_h in (True, False):  # bf16: the weight through a TMA descriptor
-                gg.gather_grouped_swiglu_triton(x, w, rows, offsets, store_h=store_h)
-            gg.gather_grouped_swiglu_triton(x, w.transpose(1, 2).contiguous().transpose(1, 2), rows, offsets)
-            gg.gather_grouped_swiglu_triton(x, w, rows, offsets, b_desc=False)  # its transpose's descriptor; pointers
 
 
-def _as_on_gpu(module, fn):
-    """``fn`` evaluated with the module's _INTERPRET switch off: the choice (blocks, flags) a GPU run makes."""
+def as_interpreted(on: bool):
+    """lrmoe_kernels.launch.as_interpreted: launchers choose as if Triton's interpreter were ``on``."""
+    from lrmoe.ops._kernels import kernel_module
+
+    return kernel_module("launch").as_interpreted(on)
+
+
+def _as_on_gpu(fn):
+    """``fn`` evaluated as on a GPU (lrmoe_kernels.launch.as_interpreted(False)): the blocks and flags it picks."""
     def wrapped(*args, **kwargs):
-        saved, module._INTERPRET = module._INTERPRET, False
-        try:
+        with as_interpreted(False):
             return fn(*args, **kwargs)
-        finally:
-            module._INTERPRET = saved
     return wrapped
 
 

@@ -8,11 +8,8 @@ Python speed: shapes stay tiny and Hypothesis draws few examples. On a GPU the s
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-import torch.nn.functional as F
 from cuda_sync import no_host_sync
 from hypothesis import given
 from hypothesis import strategies as st
@@ -23,14 +20,14 @@ from lrmoe_kernels.grouped_gemm import (
     _outer_tma_gpu_configs,
     _weight_operand,
     gather_grouped_mm_triton,
-    gather_grouped_swiglu_triton,
     grouped_outer_triton,
     zero_rows_past_last_offset_,
 )
 
 import lrmoe  # noqa: F401  (registers torch.ops.lrmoe.*)
+from lrmoe_kernels.launch import interpreting
 
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+INTERPRET = interpreting()
 DEVICE = "cpu" if INTERPRET else "cuda"
 pytestmark = pytest.mark.skipif(
     not INTERPRET and not torch.cuda.is_available(), reason="needs a CUDA device or TRITON_INTERPRET=1"
@@ -225,73 +222,6 @@ def test_values_outside_the_groups_never_leak(dtype, a_tma):
     check_gather(x_NI, weight_EOI, rows_R, offsets_E)
 
 
-def check_swiglu(x_NI, gate_up_EOI, rows_R, offsets_E, b_desc=None):
-    """The fused gate/up + SwiGLU kernel: h as gather_grouped_mm gives it, phi as PyTorch computes it from that h
-    in the same dtype (within the rounding the interpreter's truncating casts allow), ||phi||^2 of the rounded
-    phi, zeros past the last group, and the same phi and ||phi||^2 without storing h. ``b_desc`` as in
-    gather_grouped_swiglu_triton (the weight through a TMA descriptor or through pointers)."""
-    dtype, n_f = x_NI.dtype, gate_up_EOI.shape[1] // 2
-    args = on_device(x_NI, gate_up_EOI, rows_R, offsets_E)
-    h, phi, phi_sq = gather_grouped_swiglu_triton(*args, b_desc=b_desc)
-    assert_close(h, torch.ops.lrmoe.gather_grouped_mm(x_NI, gate_up_EOI, rows_R, offsets_E), dtype, x_NI.shape[1])
-    h = h.cpu()
-    want_phi = F.silu(h[:, :n_f]) * h[:, n_f:]
-    assert phi.dtype == dtype and phi.shape == want_phi.shape
-    rtol = 2**-6 if dtype == torch.bfloat16 else 1e-5  # two roundings of up to an ulp each in bf16
-    torch.testing.assert_close(phi.cpu().double(), want_phi.double(), rtol=rtol, atol=1e-6)
-    assert phi_sq.dtype == torch.float32 and phi_sq.shape == (rows_R.shape[0],)
-    torch.testing.assert_close(phi_sq.cpu(), phi.cpu().float().square().sum(-1), rtol=1e-5, atol=1e-6)
-    end = min(int(offsets_E[-1]), rows_R.shape[0]) if offsets_E.numel() else 0
-    assert (h[end:] == 0).all() and (phi[end:] == 0).all() and (phi_sq[end:] == 0).all()
-    no_h, phi2, phi_sq2 = gather_grouped_swiglu_triton(*args, store_h=False, b_desc=b_desc)
-    assert no_h is None and torch.equal(phi2, phi) and torch.equal(phi_sq2, phi_sq)
-
-
-@pytest.mark.parametrize("case", CASES)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_gather_grouped_swiglu_equals_unfused(case, dtype):
-    x_NI, weight_EOI, _, rows_R, offsets_E = make_case(*case, dtype=dtype)
-    check_swiglu(x_NI, weight_EOI, rows_R, offsets_E)
-
-
-@pytest.mark.parametrize("case", CASES[2:5])
-@pytest.mark.parametrize(("transposed", "b_desc"), [(False, None), (True, False), (False, False)])
-def test_gather_grouped_swiglu_weight_paths(case, transposed, b_desc):
-    """The weight read through a descriptor over [E, 2F, I] (the layers' layout: the gate block of the last
-    column tile runs into the up rows when F is not a multiple of BLOCK_N) and through pointers, either layout
-    (test_gather_grouped_swiglu_equals_unfused: the descriptor over the transposed view)."""
-    x_NI, weight_EOI, _, rows_R, offsets_E = make_case(*case, dtype=torch.bfloat16, transposed=transposed)
-    mode = _weight_operand(on_device(weight_EOI)[0], b_desc)[1]
-    assert mode == (0 if b_desc is False else 1 if not transposed else 2)
-    check_swiglu(x_NI, weight_EOI, rows_R, offsets_E, b_desc=b_desc)
-
-
-@given(
-    sizes=st.sampled_from([1, 3]).flatmap(lambda E: st.lists(st.integers(0, 20), min_size=E, max_size=E)),
-    pad=st.integers(0, 3),
-    cut=st.integers(0, 4),
-    I=st.sampled_from([8, 24, 40]),
-    F=st.sampled_from([4, 8, 12, 20]),
-    N=st.integers(1, 9),
-    transposed=st.booleans(),
-    b_desc=st.sampled_from([None, False]),
-    seed=st.integers(0, 2**16),
-)
-def test_property_swiglu_equals_unfused(sizes, pad, cut, I, F, N, transposed, b_desc, seed):
-    """Either weight path, either layout (a transposed weight whose up columns start off TMA's 16-byte grid takes
-    the pointers), widths that cross tiles or not, empty and clipped groups, padding rows."""
-    cut = min(cut, sum(sizes) + pad)
-    x_NI, weight_EOI, _, rows_R, offsets_E = make_case(N, I, 2 * F, sizes, pad, cut, dtype=torch.bfloat16,
-                                                       transposed=transposed, seed=seed)
-    check_swiglu(x_NI, weight_EOI, rows_R, offsets_E, b_desc=b_desc)
-
-
-def test_gather_grouped_swiglu_rejects_an_odd_width():
-    x_NI, weight_EOI, _, rows_R, offsets_E = make_case(5, 8, 24, [9], 2, 0)
-    with pytest.raises(ValueError, match=r"gate_up_EFI must be \[E, 2F, I\]"):
-        gather_grouped_swiglu_triton(*on_device(x_NI, weight_EOI[:, :23], rows_R, offsets_E))
-
-
 @given(
     sizes=st.sampled_from([1, 3]).flatmap(lambda E: st.lists(st.integers(0, 20), min_size=E, max_size=E)),
     pad=st.integers(0, 3),
@@ -340,11 +270,6 @@ def test_strided_rows_and_offsets_are_read_as_their_values():
     assert not rows_s.is_contiguous() and not offs_s.is_contiguous()
     check_gather(x_NI, weight_EOI, rows_s, offs_s)
     check_outer(a_RO, x_NI, rows_s, offs_s)
-    gate_up = torch.randn(3, 16, 40)
-    got = gather_grouped_swiglu_triton(*on_device(x_NI, gate_up, rows_s, offs_s))
-    want = gather_grouped_swiglu_triton(*on_device(x_NI, gate_up, rows_R, offsets_E))
-    for a, b in zip(got, want):
-        assert torch.equal(a.cpu(), b.cpu())
     y = torch.ones(12, 5, device=DEVICE)
     zero_rows_past_last_offset_(y, _strided(torch.tensor([2, 7], dtype=torch.int32)).to(DEVICE))
     assert y.cpu()[:7].eq(1).all() and y.cpu()[7:].eq(0).all()

@@ -9,15 +9,14 @@ source is pinned host memory and the rows and output are on the device: the path
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 from cuda_sync import no_host_sync
 from hypothesis import given
 from hypothesis import strategies as st
+from lrmoe_kernels.launch import interpreting
 
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+INTERPRET = interpreting()
 DEVICE = "cpu" if INTERPRET else "cuda"
 pytestmark = pytest.mark.skipif(
     not INTERPRET and not torch.cuda.is_available(), reason="needs a CUDA device or TRITON_INTERPRET=1"

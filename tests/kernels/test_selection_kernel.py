@@ -9,16 +9,15 @@ speed: shapes stay tiny. On a GPU the same tests run on CUDA tensors.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 from hypothesis import example, given
 from hypothesis import strategies as st
 
+from lrmoe.ops._kernels import kernel_module
 from lrmoe.ops.selection import argsort_ids, select_within_quota_reference, select_within_quota_triton
 
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+INTERPRET = kernel_module("launch") is not None and kernel_module("launch").interpreting()
 DEVICE = "cpu" if INTERPRET else "cuda"
 pytestmark = [
     pytest.mark.skipif(

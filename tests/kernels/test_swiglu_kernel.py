@@ -7,8 +7,6 @@ Without a GPU the kernel runs in Triton's interpreter (tests/conftest.py switche
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 from hypothesis import given
@@ -16,8 +14,9 @@ from hypothesis import strategies as st
 from lrmoe_kernels.swiglu import swiglu_backward_triton, swiglu_sqnorm_triton
 
 from lrmoe.ops.swiglu import swiglu_backward_reference, swiglu_sqnorm_reference
+from lrmoe_kernels.launch import interpreting
 
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+INTERPRET = interpreting()
 DEVICE = "cpu" if INTERPRET else "cuda"
 pytestmark = pytest.mark.skipif(
     not INTERPRET and not torch.cuda.is_available(), reason="needs a CUDA device or TRITON_INTERPRET=1"

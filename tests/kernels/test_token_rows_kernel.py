@@ -8,8 +8,6 @@ Without a GPU the kernels run in Triton's interpreter (tests/conftest.py switche
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 from hypothesis import given
@@ -18,8 +16,9 @@ from lrmoe_kernels.token_rows import gather_dot_rows_triton, gather_dot_scores_t
 
 from lrmoe.ops.scoring import score_pairs_reference
 from lrmoe.ops.token_rows import gather_dot_rows_reference, gather_sum_rows_reference
+from lrmoe_kernels.launch import interpreting
 
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+INTERPRET = interpreting()
 DEVICE = "cpu" if INTERPRET else "cuda"
 pytestmark = pytest.mark.skipif(
     not INTERPRET and not torch.cuda.is_available(), reason="needs a CUDA device or TRITON_INTERPRET=1"

@@ -6,8 +6,6 @@ Without a GPU the kernel runs in Triton's interpreter (tests/conftest.py switche
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 from hypothesis import given
@@ -15,8 +13,9 @@ from hypothesis import strategies as st
 from lrmoe_kernels.routing import topk_ids_triton
 
 from lrmoe.ops.routing import topk_ids_reference
+from lrmoe_kernels.launch import interpreting
 
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+INTERPRET = interpreting()
 DEVICE = "cpu" if INTERPRET else "cuda"
 pytestmark = pytest.mark.skipif(
     not INTERPRET and not torch.cuda.is_available(), reason="needs a CUDA device or TRITON_INTERPRET=1"

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lrmoe.ops import gather_grouped_mm, gather_grouped_swiglu, grouped_outer
+from lrmoe.ops import gather_grouped_mm, grouped_outer
 
 # (N source rows, I, O, group sizes, padding rows): odd sizes, empty groups, a single group, an empty buffer.
 CASES = [
@@ -52,32 +52,6 @@ def test_opcheck_grouped_outer(case, requires_grad):
     a.requires_grad_(requires_grad)
     x.requires_grad_(requires_grad)
     torch.library.opcheck(grouped_outer, (a, x, rows, offsets))
-
-
-@pytest.mark.parametrize("case", [c for c in CASES if c[2] % 2 == 0])  # O = 2F
-@pytest.mark.parametrize("store_h", [False, True])
-def test_opcheck_gather_grouped_swiglu(case, store_h):
-    x, w, _, rows, offsets = _case(*case)
-    torch.library.opcheck(gather_grouped_swiglu, (x, w, rows, offsets, store_h))
-
-
-def test_gather_grouped_swiglu_values_and_errors():
-    x, w, _, rows, offsets = _case(6, 42, 14, [0, 5, 4], 3, seed=1)
-    h, phi, phi_sq = gather_grouped_swiglu(x, w, rows, offsets, True)
-    # every row by hand: h from its expert's weight, zeros for padding rows
-    for i, src in enumerate(rows.tolist()):
-        e = _group_of(i, offsets.tolist())
-        want_h = torch.zeros(14) if e is None else w[e] @ x[src]
-        torch.testing.assert_close(h[i], want_h, rtol=1e-5, atol=1e-5)
-        want_phi = torch.nn.functional.silu(want_h[:7]) * want_h[7:]
-        torch.testing.assert_close(phi[i], want_phi, rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(phi_sq[i], want_phi.square().sum(), rtol=1e-5, atol=1e-5)
-    no_h, phi2, _ = gather_grouped_swiglu(x, w, rows, offsets, False)
-    assert no_h.shape == (0, 14) and torch.equal(phi2, phi)
-    _, phi_w, _ = gather_grouped_swiglu(x, w.requires_grad_(), rows, offsets, True)
-    assert not phi_w.requires_grad  # forward only: a backward through it fails instead of giving zeros
-    with pytest.raises(ValueError, match=r"gate_up_EFI must be \[E, 2F, I\]"):
-        gather_grouped_swiglu(x, w[:, :13], rows, offsets, True)
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -187,18 +161,16 @@ def test_grouped_mm_path_ignores_row_counts_so_unbacked_ones_compile():
     assert got.item() == 13 * 16
 
 
-def test_gather_kernel_choice(monkeypatch):
-    """bf16 with aligned strides takes torch._grouped_mm; with an explicit row gather, _GATHER_KERNEL = "triton"
-    sends it to the gather-fused Triton kernel instead (identity rows keep _grouped_mm: nothing to gather)."""
-    import lrmoe.ops.grouped_gemm as module
+def test_grouped_mm_takes_aligned_bf16_only():
+    """torch._grouped_mm runs bf16 operands whose last dims are multiples of 8 (16-byte rows), gathered or not;
+    any other dtype or width goes to the Triton kernels."""
+    from lrmoe.ops.grouped_gemm import _grouped_mm_ok
 
     x_NI, w_EOI = torch.zeros(13, 16, dtype=torch.bfloat16), torch.zeros(3, 24, 16, dtype=torch.bfloat16)
-    rows_R = torch.zeros(20, dtype=torch.int64)
-    assert module._GATHER_KERNEL == "grouped_mm"
-    assert module._use_grouped_mm(x_NI, w_EOI, rows_R) and module._use_grouped_mm(x_NI, w_EOI, None)
-    monkeypatch.setattr(module, "_GATHER_KERNEL", "triton")
-    assert not module._use_grouped_mm(x_NI, w_EOI, rows_R) and module._use_grouped_mm(x_NI, w_EOI, None)
-    assert not module._use_grouped_mm(x_NI.float(), w_EOI.float(), None)  # fp32: never _grouped_mm
+    assert _grouped_mm_ok(x_NI, w_EOI)
+    assert not _grouped_mm_ok(x_NI.float(), w_EOI.float())  # fp32: never _grouped_mm
+    assert not _grouped_mm_ok(x_NI[:, :12], w_EOI[:, :, :12])  # 24-byte rows
+    assert not _grouped_mm_ok(x_NI, w_EOI[:, :20])  # a weight's other dim not a multiple of 8
 
 
 def test_transpose_in_place_is_the_transpose_and_shares_storage():

@@ -60,7 +60,6 @@ def _cases(device: str, dtype: torch.dtype):
          "_swiglu_backward_kernel"),
         ("gather_scale_rows", ops.gather_scale_rows, (randn(N, C), rows_N[:40], torch.rand(40, generator=g).to(device)),
          "_gather_rows_kernel"),
-        ("row_sqnorm", ops.row_sqnorm, (randn(N, C),), "_row_sqnorm_kernel"),
         ("swiglu_sqnorm", ops.swiglu_sqnorm, (randn(N, C),), "_swiglu_sqnorm_kernel"),
         ("topk_ids", ops.topk_ids, (randn(T, 2 * E), K), "_topk_ids_kernel"),
         ("waterfill", ops.waterfill, (loads_E, loads_E // 4, loads_E.sum() * 2 // 3), "_waterfill_kernel"),
@@ -73,7 +72,7 @@ def _compiled(fn, args):
     return out, "\n".join(code)
 
 
-N_CASES = 15
+N_CASES = 14
 
 
 @pytest.mark.parametrize("case", range(N_CASES))
@@ -130,7 +129,6 @@ KERNEL_WRITES = {
     "_zero_tail_kernel": ["y_ptr"],
     "_swiglu_backward_kernel": ["dh_ptr", "phi_ptr"],
     "_gather_rows_kernel": ["out_ptr"],
-    "_row_sqnorm_kernel": ["out_ptr"],
     "_swiglu_sqnorm_kernel": ["phi_ptr", "sq_ptr"],
     "_topk_ids_kernel": ["ids_ptr"],
     "_waterfill_kernel": ["quotas_ptr"],

@@ -1,4 +1,4 @@
-"""lrmoe::gather_scale_rows and lrmoe::row_sqnorm: torch.library.opcheck, values against loops written from the
+"""lrmoe::gather_scale_rows: torch.library.opcheck, values against loops written from the
 definitions, the outputs' non-differentiability, argument errors, and the expert backward's dy rows gather_scale_rows
 replaces."""
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from lrmoe.functional.experts import retained_dy
-from lrmoe.ops import gather_scale_rows, row_sqnorm
+from lrmoe.ops import gather_scale_rows
 
 # (N source rows, C columns, rows): repeats, unordered, one row, no rows.
 CASES = [(6, 5, [4, 0, 4, 2, 5]), (1, 3, [0, 0]), (9, 17, [8, 1, 3]), (4, 2, [])]
@@ -81,30 +81,3 @@ def test_retained_dy_eager_equals_its_compiled_form(dtype):
     assert torch.equal(dy[4:], torch.zeros(2, D, dtype=dtype))
     compiled = torch.compile(retained_dy, fullgraph=True)(g_TD, gates_TK, pair_R, weight_R, dtype)[0]
     assert torch.equal(compiled, want)
-
-
-# ------------------------------------------------------------------------------------------------ row_sqnorm
-
-
-@pytest.mark.parametrize("shape", [(5, 7), (1, 1), (0, 3), (4, 0)])
-@pytest.mark.parametrize("requires_grad", [False, True])
-def test_row_sqnorm_opcheck(shape, requires_grad):
-    x = torch.randn(*shape, dtype=torch.float64)
-    torch.library.opcheck(row_sqnorm, (x.requires_grad_(requires_grad),))
-
-
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
-def test_row_sqnorm_is_the_fp32_sum_of_squares(dtype):
-    x = torch.randn(6, 11, generator=torch.Generator().manual_seed(4)).to(dtype)
-    got = row_sqnorm(x)
-    want = torch.tensor([sum(float(v) ** 2 for v in row) for row in x.double()], dtype=torch.float64)
-    assert got.dtype == torch.float32 and got.shape == (6,)  # fp32 whatever x's dtype, as the layers keep it
-    torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=0)
-    assert not row_sqnorm(x.requires_grad_(True)).requires_grad
-
-
-def test_row_sqnorm_refuses_what_is_not_a_float_matrix():
-    with pytest.raises(ValueError, match="x_NC must be a 2-D float tensor"):
-        row_sqnorm(torch.ones(3))
-    with pytest.raises(ValueError, match="x_NC must be a 2-D float tensor"):
-        row_sqnorm(torch.ones(3, 2, dtype=torch.int32))

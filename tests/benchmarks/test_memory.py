@@ -1,32 +1,26 @@
-"""The GPU memory benchmarks' CPU-testable parts: benchmarks/memory_batch.py (largest batch under a byte budget, like
-the paper's Figure 6) and benchmarks/memory_breakdown.py (stacked bars like Figure 7).
+"""The GPU memory benchmarks' CPU-testable parts: benchmarks/memory.py batch (largest batch under a byte budget,
+like the paper's Figure 6), breakdown (stacked bars like Figure 7) and planner, and their helpers in
+benchmarks/common.py.
 
 The bisection is checked against every monotone predicate Hypothesis can draw; the model-side largest T against a
 scan of lrmoe.memory.layer_memory over every candidate T; the measuring path (probe, OOM handling, LayerStep) with
-a real layer on CPU and a fake out-of-memory threshold; the chart script end to end on CPU.
+a real layer on CPU and a fake out-of-memory threshold; the script's subcommands end to end on CPU.
 """
 
 from __future__ import annotations
 
+import json
 import math
 
+import common
 import pytest
 import torch
-from benchmark_scripts import load_script
 from hypothesis import given
 from hypothesis import strategies as st
 
-from lrmoe.memory import ADAMW_FP32, MemoryConfig, layer_memory
+from lrmoe.memory import ADAMW_FP32, DEFAULT_RETAIN_CHOICES, MemoryConfig, layer_memory
 
-
-@pytest.fixture
-def batch(monkeypatch):
-    return load_script("memory_batch", monkeypatch)
-
-
-@pytest.fixture
-def breakdown(monkeypatch):
-    return load_script("memory_breakdown", monkeypatch)
+GiB = 2**30
 
 
 # ---------------------------------------------------------------------------------------------- bisection
@@ -36,7 +30,6 @@ def breakdown(monkeypatch):
 def test_largest_fitting_finds_the_exact_largest_value_of_a_monotone_predicate(lo, width, threshold):
     # Every monotone predicate on [lo, hi] is "v <= threshold" for some threshold (below lo: nothing fits,
     # at or above hi: everything does).
-    from_script = _load_batch_only()
     hi = lo + width
     calls = []
 
@@ -44,7 +37,7 @@ def test_largest_fitting_finds_the_exact_largest_value_of_a_monotone_predicate(l
         calls.append(v)
         return v <= threshold
 
-    best = from_script.largest_fitting(fits, lo, hi)
+    best = common.largest_fitting(fits, lo, hi)
     assert best == (None if threshold < lo else min(threshold, hi))
     assert all(lo <= v <= hi for v in calls)
     assert len(calls) == len(set(calls))  # never asks twice
@@ -53,20 +46,7 @@ def test_largest_fitting_finds_the_exact_largest_value_of_a_monotone_predicate(l
 
 def test_largest_fitting_rejects_an_empty_range():
     with pytest.raises(ValueError, match="empty range"):
-        _load_batch_only().largest_fitting(lambda v: True, 5, 4)
-
-
-_BATCH = None
-
-
-def _load_batch_only():
-    """The script module for Hypothesis tests, which cannot take function-scoped fixtures: loaded once, with
-    benchmarks/ on sys.path only while it imports (it needs layer_fwd_bwd)."""
-    global _BATCH
-    if _BATCH is None:
-        with pytest.MonkeyPatch.context() as mp:
-            _BATCH = load_script("memory_batch", mp)
-    return _BATCH
+        common.largest_fitting(lambda v: True, 5, 4)
 
 
 # ----------------------------------------------------------------------------------- model-side largest T
@@ -84,8 +64,6 @@ small_shapes = st.fixed_dictionaries({
        multiple=st.sampled_from([1, 3, 8, 16]), max_tokens=st.integers(1, 200), where=st.floats(-0.1, 1.1))
 def test_model_largest_tokens_equals_a_scan_of_layer_memory(shape, retain, policy, optimizer_bytes, multiple,
                                                             max_tokens, where):
-    b = _load_batch_only()
-
     def peak(tokens):  # independent of the script: layer_memory plus the [T, D] bf16 output the probe holds
         cfg = MemoryConfig(**shape, tokens=tokens, param_dtype=torch.bfloat16,
                            optimizer_bytes_per_param=optimizer_bytes, device_type="cuda")
@@ -98,30 +76,30 @@ def test_model_largest_tokens_equals_a_scan_of_layer_memory(shape, retain, polic
     else:
         budget = 2**40
     scanned = max((t for t in grid if peak(t) <= budget), default=None)
-    found = b.model_largest_tokens(shape, budget, retain=retain, policy=policy, optimizer_bytes=optimizer_bytes,
+    found = common.model_largest_tokens(shape, budget, retain=retain, policy=policy, optimizer_bytes=optimizer_bytes,
                                    multiple=multiple, max_tokens=max_tokens)
     assert found == scanned
 
 
-def test_model_largest_tokens_at_the_qwen3_shape_matches_a_scan_and_grows_as_retain_falls(batch):
+def test_model_largest_tokens_at_the_qwen3_shape_matches_a_scan_and_grows_as_retain_falls():
     shape = {"dim": 2048, "hidden_dim": 768, "num_experts": 128, "top_k": 8}
     budget = 16 * 2**30
     found = {}
     for retain in (1.0, 0.75, 0.5):
-        found[retain] = batch.model_largest_tokens(shape, budget, retain=retain, policy="save",
+        found[retain] = common.model_largest_tokens(shape, budget, retain=retain, policy="save",
                                                    optimizer_bytes=ADAMW_FP32, multiple=128, max_tokens=2**17)
-        fits = [batch.modelled_bytes(shape, t, retain=retain, policy="save", optimizer_bytes=ADAMW_FP32) <= budget
+        fits = [common.modelled_bytes(shape, t, retain=retain, policy="save", optimizer_bytes=ADAMW_FP32) <= budget
                 for t in range(128, 2**17 + 1, 1024)]
         # Coarse scan: everything below the answer fits, nothing 128 tokens above it does.
         assert all(f for t, f in zip(range(128, 2**17 + 1, 1024), fits) if t <= found[retain])
-        assert batch.modelled_bytes(shape, found[retain] + 128, retain=retain, policy="save",
+        assert common.modelled_bytes(shape, found[retain] + 128, retain=retain, policy="save",
                                     optimizer_bytes=ADAMW_FP32) > budget
     assert found[1.0] < found[0.75] < found[0.5]
 
 
-def test_memory_batch_on_cpu_prints_the_model_column_only(batch, capsys, tmp_path):
-    result = batch.main(["--device", "cpu", "--budget-gib", "16", "--json", str(tmp_path / "rows.json")])
-    out = capsys.readouterr().out
+def test_memory_batch_on_cpu_prints_the_model_column_only(run_script, tmp_path):
+    out = run_script("memory.py", "batch", "--device", "cpu", "--budget-gib", "16", "--json", str(tmp_path / "rows.json"))
+    result = json.loads((tmp_path / "rows.json").read_text())
     assert "NOT MEASURED" in out and not result["meta"]["measured"]
     rows = result["rows"]
     assert [(r["policy"], r["retain"]) for r in rows] == [(p, r) for p in ("save", "recompute")
@@ -135,31 +113,30 @@ def test_memory_batch_on_cpu_prints_the_model_column_only(batch, capsys, tmp_pat
         assert rows[0]["top"] >= by[(policy, 0.5)]
     for retain in (1.0, 0.75, 0.5):
         assert by[("recompute", retain)] >= by[("save", retain)]
-    assert (tmp_path / "rows.json").exists()
 
 
 # ------------------------------------------------------------------------------------------- measuring path
 
 
-def test_probe_turns_out_of_memory_into_none(batch):
+def test_probe_turns_out_of_memory_into_none():
     def step(tokens):
         if tokens > 10:
             raise torch.OutOfMemoryError("fake")
         return 7 * tokens
 
-    assert batch.probe(step, 10) == 70
-    assert batch.probe(step, 11) is None
+    assert common.probe(step, 10) == 70
+    assert common.probe(step, 11) is None
     with pytest.raises(RuntimeError, match="other"):  # only out-of-memory means "does not fit"
-        batch.probe(lambda t: (_ for _ in ()).throw(RuntimeError("other")), 1)
+        common.probe(lambda t: (_ for _ in ()).throw(RuntimeError("other")), 1)
 
 
-def test_measure_largest_tokens_runs_a_real_layer_step_under_a_fake_budget(batch):
+def test_measure_largest_tokens_runs_a_real_layer_step_under_a_fake_budget():
     # The GPU path on CPU: a tiny LRMoE, a step that "runs out of memory" above 200 tokens. The bisection must
     # land on the largest multiple of 16 below it and leave no gradients behind.
     shape = {"dim": 16, "hidden_dim": 8, "num_experts": 4, "top_k": 2}
     made = []
 
-    class FakeBudget(batch.LayerStep):
+    class FakeBudget(common.LayerStep):
         def __call__(self, tokens, keep_grads=False):
             if tokens > 200:
                 raise torch.OutOfMemoryError("fake budget")
@@ -169,7 +146,7 @@ def test_measure_largest_tokens_runs_a_real_layer_step_under_a_fake_budget(batch
         made.append(FakeBudget(shape, retain=0.5, policy="recompute", optimizer_bytes=ADAMW_FP32, device="cpu"))
         return made[-1]
 
-    result = batch.measure_largest_tokens(make, multiple=16, max_tokens=1000)
+    result = common.measure_largest_tokens(make, multiple=16, max_tokens=1000)
     assert result["tokens"] == 192
     assert 1 <= result["probes"] <= 1 + math.ceil(math.log2(1000 // 16))
     step = made[0]
@@ -184,56 +161,68 @@ def test_measure_largest_tokens_runs_a_real_layer_step_under_a_fake_budget(batch
 # --------------------------------------------------------------------------------------------- breakdown
 
 
-def test_modelled_bars_sum_to_the_peak_and_planned_ones_fit(breakdown):
+def _bars(path) -> list[list[dict]]:
+    return [panel["bars"] for panel in json.loads(path.read_text())]
+
+
+def test_modelled_bars_sum_to_the_peak_and_planned_ones_fit(run_script, tmp_path):
     cfg = MemoryConfig(2048, 768, 128, 8, 8192, world_size=8, optimizer_bytes_per_param=ADAMW_FP32)
     # Between the dense peak without replicas and with 32 of them, so the supply-side bar is over it.
     budget = (layer_memory(cfg).peak + layer_memory(cfg, replicas=32).peak) // 2
-    bars = breakdown.modelled_bars(cfg, budget, replicas=32, max_replicas=112, retains=(0.75, 0.5))
-    assert [b.label.split("\n")[0] for b in bars] == ["dense", "dense", "dense, planned", "LRMoE 0.75, planned",
-                                                      "LRMoE 0.5, planned"]
-    dense, dense_r, *planned = bars
-    assert dense.total == layer_memory(cfg).peak and dense.replicas == 0
-    assert dense_r.total == layer_memory(cfg, replicas=32).peak and not dense_r.fits
-    assert all(b.fits and b.total <= budget for b in planned)
-    n_replicas = [b.replicas for b in planned]
+    run_script("memory.py", "breakdown", "--device", "cpu", "--tokens", "8192", "--world-size", "8",
+               "--budget-gib", repr(budget / GiB), "--replicas", "32", "--max-replicas", "112", "--retain", "0.75",
+               "0.5", "--no-out", "--json", str(tmp_path / "bars.json"))
+    (bars,) = _bars(tmp_path / "bars.json")
+    total = [b["base_experts"] + b["replicas"] + b["token_buffers"] for b in bars]
+    assert [b["label"].split("\n")[0] for b in bars] == ["dense", "dense", "dense, planned", "LRMoE 0.75, planned",
+                                                         "LRMoE 0.5, planned"]
+    (dense, dense_r, *planned), (t_dense, t_dense_r, *t_planned) = bars, total
+    assert t_dense == layer_memory(cfg).peak and dense["replicas"] == 0
+    assert t_dense_r == layer_memory(cfg, replicas=32).peak and not dense_r["fits"]
+    assert all(b["fits"] and t <= budget for b, t in zip(planned, t_planned))
+    n_replicas = [int(b["label"].split("\n")[1].split()[0]) for b in planned]
     assert n_replicas == sorted(n_replicas) and n_replicas[-1] > n_replicas[0]  # less backward, more replicas
     # A budget nothing fits: the bar is the cheapest candidate, marked.
-    tight = breakdown.modelled_bars(cfg, 2**30, replicas=4, max_replicas=8, retains=(0.5,))
-    assert "no plan fits" in tight[-1].label and tight[-1].fits is False
+    run_script("memory.py", "breakdown", "--device", "cpu", "--budget-gib", "1", "--replicas", "4",
+               "--max-replicas", "8", "--retain", "0.5", "--no-out", "--json", str(tmp_path / "tight.json"))
+    (tight,) = _bars(tmp_path / "tight.json")
+    assert "no plan fits" in tight[-1]["label"] and tight[-1]["fits"] is False
 
 
-def test_single_device_bars_run_the_measuring_path_on_cpu(breakdown):
-    # What the GPU session runs, at a tiny shape on CPU, where the allocator reads 0: the bars come in
+def test_single_device_bars_run_the_measuring_path_on_cpu(run_script, tmp_path):
+    # What a GPU run measures, at the tiny shape on CPU, where the allocator reads 0: the bars come in
     # measured/modelled pairs and the measured base is the module's own weights, gradients and optimiser state.
-    shape = {"dim": 16, "hidden_dim": 8, "num_experts": 4, "top_k": 2}
-    bars = breakdown.single_device_bars(shape, 32, ADAMW_FP32, (0.5,), "save", measure=True, device="cpu")
-    assert [b.label for b in bars] == ["dense\nmeasured", "dense\nmodelled", "LRMoE 0.5\nmeasured",
-                                       "LRMoE 0.5\nmodelled"]
-    cfg = MemoryConfig(**shape, tokens=32, param_dtype=torch.bfloat16, optimizer_bytes_per_param=ADAMW_FP32)
-    assert all(b.base_experts == layer_memory(cfg).base_experts + layer_memory(cfg).router for b in bars)
-    assert [b.source for b in bars] == ["measured", "modelled"] * 2
+    run_script("memory.py", "breakdown", "--device", "cpu", "--shape", "tiny", "--tokens", "32", "--world-size", "2",
+               "--replicas", "2", "--retain", "0.5", "--measure", "--no-out", "--json", str(tmp_path / "bars.json"))
+    _, bars = _bars(tmp_path / "bars.json")
+    assert [b["label"] for b in bars] == ["dense\nmeasured", "dense\nmodelled", "LRMoE 0.5\nmeasured",
+                                          "LRMoE 0.5\nmodelled"]
+    cfg = MemoryConfig(**common.TINY, tokens=32, param_dtype=torch.bfloat16, optimizer_bytes_per_param=ADAMW_FP32)
+    assert all(b["base_experts"] == layer_memory(cfg).base_experts + layer_memory(cfg).router for b in bars)
+    assert [b["source"] for b in bars] == ["measured", "modelled"] * 2
 
 
-def test_breakdown_script_writes_a_png_on_cpu(breakdown, capsys, tmp_path):
+def test_breakdown_script_writes_a_png_on_cpu(run_script, tmp_path):
     pytest.importorskip("matplotlib")
     out = tmp_path / "chart" / "memory_breakdown.png"
-    panels = breakdown.main(["--device", "cpu", "--out", str(out)])
+    stdout = run_script("memory.py", "breakdown", "--device", "cpu", "--out", str(out), "--json",
+                        str(tmp_path / "bars.json"))
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
-    stdout = capsys.readouterr().out
     assert "NOT MEASURED" in stdout and f"wrote {out}" in stdout
-    assert len(panels) == 1 and all(b.source == "modelled" for b in panels[0][1])
+    panels = _bars(tmp_path / "bars.json")
+    assert len(panels) == 1 and all(b["source"] == "modelled" for b in panels[0])
 
 
-# ---------------------------------------------------------------------------------------------- memory_planner
+# ---------------------------------------------------------------------------------------------- memory planner
 
 
-def test_memory_planner_plans_the_largest_retain_whose_bytes_fit_and_rejects_the_next(monkeypatch, capsys):
-    planner = load_script("memory_planner", monkeypatch)
+def test_memory_planner_plans_the_largest_retain_whose_bytes_fit_and_rejects_the_next(run_script, tmp_path):
     budgets, margin, tokens = [7.0, 7.25, 7.5], 0.02, 4096  # the experts alone (weights, grads, AdamW) ~6.9 GiB
-    rows = planner.main(["--device", "cpu", "--tokens", str(tokens), "--margin", str(margin),
-                         "--budgets-gib", *map(str, budgets)])
+    stdout = run_script("memory.py", "planner", "--device", "cpu", "--tokens", str(tokens), "--margin", str(margin),
+                        "--budgets-gib", *map(str, budgets), "--json", str(tmp_path / "rows.json"))
+    rows = json.loads((tmp_path / "rows.json").read_text())
     assert [r["budget"] for r in rows] == [int(b * 2**30) for b in budgets]
-    choices = planner.DEFAULT_RETAIN_CHOICES
+    choices = DEFAULT_RETAIN_CHOICES
     for row in rows:
         usable = int(row["budget"] * (1 - margin))
         if row["planned"] is not None:
@@ -245,4 +234,4 @@ def test_memory_planner_plans_the_largest_retain_whose_bytes_fit_and_rejects_the
             assert row["rejected_bytes"] > usable
             assert row["rejected"] == min(r for r in choices if row["planned"] is None or r > row["planned"])
     assert len({r["planned"] for r in rows}) > 1  # the budgets span different plans
-    assert "plans only" in capsys.readouterr().out
+    assert "plans only" in stdout

@@ -1,11 +1,26 @@
-"""Which token-expert pairs does each selection rule drop? (CPU; the demo model, dense-trained)
+"""What LRMoE's backward keeps, without timing anything (CPU).
 
-    python benchmarks/dropped_pairs.py [--steps 300] [--retain 0.75] [--preset default]
-    python benchmarks/dropped_pairs.py --preset study --init runs/study/checkpoints/dense-scratch-seed0.pt
+    python benchmarks/plans.py capacity [--shape glm-4.5-air] [--skew 0 0.25 0.5 1] [--factor 1 1.25 1.5]
+    python benchmarks/plans.py dropped-pairs [--steps 300] [--retain 0.75] [--preset default]
+    python benchmarks/plans.py dropped-pairs --preset study --init runs/study/checkpoints/dense-scratch-seed0.pt
 
-Trains the demo model of --preset with the dense backward for --steps (the same run as `python -m lrmoe demo
---retain 1.0 --steps N`), or loads a dense-trained checkpoint of that preset (--init, e.g. the quality study's
-pretraining run), then on 8 fixed training batches captures every LRMoE layer's input and output gradient,
+``capacity``: what LRMoE's ``backward_capacity`` keeps and pads, by router skew. With ``backward_capacity=c`` every
+expert keeps at most C = ceil(c * floor(retain * P) / E) pairs (rounded up to 8) and the backward's four GEMMs run
+as torch.bmm over E blocks of C rows; without it, the plain waterfill plan keeps the whole budget and the GEMMs run
+grouped, in 128-row tiles per expert. The router is the one benchmarks/layer.py times with ``--skew``: an LRMoE
+layer's gate as initialised under seed 0, expert e's logit biased by skew * sigma * z_e (common.skew_router), bf16,
+on random tokens (drawn here on the CPU, so the loads differ from the GPU run's by sampling noise; max / mean load
+is printed to compare). Per skew, retain and c:
+
+* kept / budget: pairs the capped plan keeps, as a share of floor(retain * P) (the plain plan keeps all of it);
+* pad: zero rows of the E * C blocks, as a share of E * C (work the batched GEMMs do for nothing);
+* rows / plain: E * C against the plain plan's rows rounded up to whole 128-row tiles per expert (the row count
+  torch._grouped_mm's tiles cover): below 1, the blocked backward also does less GEMM work.
+
+``dropped-pairs``: which token-expert pairs does each selection rule drop? Trains the demo model of --preset with
+the dense backward for --steps (the same run as `python -m lrmoe demo --retain 1.0 --steps N`), or loads a
+dense-trained checkpoint of that preset (--init, e.g. the quality study's pretraining run), then on --batches fixed
+training batches captures every LRMoE layer's input and output gradient,
 recomputes what its backward would see (gates α, ‖φ‖², g) and asks, per metric and rule, which pairs are kept:
 
 * kept fraction of first-choice pairs (the token's highest gate) and of lower-ranked choices: for "top" the share
@@ -25,12 +40,55 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
+from common import SHAPES, skew_router
+from torch import nn
 
 from lrmoe.demo.cli import _PRESETS
 from lrmoe.demo.data import load_corpus, sample_batch
 from lrmoe.demo.model import MoELM, lrmoe_layers
 from lrmoe.demo.train import train
 from lrmoe.functional import inclusion_probabilities, plan_quotas, route_topk, score_pairs, select_within_quota
+from lrmoe.functional.experts import backward_capacity_rows
+from lrmoe.functional.routing import expert_loads
+
+# ---------------------------------------------------------------------------------------------------- capacity
+
+
+def loads_for(shape: dict, tokens: int, skew: float) -> torch.Tensor:
+    """Expert loads of benchmarks/layer.py's router (LRMoE creates its gate first, so seed 0 gives the same weights)."""
+    torch.manual_seed(0)
+    router = nn.Module()
+    router.gate = nn.Linear(shape["dim"], shape["num_experts"], bias=False).bfloat16()
+    x_TD = torch.randn(tokens, shape["dim"], dtype=torch.bfloat16)
+    if skew:
+        skew_router(router, skew, seed=0)
+        x_TD[:, 0] = 1.0
+    with torch.no_grad():
+        ids_TK = router.gate(x_TD).float().topk(shape["top_k"], dim=-1).indices
+    return expert_loads(ids_TK, shape["num_experts"])
+
+
+def capacity(args) -> None:
+    shape = SHAPES[args.shape]
+    T, E, K = args.tokens, shape["num_experts"], shape["top_k"]
+    print(f"# {args.shape}, T={T}, E={E}, k={K}: P={T * K} pairs; plans only")
+    print(f"{'skew':>5} {'max/mean load':>13} {'retain':>6} {'c':>5} {'C':>5} {'kept/budget':>11} {'pad':>6} "
+          f"{'rows/plain':>10}")
+    for skew in args.skew:
+        loads_E = loads_for(shape, T, skew)
+        ratio = loads_E.max().item() / loads_E.float().mean().item()
+        for retain in args.retain:
+            budget = int(retain * T * K)
+            plain_E = plan_quotas(loads_E, retain)
+            plain_rows = int(((plain_E + 127) // 128 * 128).sum())
+            for factor in args.factor:
+                cap = backward_capacity_rows(T, K, E, retain, factor)
+                kept = int(plan_quotas(loads_E, retain, capacity=torch.full_like(loads_E, cap)).sum())
+                print(f"{skew:5.2f} {ratio:13.2f} {retain:6.2f} {factor:5.2f} {cap:5d} {kept / budget:11.3f} "
+                      f"{1 - kept / (E * cap):6.3f} {E * cap / plain_rows:10.3f}")
+
+
+# ----------------------------------------------------------------------------------------------- dropped pairs
 
 
 def capture(model: MoELM, batch_BL1: torch.Tensor) -> list[dict]:
@@ -79,16 +137,7 @@ def kept_share(view: dict, metric: str, rule: str, retain: float) -> torch.Tenso
     return kept.view_as(scores_TK)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--retain", type=float, default=0.75)
-    parser.add_argument("--batches", type=int, default=8)
-    parser.add_argument("--preset", default="default", choices=sorted(_PRESETS))
-    parser.add_argument("--init", help="a dense-trained checkpoint of --preset's model (skips the training run)")
-    parser.add_argument("--device", default="cpu", help="device of the training run (the analysis runs on CPU)")
-    args = parser.parse_args()
-
+def dropped_pairs(args) -> None:
     model_cfg, train_cfg, max_bytes = _PRESETS[args.preset]
     corpus = load_corpus("python", max_bytes)
     model = MoELM(replace(model_cfg, retain=1.0))
@@ -135,6 +184,33 @@ def main() -> None:
                 n_tok += share.shape[0]
             print(f"{metric:>9} {rule:>7} {first / n_first:>9.3f} {rest / n_rest:>9.3f} "
                   f"{gate_kept / mass_kept:>9.3f} {gate_drop / max(mass_drop, 1e-9):>9.3f} {none / n_tok:>18.3f}")
+
+
+# --------------------------------------------------------------------------------------------------------- CLI
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("capacity", help="what backward_capacity keeps and pads, by router skew")
+    p.add_argument("--shape", default="qwen3-30b-a3b", choices=sorted(SHAPES))
+    p.add_argument("--tokens", type=int, default=8192)
+    p.add_argument("--skew", type=float, nargs="+", default=[0.0, 0.25, 0.5, 1.0])
+    p.add_argument("--retain", type=float, nargs="+", default=[0.75, 0.5])
+    p.add_argument("--factor", type=float, nargs="+", default=[1.0, 1.25, 1.5])
+    p = sub.add_parser("dropped-pairs", help="which pairs each selection rule drops (the demo model)")
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--retain", type=float, default=0.75)
+    p.add_argument("--batches", type=int, default=8)
+    p.add_argument("--preset", default="default", choices=sorted(_PRESETS))
+    p.add_argument("--init", help="a dense-trained checkpoint of --preset's model (skips the training run)")
+    p.add_argument("--device", default="cpu", help="device of the training run (the analysis runs on CPU)")
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    {"capacity": capacity, "dropped-pairs": dropped_pairs}[args.command](args)
 
 
 if __name__ == "__main__":

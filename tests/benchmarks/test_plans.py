@@ -1,21 +1,14 @@
-"""benchmarks/backward_capacity_plan.py runs on the CPU and its table says what the docs quote: the capped plan
+"""benchmarks/plans.py capacity runs on the CPU and its table says what the docs quote: the capped plan
 keeps the whole budget when C covers every expert's waterfilled quota, less as the router skews, never more."""
 
 from __future__ import annotations
 
 import math
-import subprocess
-import sys
-from pathlib import Path
-
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "backward_capacity_plan.py"
 
 
-def test_table_kept_share_and_padding():
-    out = subprocess.run(
-        [sys.executable, str(SCRIPT), "--tokens", "512", "--skew", "0", "2", "--retain", "0.75", "--factor", "1", "4"],
-        capture_output=True, text=True, check=True, timeout=120,
-    ).stdout
+def test_table_kept_share_and_padding(run_script):
+    out = run_script("plans.py", "capacity", "--tokens", "512", "--skew", "0", "2", "--retain", "0.75", "--factor",
+                     "1", "4")
     rows = [line.split() for line in out.splitlines() if line and not line.startswith(("#", " skew"))]
     table = {(float(r[0]), float(r[3])): r for r in rows}
     assert len(rows) == 4 and set(table) == {(0.0, 1.0), (0.0, 4.0), (2.0, 1.0), (2.0, 4.0)}

@@ -1,24 +1,20 @@
-"""benchmarks/stream_overlap.py's problem (the part that needs no GPU): each expert keeps round(retain * load) of its
-pairs, and the buffer's rows, their tokens and the per-token slots agree with each other."""
+"""benchmarks/gemm.py streams' problem (common.retained_rows_problem, the part that needs no GPU): each expert keeps
+round(retain * load) of its pairs, and the buffer's rows, their tokens and the per-token slots agree with each other;
+every stream variant runs each of the backward's ops once."""
 
 from __future__ import annotations
 
+import common
 import pytest
 import torch
-from benchmark_scripts import load_script_once
 
-
-@pytest.fixture(scope="module")
-def script():
-    module = load_script_once("stream_overlap")
-    module.SHAPES["tiny"] = (64, 8, 2, 16, 8)  # T, E, K, d, f
-    return module
+SHAPE, TOKENS = dict(dim=16, hidden_dim=8, num_experts=8, top_k=2), 64
 
 
 @pytest.mark.parametrize("retain", [1.0, 0.75, 0.5])
-def test_problem_rows(script, retain):
-    p = script.make_problem("tiny", retain, device="cpu")
-    n_tok, n_exp, top_k, dim, ffn = script.SHAPES["tiny"]
+def test_problem_rows(retain):
+    p = common.retained_rows_problem(SHAPE, TOKENS, retain, device="cpu")
+    n_tok, n_exp, top_k, ffn = TOKENS, SHAPE["num_experts"], SHAPE["top_k"], SHAPE["hidden_dim"]
     slot_TK = p["slot_TK"]
     kept = slot_TK[slot_TK >= 0]
     assert torch.equal(kept.sort().values, torch.arange(p["rows"]))  # every buffer row holds one pair
@@ -36,10 +32,10 @@ def test_problem_rows(script, retain):
         assert 0 < p["rows"] < n_tok * top_k
 
 
-def test_every_variant_runs_each_op_once(script):
-    p = script.make_problem("tiny", 0.5, device="cpu")
-    ops = set(script.ops(p))
-    for name, lanes in script.VARIANTS.items():
+def test_every_variant_runs_each_op_once():
+    p = common.retained_rows_problem(SHAPE, TOKENS, 0.5, device="cpu")
+    ops = set(common.backward_ops(p))
+    for name, lanes in common.STREAM_VARIANTS.items():
         names = [n for lane in lanes for n in lane]
         assert sorted(names) == sorted(ops), name
-        assert len(lanes) - 1 <= 2, name  # main() makes two side streams
+        assert len(lanes) - 1 <= 2, name  # gemm.py streams makes two side streams
