@@ -28,6 +28,7 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.fsdp import FSDPModule
 
 import torchtitan.distributed.parallel_dims as titan_parallel_dims
 import torchtitan.distributed.utils as titan_dist_utils
@@ -35,7 +36,7 @@ from torchtitan.components.optimizer.optimizer import register_moe_load_balancin
 from torchtitan.config import CompileConfig
 from torchtitan.distributed import ParallelDims
 from torchtitan.distributed.compile import apply_compile
-from torchtitan.distributed.fsdp import apply_fsdp_to_decoder
+from torchtitan.distributed.fsdp import apply_fsdp_to_decoder, disable_fsdp_gradient_division
 from torchtitan.models.common import CosSinRoPE, Embedding, Linear
 from torchtitan.models.common.attention import ScaledDotProductAttention
 from torchtitan.models.common.config_utils import make_ffn_config
@@ -126,7 +127,10 @@ def parallel_dims(world_size: int, ep: int, device: torch.device) -> ParallelDim
 def parallelize(model: Qwen3Model, dims: ParallelDims, *, compile_backend: str | None = None,
                 param_dtype: torch.dtype = torch.float32) -> Qwen3Model:
     """torchtitan's parallelisation of its Qwen3 models (``parallelize_qwen3``), in its order: expert parallelism
-    (``model.parallelize``), per-block compile, FSDP2 of every block (experts on the expert-data-parallel mesh)."""
+    (``model.parallelize``), per-block compile, FSDP2 of every block (experts on the expert-data-parallel mesh).
+    FSDP2 then sums gradients over ranks instead of averaging them (``disable_fsdp_gradient_division``, as
+    torchtitan's trainer does; gloo has no pre-multiplied sum): ``train_step`` scales the loss to the mean over
+    all ranks' tokens before backward."""
     if dims.ep_enabled:
         model.parallelize(dims)
     if compile_backend is not None:
@@ -135,6 +139,11 @@ def parallelize(model: Qwen3Model, dims: ParallelDims, *, compile_backend: str |
         apply_fsdp_to_decoder(model, dims.get_mesh("fsdp"), param_dtype=param_dtype, reduce_dtype=torch.float32,
                               pp_enabled=False, ep_degree=dims.ep,
                               edp_mesh=dims.get_optional_mesh("efsdp") if dims.ep_enabled else None)
+        disable_fsdp_gradient_division(model)
+        if dist.get_backend() == "gloo":  # it has no PREMUL_SUM, which FSDP2 uses even for a factor of 1
+            for module in model.modules():
+                if isinstance(module, FSDPModule):
+                    module.set_force_sum_reduction_for_comms(True)
     return model
 
 
@@ -155,6 +164,16 @@ def batch(vocab: int, batch_size: int, seq_len: int, step: int, rank: int, devic
 def loss_fn(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     logits = model(tokens[:, :-1])
     return F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
+
+
+def train_step(model: torch.nn.Module, tokens: torch.Tensor, world_size: int) -> torch.Tensor:
+    """Forward and backward of this rank's tokens; returns its (unscaled) loss. Every rank holds as many tokens,
+    so dividing by the world size makes the gradients those of the mean loss over all ranks: FSDP2 sums the
+    replicated parameters' over ranks, and each expert shard already receives every rank's rows through the
+    expert-parallel all-to-all."""
+    loss = loss_fn(model, tokens)
+    (loss / world_size).backward()
+    return loss.detach()
 
 
 def main(argv=None) -> list[float]:
@@ -188,12 +207,11 @@ def main(argv=None) -> list[float]:
     losses = []
     for step in range(args.steps):
         t0 = time.perf_counter()
-        loss = loss_fn(model, batch(args.vocab, args.batch_size, args.seq_len, step, rank, device))
-        loss.backward()
+        loss = train_step(model, batch(args.vocab, args.batch_size, args.seq_len, step, rank, device), world_size)
         clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        mean = loss.detach().clone()
+        mean = loss.clone()
         stats = backward_stats(model)
         kept = torch.stack([s["retained_rows"] for s in stats.values()]).sum() if stats else torch.zeros(())
         if world_size > 1:
