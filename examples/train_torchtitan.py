@@ -30,7 +30,23 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.fsdp import FSDPModule
 
-import torchtitan.distributed.parallel_dims as titan_parallel_dims
+
+def _torch_compat() -> None:
+    """Let torchtitan 0.3.0 (written against torch 2.13) import and run this example under torch 2.11 as well:
+    it imports ``torch.distributed.fsdp.DataParallelMeshDims`` at module level for its "full_dtensor" backend only
+    (not used here), and its expert-parallel dispatcher calls ``torch.compiler._is_non_strict_tracing``, which
+    torch 2.11 lacks (no non-strict tracing runs here: False). Newer torch is left untouched."""
+    import torch.distributed.fsdp as torch_fsdp
+
+    if not hasattr(torch_fsdp, "DataParallelMeshDims"):
+        torch_fsdp.DataParallelMeshDims = type("DataParallelMeshDims", (), {})
+    if not hasattr(torch.compiler, "_is_non_strict_tracing"):
+        torch.compiler._is_non_strict_tracing = lambda: False
+
+
+_torch_compat()
+
+import torchtitan.distributed.parallel_dims as titan_parallel_dims  # noqa: E402  (after _torch_compat)
 import torchtitan.distributed.utils as titan_dist_utils
 from torchtitan.components.optimizer.optimizer import register_moe_load_balancing_hook
 from torchtitan.config import CompileConfig
@@ -135,7 +151,7 @@ def parallelize(model: Qwen3Model, dims: ParallelDims, *, compile_backend: str |
         model.parallelize(dims)
     if compile_backend is not None:
         apply_compile(model, compile_config=CompileConfig(enable=True, backend=compile_backend), parallel_dims=dims)
-    if dims.world_size > 1:
+    if dims.world_size > 1 or param_dtype != torch.float32:  # FSDP2 on one GPU too: torchtitan's mixed precision
         apply_fsdp_to_decoder(model, dims.get_mesh("fsdp"), param_dtype=param_dtype, reduce_dtype=torch.float32,
                               pp_enabled=False, ep_degree=dims.ep,
                               edp_mesh=dims.get_optional_mesh("efsdp") if dims.ep_enabled else None)
@@ -204,7 +220,7 @@ def main(argv=None) -> list[float]:
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     register_moe_load_balancing_hook(opt, [model], dims)  # expert-bias update before every optimiser step
 
-    losses = []
+    losses, step_ms = [], []
     for step in range(args.steps):
         t0 = time.perf_counter()
         loss = train_step(model, batch(args.vocab, args.batch_size, args.seq_len, step, rank, device), world_size)
@@ -213,19 +229,23 @@ def main(argv=None) -> list[float]:
         opt.zero_grad(set_to_none=True)
         mean = loss.clone()
         stats = backward_stats(model)
-        kept = torch.stack([s["retained_rows"] for s in stats.values()]).sum() if stats else torch.zeros(())
+        kept = torch.stack([s["retained_rows"] for s in stats.values()]).sum() if stats else torch.zeros((), device=device)
         if world_size > 1:
             dist.all_reduce(mean)
             mean /= world_size
             dist.all_reduce(kept)
-        losses.append(mean.item())
+        losses.append(mean.item())  # waits for the step: the time below is the whole step's
+        step_ms.append((time.perf_counter() - t0) * 1e3)
         routed = world_size * args.batch_size * args.seq_len * args.top_k * args.layers
         if rank == 0:
             print(f"step {step:3d}  loss {losses[-1]:.4f}  kept rows {kept.item() / routed if stats else 1.0:.3f}  "
-                  f"{(time.perf_counter() - t0) * 1e3:.0f} ms", flush=True)
+                  f"{step_ms[-1]:.0f} ms", flush=True)
     if rank == 0:
+        steady = sorted(step_ms[len(step_ms) // 2:])  # the second half: compilation and warm-up are over
+        peak = f", peak memory {torch.cuda.max_memory_allocated(device) / 2**30:.2f} GiB" if device.type == "cuda" else ""
         print(f"loss {losses[0]:.4f} -> {losses[-1]:.4f} over {args.steps} steps (log vocab = "
-              f"{math.log(args.vocab):.4f})")
+              f"{math.log(args.vocab):.4f}); median step {steady[len(steady) // 2]:.1f} ms over the last "
+              f"{len(steady)}{peak}")
     dist.destroy_process_group()
     return losses
 
