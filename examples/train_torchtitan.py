@@ -230,7 +230,7 @@ def main(argv=None) -> list[float]:
         opt.zero_grad(set_to_none=True)
         mean = loss.clone()
         stats = backward_stats(model)
-        kept = torch.stack([s["retained_rows"] for s in stats.values()]).sum() if stats else torch.zeros((), device=device)
+        kept = sum((s["retained_rows"] for s in stats.values()), torch.zeros((), device=device))
         if world_size > 1:
             dist.all_reduce(mean)
             mean /= world_size
@@ -243,7 +243,9 @@ def main(argv=None) -> list[float]:
                   f"{step_ms[-1]:.0f} ms", flush=True)
     if rank == 0:
         steady = sorted(step_ms[len(step_ms) // 2:])  # the second half: compilation and warm-up are over
-        peak = f", peak memory {torch.cuda.max_memory_allocated(device) / 2**30:.2f} GiB" if device.type == "cuda" else ""
+        peak = ""
+        if device.type == "cuda":
+            peak = f", peak memory {torch.cuda.max_memory_allocated(device) / 2**30:.2f} GiB"
         print(f"loss {losses[0]:.4f} -> {losses[-1]:.4f} over {args.steps} steps (log vocab = "
               f"{math.log(args.vocab):.4f}); median step {steady[len(steady) // 2]:.1f} ms over the last "
               f"{len(steady)}{peak}")
