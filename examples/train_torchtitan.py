@@ -5,8 +5,9 @@
     python examples/train_torchtitan.py --device cuda --compile           # one GPU, per-block torch.compile
 
 The model is torchtitan's own Qwen3 decoder with MoE blocks (``torchtitan.models.qwen3``), built in code from a
-small configuration (random init, nothing downloaded); ``--router deepseek`` gives its MoE layers DeepSeek-V3's
-router instead (sigmoid scores, expert groups, routed scaling, one shared expert). Attention is torchtitan's SDPA
+small configuration (random init, nothing downloaded), or with ``--model deepseek_v3`` torchtitan's DeepSeek-V3
+debug model (MLA attention, a dense first layer, shared experts); ``--router deepseek`` gives the MoE layers
+DeepSeek-V3's full router (sigmoid scores, expert groups, routed scaling; and a shared expert in Qwen3's blocks). Attention is torchtitan's SDPA
 backend, since FlexAttention has no CPU backward. The loop is torchtitan's training step, written out: build the
 model, ``convert_moe`` (the only lrmoe line), then torchtitan's parallelisation in its order (expert parallelism
 through ``model.parallelize``, per-block ``apply_compile``, FSDP2 through ``apply_fsdp_to_decoder``), AdamW with
@@ -56,6 +57,9 @@ from torchtitan.distributed.fsdp import apply_fsdp_to_decoder, disable_fsdp_grad
 from torchtitan.models.common import CosSinRoPE, Embedding, Linear
 from torchtitan.models.common.attention import ScaledDotProductAttention
 from torchtitan.models.common.config_utils import make_ffn_config
+from torchtitan.models.common.moe import MoE
+from torchtitan.models.deepseek_v3 import deepseekv3_configs
+from torchtitan.models.deepseek_v3.sharding import set_deepseek_v3_sharding_config
 from torchtitan.models.qwen3 import Qwen3Model
 from torchtitan.models.qwen3 import _build_qwen3_moe_layers, _qwen3_norm, _EMBEDDING_INIT, _LINEAR_INIT
 from torchtitan.models.qwen3.sharding import set_qwen3_sharding_config
@@ -78,7 +82,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--top-k", type=int, default=2)
     p.add_argument("--hidden-dim", type=int, default=64, help="each expert's hidden size F")
     p.add_argument("--vocab", type=int, default=256)
-    p.add_argument("--router", choices=("qwen3", "deepseek"), default="qwen3")
+    p.add_argument("--model", choices=("qwen3", "deepseek_v3"), default="qwen3",
+                   help="qwen3: the configuration of the flags below; deepseek_v3: torchtitan's DeepSeek-V3 debug "
+                        "model (MLA, a dense first layer, 8 experts, 2 shared; its own sizes, --vocab and --seq-len "
+                        "still apply)")
+    p.add_argument("--router", choices=("qwen3", "deepseek"), default="qwen3",
+                   help="deepseek: DeepSeek-V3's router (sigmoid, 4 groups of which 2, scale 2.5), and a shared "
+                        "expert in qwen3's blocks")
     p.add_argument("--retain", type=float, default=0.75)
     p.add_argument("--selection", choices=("sample", "top"), default="sample")
     p.add_argument("--dense", action="store_true", help="torchtitan's own experts, not converted (a baseline)")
@@ -92,9 +102,12 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def model_config(*, dim: int, layers: int, experts: int, top_k: int, hidden_dim: int, vocab: int, seq_len: int,
-                 router: str = "qwen3", ep: int = 1) -> Qwen3Model.Config:
-    """A small Qwen3-MoE configuration in torchtitan's own config classes (its debug MoE model, shrunk), with SDPA
-    attention and torchtitan's sharding configuration for expert parallelism of degree ``ep``."""
+                 router: str = "qwen3", ep: int = 1, model: str = "qwen3"):
+    """A small Qwen3-MoE configuration in torchtitan's own config classes (its debug MoE model, shrunk), or
+    torchtitan's DeepSeek-V3 debug configuration, with SDPA attention and torchtitan's sharding configuration for
+    expert parallelism of degree ``ep``."""
+    if model == "deepseek_v3":
+        return _deepseek_v3_config(vocab=vocab, router=router, ep=ep)
     head_dim, n_heads = 16, max(1, dim // 16)
     cfg = Qwen3Model.Config(
         vocab_size=vocab, dim=dim, norm=_qwen3_norm(dim),
@@ -117,11 +130,26 @@ def model_config(*, dim: int, layers: int, experts: int, top_k: int, hidden_dim:
     return cfg
 
 
-def build_model(args: argparse.Namespace, device: torch.device) -> Qwen3Model:
+def _deepseek_v3_config(*, vocab: int, router: str, ep: int):
+    cfg = deepseekv3_configs["debugmodel"](attn_backend="flex", moe_comm_backend="standard")
+    cfg.vocab_size = vocab
+    cfg.tok_embeddings.num_embeddings = vocab
+    cfg.lm_head.out_features = vocab
+    for layer in cfg.layers:
+        layer.attention.inner_attention = ScaledDotProductAttention.Config()  # FlexAttention: no CPU backward
+        if router == "deepseek" and getattr(layer, "moe", None) is not None:  # the full model's routing
+            r = layer.moe.router
+            r.score_func, r.route_norm, r.route_scale = "sigmoid", True, 2.5
+            r.num_expert_groups, r.num_limited_groups = 4, 2
+    set_deepseek_v3_sharding_config(cfg, enable_sp=False, enable_ep=ep > 1)
+    return cfg
+
+
+def build_model(args: argparse.Namespace, device: torch.device) -> torch.nn.Module:
     """torchtitan's model from ``model_config``, initialised by torchtitan's own initialisers from ``args.seed``."""
     cfg = model_config(dim=args.dim, layers=args.layers, experts=args.experts, top_k=args.top_k,
                        hidden_dim=args.hidden_dim, vocab=args.vocab, seq_len=args.seq_len, router=args.router,
-                       ep=args.ep)
+                       ep=args.ep, model=args.model)
     torch.manual_seed(args.seed)
     with torch.device(device):
         model = cfg.build()
@@ -209,6 +237,7 @@ def main(argv=None) -> list[float]:
         raise SystemExit(f"--ep {args.ep} must divide the ranks ({world_size}) and --experts ({args.experts})")
 
     model = build_model(args, device)
+    pairs_per_token = sum(m.router.top_k for m in model.modules() if isinstance(m, MoE))  # over all MoE layers
     if not args.dense:
         converted = convert_moe(model, retain=args.retain, selection=args.selection)
         if rank == 0:
@@ -237,7 +266,7 @@ def main(argv=None) -> list[float]:
             dist.all_reduce(kept)
         losses.append(mean.item())  # waits for the step: the time below is the whole step's
         step_ms.append((time.perf_counter() - t0) * 1e3)
-        routed = world_size * args.batch_size * args.seq_len * args.top_k * args.layers
+        routed = world_size * args.batch_size * args.seq_len * pairs_per_token
         if rank == 0:
             print(f"step {step:3d}  loss {losses[-1]:.4f}  kept rows {kept.item() / routed if stats else 1.0:.3f}  "
                   f"{step_ms[-1]:.0f} ms", flush=True)

@@ -109,6 +109,11 @@ def convert_moe(model: nn.Module, *, retain: float, compute_dtype: torch.dtype |
         experts = moe.routed_experts.inner_experts
         where = f"{name}.routed_experts.inner_experts" if name else "routed_experts.inner_experts"
         _check_convertible(where, experts, moe.routed_experts.token_dispatcher)
+        if getattr(moe, "score_before_experts", False) or getattr(moe.routed_experts, "score_before_experts", False):
+            # Gates applied to the rows before the experts (not a torchtitan 0.3.0 option) would put alpha inside
+            # the SwiGLU, and the rows' gradients would no longer be alpha * g.
+            raise TypeError(f"{where}: convert_moe needs the gates applied after the experts (torchtitan 0.3.0's "
+                            "combine); this MoE applies them before (score_before_experts)")
         if experts.num_experts % quota_blocks:
             raise ValueError(f"quota_blocks={quota_blocks} does not divide {where}'s {experts.num_experts} experts")
         experts.__class__ = _selective_class(type(experts))

@@ -82,11 +82,13 @@ def assert_grads_close(got, want, rtol):
         assert err <= rtol, f"{name}: max error {err:.2e} of the gradient's largest entry, want <= {rtol:.0e}"
 
 
-@pytest.mark.parametrize("router", ["qwen3", "deepseek"])
-def test_retain_one_reproduces_torchtitan_and_loads_its_checkpoint(router):
+@pytest.mark.parametrize("model_name, router", [("qwen3", "qwen3"), ("qwen3", "deepseek"), ("deepseek_v3", "deepseek")])
+def test_retain_one_reproduces_torchtitan_and_loads_its_checkpoint(model_name, router):
     # A torchtitan checkpoint (another seed, a non-zero expert bias) loads into the converted model unchanged; then
-    # its loss and every gradient equal torchtitan's own model's (experts in fp32 on both sides).
-    args = small_args("--router", router)
+    # its loss and every gradient equal torchtitan's own model's (experts in fp32 on both sides). Qwen3-MoE with its
+    # softmax router or DeepSeek-V3's (sigmoid, groups, scaling, a shared expert); torchtitan's DeepSeek-V3 (MLA,
+    # a dense first layer, two shared experts).
+    args = small_args("--model", model_name, "--router", router)
     titan = example.build_model(args, torch.device("cpu"))
     randomise_expert_bias(titan, 1)
     for module in titan.modules():
@@ -99,22 +101,24 @@ def test_retain_one_reproduces_torchtitan_and_loads_its_checkpoint(router):
 
     names = convert_moe(model, retain=1.0, compute_dtype=None)
 
-    assert names == [f"layers.{i}.moe.routed_experts.inner_experts" for i in range(2)]
+    moes = [name for name, m in model.named_modules() if isinstance(m, MoE)]
+    assert len(moes) == (5 if model_name == "deepseek_v3" else 2)
+    assert names == [f"{name}.routed_experts.inner_experts" for name in moes]
     assert all(is_converted(model.get_submodule(n)) for n in names)
     assert dict(model.named_parameters()) == params_before  # the same Parameter objects, same names
     assert {k: v.shape for k, v in model.state_dict().items()} == shapes_before
     model.load_state_dict(titan.state_dict(), strict=True)
     if router == "deepseek":
-        assert model.layers["0"].moe.shared_experts is not None
+        assert all(model.get_submodule(name).shared_experts is not None for name in moes)
 
     tokens = example.batch(args.vocab, 4, args.seq_len, step=0, rank=0, device=torch.device("cpu"))
     want_loss, want = loss_and_grads(titan, tokens)
     got_loss, got = loss_and_grads(model, tokens)
     torch.testing.assert_close(got_loss, want_loss, rtol=1e-6, atol=0)
     assert_grads_close(got, want, rtol=1e-5)
-    for i in range(2):  # the router saw the same loads (torchtitan's expert-bias counter)
-        torch.testing.assert_close(model.layers[str(i)].moe.tokens_per_expert_E,
-                                   titan.layers[str(i)].moe.tokens_per_expert_E)
+    for name in moes:  # the routers saw the same loads (torchtitan's expert-bias counter)
+        torch.testing.assert_close(model.get_submodule(name).tokens_per_expert_E,
+                                   titan.get_submodule(name).tokens_per_expert_E)
 
 
 def test_retain_one_in_bf16_matches_torchtitan_as_it_is():
