@@ -7,10 +7,11 @@
 The model is torchtitan's own Qwen3 decoder with MoE blocks (``torchtitan.models.qwen3``), built in code from a
 small configuration (random init, nothing downloaded), or with ``--model deepseek_v3`` torchtitan's DeepSeek-V3
 debug model (MLA attention, a dense first layer, shared experts); ``--router deepseek`` gives the MoE layers
-DeepSeek-V3's full router (sigmoid scores, expert groups, routed scaling; and a shared expert in Qwen3's blocks). Attention is torchtitan's SDPA
-backend, since FlexAttention has no CPU backward. The loop is torchtitan's training step, written out: build the
-model, ``convert_moe`` (the only lrmoe line), then torchtitan's parallelisation in its order (expert parallelism
-through ``model.parallelize``, per-block ``apply_compile``, FSDP2 through ``apply_fsdp_to_decoder``), AdamW with
+DeepSeek-V3's full router (sigmoid scores, expert groups, routed scaling; and a shared expert in Qwen3's
+blocks). Attention is torchtitan's SDPA backend, since FlexAttention has no CPU backward. The loop is torchtitan's
+training step, written out: build the model, ``convert_moe`` (the only lrmoe line), then torchtitan's
+parallelisation in its order (expert parallelism through ``model.parallelize``, per-block ``apply_compile``, FSDP2
+through ``apply_fsdp_to_decoder``, which on a GPU also gives torchtitan's bf16 mixed precision), AdamW with
 torchtitan's expert-bias hook (``register_moe_load_balancing_hook``, aux-loss-free balancing), gradient clipping
 over the FSDP2 and EP meshes (``lrmoe.nn.clip_grad_norm_``).
 
