@@ -12,6 +12,8 @@ each row a pair with gate 1 (K = 1). Everything else is torchtitan's: router, ex
 shared experts, dispatcher, combine. So the pairs, gates and forward are the ones torchtitan computes, the
 parameters stay the same ``w1_EFD`` [E, F, D] (gate), ``w2_EDF`` [E, D, F] (down), ``w3_EFD`` [E, F, D] (up)
 objects, and state_dict keys and shapes are unchanged: a torchtitan checkpoint loads as it is.
+``SelectiveBackwardConverter`` does the same through torchtitan's model converters (a config rewrite before the
+build), for torchtitan's own trainer.
 
 The score. The gradient arriving at row u is dy_u = alpha_u * g_t (the combine's backward), so the LRM score
 computed on the row with gate 1, ||dy_u||^2 * ||phi_u||^2, is alpha_u^2 ||g_t||^2 ||phi_u||^2: the pair's score of
@@ -35,16 +37,19 @@ expert parallelism over W ranks), B quota blocks.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field, fields
+
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 from torchtitan.models.common.moe import MoE
 from torchtitan.models.common.moe import GroupedExperts
 from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher, LocalTokenDispatcher
+from torchtitan.protocols.model import ModelConfigConverter
 
 from lrmoe.functional import ExpertPlan, expert_loads, plan_quotas, selective_swiglu_experts
 
-__all__ = ["EXPERT_OPTIONS", "backward_stats", "convert_moe", "is_converted"]
+__all__ = ["EXPERT_OPTIONS", "SelectiveBackwardConverter", "backward_stats", "convert_moe", "is_converted"]
 
 # selective_swiglu_experts' keyword arguments that convert_moe fixes for every call of the converted experts.
 EXPERT_OPTIONS = ("retain", "metric", "selection", "policy", "min_retain", "generator", "activations", "quota_align",
@@ -87,19 +92,7 @@ def convert_moe(model: nn.Module, *, retain: float, compute_dtype: torch.dtype |
     whose token dispatcher is not ``LocalTokenDispatcher`` / ``AllToAllTokenDispatcher``; and selective_swiglu_
     experts' own errors for bad option values.
     """
-    unknown = sorted(set(options) - set(EXPERT_OPTIONS))
-    if unknown:
-        raise TypeError(f"unknown options {unknown}; convert_moe takes retain, compute_dtype, quota_blocks and "
-                        f"selective_swiglu_experts' {', '.join(o for o in EXPERT_OPTIONS if o != 'retain')}")
-    if compute_dtype is not None and not (isinstance(compute_dtype, torch.dtype) and compute_dtype.is_floating_point):
-        raise TypeError(f"compute_dtype must be a floating-point torch.dtype or None, got {compute_dtype!r}")
-    if isinstance(quota_blocks, bool) or not isinstance(quota_blocks, int) or quota_blocks < 1:
-        raise ValueError(f"quota_blocks must be a Python int >= 1, got {quota_blocks!r}")
-    if quota_blocks > 1 and options.get("backward_capacity") is not None:
-        raise ValueError("quota_blocks > 1 plans the quotas itself and cannot apply backward_capacity; use one")
-    options = {"retain": retain, **options}
-    _check_options(options)
-
+    options = _checked_options(retain, compute_dtype, quota_blocks, options)
     moes = [(name, m) for name, m in model.named_modules() if isinstance(m, MoE)]
     if not moes:
         raise ValueError(f"convert_moe found no torchtitan MoE layer (torchtitan.models.common.moe.MoE) in this "
@@ -117,12 +110,77 @@ def convert_moe(model: nn.Module, *, retain: float, compute_dtype: torch.dtype |
         if experts.num_experts % quota_blocks:
             raise ValueError(f"quota_blocks={quota_blocks} does not divide {where}'s {experts.num_experts} experts")
         experts.__class__ = _selective_class(type(experts))
-        experts.lrmoe_options = dict(options)
-        experts.lrmoe_compute_dtype = compute_dtype
-        experts.lrmoe_quota_blocks = quota_blocks
-        experts.lrmoe_stats_probe = _new_probe(experts.w1_EFD.device)
+        _install(experts, options, compute_dtype, quota_blocks)
         converted.append(where)
     return converted
+
+
+class SelectiveBackwardConverter(ModelConfigConverter):
+    """``convert_moe`` as a torchtitan model converter, for torchtitan's own trainer: it rewrites the model
+    config before the build, so every MoE layer's ``GroupedExperts.Config`` builds converted experts (the
+    parameters, names and checkpoints of torchtitan's). Pass its Config where torchtitan takes converters, e.g.
+    ``torchtitan.models.qwen3.model_registry("debugmodel_moe", converters=[SelectiveBackwardConverter.Config(
+    retain=0.75)])``. Config fields: ``convert_moe``'s arguments, ``compute_dtype`` by name as torchtitan's configs
+    name dtypes ("bfloat16", "float32", or None for the input's); ``options`` holds selective_swiglu_experts'."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(ModelConfigConverter.Config):
+        retain: float = 1.0
+        compute_dtype: str | None = "bfloat16"
+        quota_blocks: int = 1
+        options: dict = field(default_factory=dict)
+
+    def __init__(self, config: Config):
+        self.config = config
+        name = config.compute_dtype
+        self.compute_dtype = None if name is None else getattr(torch, name, None)
+        if name is not None and not isinstance(self.compute_dtype, torch.dtype):
+            raise TypeError(f"compute_dtype must name a torch dtype ('bfloat16', 'float32') or be None, got {name!r}")
+        self.options = _checked_options(config.retain, self.compute_dtype, config.quota_blocks, config.options)
+
+    def convert(self, model_config):
+        found = False
+        for fqn, config, parent, attr in model_config.traverse(MoE.Config):
+            found = True
+            routed = config.routed_experts
+            inner = routed.inner_experts
+            where = f"{fqn}.routed_experts.inner_experts" if fqn else "routed_experts.inner_experts"
+            _check_convertible(where, inner._owner, routed.token_dispatcher._owner, config=True)
+            if inner.num_experts % self.config.quota_blocks:
+                raise ValueError(f"quota_blocks={self.config.quota_blocks} does not divide {where}'s "
+                                 f"{inner.num_experts} experts")
+            selective = _selective_class(inner._owner).Config
+            routed.inner_experts = selective(
+                **{f.name: getattr(inner, f.name) for f in fields(inner)},
+                lrmoe_options=dict(self.options), lrmoe_compute_dtype=self.compute_dtype,
+                lrmoe_quota_blocks=self.config.quota_blocks)
+        if not found:
+            raise ValueError("SelectiveBackwardConverter found no torchtitan MoE layer config (MoE.Config)")
+        return model_config
+
+
+def _checked_options(retain: float, compute_dtype: torch.dtype | None, quota_blocks: int, options: dict) -> dict:
+    """selective_swiglu_experts' options with ``retain``, checked (module-independent arguments of convert_moe)."""
+    unknown = sorted(set(options) - set(EXPERT_OPTIONS))
+    if unknown:
+        raise TypeError(f"unknown options {unknown}; convert_moe takes retain, compute_dtype, quota_blocks and "
+                        f"selective_swiglu_experts' {', '.join(o for o in EXPERT_OPTIONS if o != 'retain')}")
+    if compute_dtype is not None and not (isinstance(compute_dtype, torch.dtype) and compute_dtype.is_floating_point):
+        raise TypeError(f"compute_dtype must be a floating-point torch.dtype or None, got {compute_dtype!r}")
+    if isinstance(quota_blocks, bool) or not isinstance(quota_blocks, int) or quota_blocks < 1:
+        raise ValueError(f"quota_blocks must be a Python int >= 1, got {quota_blocks!r}")
+    if quota_blocks > 1 and options.get("backward_capacity") is not None:
+        raise ValueError("quota_blocks > 1 plans the quotas itself and cannot apply backward_capacity; use one")
+    options = {"retain": retain, **options}
+    _check_options(options)
+    return options
+
+
+def _install(experts: nn.Module, options: dict, compute_dtype: torch.dtype | None, quota_blocks: int) -> None:
+    experts.lrmoe_options = dict(options)
+    experts.lrmoe_compute_dtype = compute_dtype
+    experts.lrmoe_quota_blocks = quota_blocks
+    experts.lrmoe_stats_probe = _new_probe(experts.w1_EFD.device)
 
 
 def is_converted(module: nn.Module) -> bool:
@@ -156,6 +214,10 @@ class _SelectiveExpertsMixin:
     lrmoe_compute_dtype: torch.dtype | None
     lrmoe_quota_blocks: int
     lrmoe_stats_probe: torch.Tensor
+
+    def __init__(self, config):  # built from a SelectiveBackwardConverter config (convert_moe swaps classes)
+        super().__init__(config)
+        _install(self, config.lrmoe_options, config.lrmoe_compute_dtype, config.lrmoe_quota_blocks)
 
     def forward(self, x_RD: torch.Tensor, num_tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
         w1_EFD, w2_EDF, w3_EFD = (_local_experts(name, getattr(self, name)) for name in ("w1_EFD", "w2_EDF", "w3_EFD"))
@@ -198,9 +260,19 @@ _CLASSES: dict[type, type] = {}
 
 
 def _selective_class(cls: type) -> type:
-    """The converted subclass of a GroupedExperts class (cached, so every converted module of a class shares it)."""
+    """The converted subclass of a GroupedExperts class (cached, so every converted module of a class shares it),
+    with a Config that also carries the selective backward's settings (what SelectiveBackwardConverter builds)."""
     if cls not in _CLASSES:
-        _CLASSES[cls] = type(f"Selective{cls.__name__}", (_SelectiveExpertsMixin, cls), {})
+
+        @dataclass(kw_only=True, slots=True)
+        class Config(cls.Config):
+            lrmoe_options: dict = field(default_factory=dict)
+            lrmoe_compute_dtype: torch.dtype | None = torch.bfloat16
+            lrmoe_quota_blocks: int = 1
+
+        name = f"Selective{cls.__name__}"
+        Config.__qualname__ = f"{name}.Config"
+        _CLASSES[cls] = type(name, (_SelectiveExpertsMixin, cls), {"Config": Config, "__module__": __name__})
     return _CLASSES[cls]
 
 
@@ -210,17 +282,21 @@ def _new_probe(device: torch.device) -> torch.Tensor:
     return torch.zeros(_N_STATS, device=device if device.type != "meta" else "cpu", requires_grad=True)
 
 
-def _check_convertible(where: str, experts: nn.Module, dispatcher: object) -> None:
-    if is_converted(experts):
+def _check_convertible(where: str, experts, dispatcher, config: bool = False) -> None:
+    """Refuse what the converted forward cannot run. ``experts`` and ``dispatcher`` are modules, or with ``config``
+    the classes their configs build."""
+    experts_cls = experts if config else type(experts)
+    dispatcher_cls = dispatcher if config else type(dispatcher)
+    if issubclass(experts_cls, _SelectiveExpertsMixin):
         raise ValueError(f"{where} is already converted (convert_moe runs once per model)")
-    if not isinstance(experts, GroupedExperts):
-        raise TypeError(f"{where} is a {type(experts).__name__}, not torchtitan's GroupedExperts (w1_EFD, w2_EDF, "
+    if not issubclass(experts_cls, GroupedExperts):
+        raise TypeError(f"{where} is a {experts_cls.__name__}, not torchtitan's GroupedExperts (w1_EFD, w2_EDF, "
                         "w3_EFD SwiGLU experts): convert_moe cannot run its experts")
-    if type(experts)._grouped_mm is not GroupedExperts._grouped_mm:
-        raise TypeError(f"{where} ({type(experts).__name__}) runs its own grouped GEMMs (a low-precision converter); "
+    if experts_cls._grouped_mm is not GroupedExperts._grouped_mm:
+        raise TypeError(f"{where} ({experts_cls.__name__}) runs its own grouped GEMMs (a low-precision converter); "
                         "convert_moe would drop them: convert a model without that converter")
-    if type(dispatcher) not in _DISPATCHERS:
-        raise TypeError(f"{where}'s token dispatcher is a {type(dispatcher).__name__}; convert_moe needs one row per "
+    if dispatcher_cls not in _DISPATCHERS:
+        raise TypeError(f"{where}'s token dispatcher is a {dispatcher_cls.__name__}; convert_moe needs one row per "
                         "routed pair, sorted by expert and unpadded: LocalTokenDispatcher or AllToAllTokenDispatcher "
                         "(torchtitan's 'standard' MoE comm backend)")
 

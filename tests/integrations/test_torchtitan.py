@@ -31,7 +31,12 @@ import torch.multiprocessing as mp  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 from torchtitan.models.common.moe import GroupedExperts, MoE  # noqa: E402
 
-from lrmoe.integrations.torchtitan import backward_stats, convert_moe, is_converted  # noqa: E402
+from lrmoe.integrations.torchtitan import (  # noqa: E402
+    SelectiveBackwardConverter,
+    backward_stats,
+    convert_moe,
+    is_converted,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -177,6 +182,50 @@ def test_retain_075_trains(compiled, capsys):
     assert "converted 2 MoE layers' experts: retain 0.75" in out
     assert "kept rows 0.750" in out
     assert losses[-1] < losses[0] - 0.5, losses  # from about log(64) = 4.16
+
+
+def test_converter_builds_what_convert_moe_makes():
+    # SelectiveBackwardConverter rewrites the config before the build (torchtitan's converters, for its trainer):
+    # the built model has converted experts with the same parameter names, and the same gradients as a model
+    # converted after its build.
+    args = small_args()
+    cfg = example.model_config(dim=args.dim, layers=args.layers, experts=args.experts, top_k=args.top_k,
+                               hidden_dim=args.hidden_dim, vocab=args.vocab, seq_len=args.seq_len)
+    converter = SelectiveBackwardConverter(SelectiveBackwardConverter.Config(
+        retain=0.75, compute_dtype=None, options={"selection": "top"}))
+    cfg = converter.convert(cfg)
+    torch.manual_seed(args.seed)
+    built = cfg.build()
+    built.init_states(buffer_device=torch.device("cpu"))
+    swapped = example.build_model(args, torch.device("cpu"))
+    convert_moe(swapped, retain=0.75, compute_dtype=None, selection="top")
+    assert [n for n, m in built.named_modules() if is_converted(m)] == [
+        n for n, m in swapped.named_modules() if is_converted(m)] != []
+    assert built.state_dict().keys() == swapped.state_dict().keys()
+    tokens = example.batch(args.vocab, 4, args.seq_len, step=0, rank=0, device=torch.device("cpu"))
+    _, want = loss_and_grads(swapped, tokens)
+    _, got = loss_and_grads(built, tokens)
+    assert_grads_close(got, want, rtol=0)
+    with pytest.raises(ValueError, match="already converted"):
+        converter.convert(cfg)
+    with pytest.raises(TypeError, match="compute_dtype must name a torch dtype"):
+        SelectiveBackwardConverter(SelectiveBackwardConverter.Config(retain=0.5, compute_dtype="bf16"))
+
+
+def test_converts_a_model_built_on_meta():
+    # torchtitan's trainer builds on the meta device, then to_empty and init_states: the statistics probe follows.
+    args = small_args()
+    cfg = example.model_config(dim=args.dim, layers=args.layers, experts=args.experts, top_k=args.top_k,
+                               hidden_dim=args.hidden_dim, vocab=args.vocab, seq_len=args.seq_len)
+    with torch.device("meta"):
+        model = cfg.build()
+    names = convert_moe(model, retain=0.5)
+    model.to_empty(device="cpu")
+    model.init_states(buffer_device=torch.device("cpu"))
+    assert all(model.get_submodule(n).lrmoe_stats_probe.device.type == "cpu" for n in names)
+    example.loss_fn(model, example.batch(args.vocab, 2, args.seq_len, 0, 0, torch.device("cpu"))).backward()
+    rows = 2 * args.seq_len * args.top_k
+    assert [s["retained_rows"].item() for s in backward_stats(model).values()] == [rows // 2] * 2
 
 
 def test_refusals():
