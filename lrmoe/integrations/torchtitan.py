@@ -42,8 +42,7 @@ from dataclasses import dataclass, field, fields
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
-from torchtitan.models.common.moe import MoE
-from torchtitan.models.common.moe import GroupedExperts
+from torchtitan.models.common.moe import GroupedExperts, MoE
 from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher, LocalTokenDispatcher
 from torchtitan.protocols.model import ModelConfigConverter
 
@@ -97,7 +96,7 @@ def convert_moe(model: nn.Module, *, retain: float, compute_dtype: torch.dtype |
     if not moes:
         raise ValueError(f"convert_moe found no torchtitan MoE layer (torchtitan.models.common.moe.MoE) in this "
                          f"{type(model).__name__}")
-    converted = []
+    targets = []  # every layer checked before any is converted: an error leaves the model as it was
     for name, moe in moes:
         experts = moe.routed_experts.inner_experts
         where = f"{name}.routed_experts.inner_experts" if name else "routed_experts.inner_experts"
@@ -109,10 +108,11 @@ def convert_moe(model: nn.Module, *, retain: float, compute_dtype: torch.dtype |
                             "combine); this MoE applies them before (score_before_experts)")
         if experts.num_experts % quota_blocks:
             raise ValueError(f"quota_blocks={quota_blocks} does not divide {where}'s {experts.num_experts} experts")
+        targets.append((where, experts))
+    for _, experts in targets:
         experts.__class__ = _selective_class(type(experts))
         _install(experts, options, compute_dtype, quota_blocks)
-        converted.append(where)
-    return converted
+    return [where for where, _ in targets]
 
 
 class SelectiveBackwardConverter(ModelConfigConverter):
@@ -233,8 +233,7 @@ class _SelectiveExpertsMixin:
         gates_R1 = torch.ones(n_rows, 1, dtype=dtype, device=x_RD.device)  # torchtitan's combine applies the gates
         # One [E, 2F, D] gate/up weight per call, gate half first (module docstring: why not a view).
         gate_up_EFD = torch.cat([w1_EFD.to(dtype), w3_EFD.to(dtype)], dim=1)
-        weights = (x_RD, w1_EFD, w2_EDF, w3_EFD)
-        backward = torch.is_grad_enabled() and any(t.requires_grad for t in weights)
+        backward = torch.is_grad_enabled() and any(t.requires_grad for t in (x_RD, w1_EFD, w2_EDF, w3_EFD))
         options, plan, probe = {}, None, None
         if backward:  # without a backward the forward is the same at any retain: plan nothing, draw nothing
             options = self.lrmoe_options
