@@ -242,6 +242,11 @@ def test_refusals():
     with pytest.raises(ValueError, match="no torchtitan MoE layer"):
         convert_moe(torch.nn.Linear(2, 2), retain=0.5)
     assert not any(is_converted(m) for m in model.modules())  # refused calls converted nothing
+    other = copy.deepcopy(model)  # a second layer that cannot be converted: the first stays torchtitan's too
+    other.layers["1"].moe.routed_experts.inner_experts = torch.nn.Linear(2, 2)
+    with pytest.raises(TypeError, match=r"layers\.1\.moe\.routed_experts\.inner_experts is a Linear"):
+        convert_moe(other, retain=0.5)
+    assert not any(is_converted(m) for m in other.modules())
     convert_moe(model, retain=0.5)
     with pytest.raises(ValueError, match="already converted"):
         convert_moe(model, retain=0.5)
