@@ -233,6 +233,13 @@ def main(argv=None) -> list[float]:
         dist.init_process_group(backend)
     else:  # one process: a group of one, as torchtitan's trainer makes, for its meshes and the expert-bias hook
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        return train(args, world_size, device)
+    finally:
+        dist.destroy_process_group()
+
+
+def train(args: argparse.Namespace, world_size: int, device: torch.device) -> list[float]:
     rank = dist.get_rank()
     if world_size % args.ep or args.experts % args.ep:
         raise SystemExit(f"--ep {args.ep} must divide the ranks ({world_size}) and --experts ({args.experts})")
@@ -279,7 +286,6 @@ def main(argv=None) -> list[float]:
         print(f"loss {losses[0]:.4f} -> {losses[-1]:.4f} over {args.steps} steps (log vocab = "
               f"{math.log(args.vocab):.4f}); median step {steady[len(steady) // 2]:.1f} ms over the last "
               f"{len(steady)}{peak}")
-    dist.destroy_process_group()
     return losses
 
 

@@ -167,8 +167,17 @@ def test_retain_keeps_the_planned_rows_of_every_layer():
         torch.testing.assert_close(out, dense(tokens[:, :-1]), rtol=0, atol=0)
 
 
+@pytest.fixture
+def dynamo_config_restored():
+    """torchtitan's apply_compile sets two global dynamo options; later tests get them back as they were."""
+    keys = ("capture_scalar_outputs", "skip_fwd_side_effects_in_bwd_under_checkpoint")
+    with torch._dynamo.config.patch({k: getattr(torch._dynamo.config, k) for k in keys}):
+        yield
+    torch._dynamo.reset()
+
+
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-def test_retain_075_trains(compiled, capsys):
+def test_retain_075_trains(compiled, capsys, dynamo_config_restored):
     # examples/train_torchtitan.py as the README runs it: torchtitan's step order, its expert-bias hook; compiled
     # with torchtitan's apply_compile (every block fullgraph=True; aot_eager keeps the test fast, the graph
     # breaks it would find are the same as inductor's).
