@@ -222,6 +222,7 @@ def train_step(model: torch.nn.Module, tokens: torch.Tensor, world_size: int) ->
 
 
 def main(argv=None) -> list[float]:
+    """Run the example with command-line ``argv``; returns the mean loss over ranks of every step."""
     args = parse_args(argv)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     device = torch.device(args.device)
@@ -240,6 +241,7 @@ def main(argv=None) -> list[float]:
 
 
 def train(args: argparse.Namespace, world_size: int, device: torch.device) -> list[float]:
+    """Build, convert, parallelise and train, inside the process group ``main`` set up."""
     rank = dist.get_rank()
     if world_size % args.ep or args.experts % args.ep:
         raise SystemExit(f"--ep {args.ep} must divide the ranks ({world_size}) and --experts ({args.experts})")
