@@ -1,0 +1,323 @@
+"""lrmoe.integrations.torchtitan on torchtitan's own Qwen3-MoE model (built by examples/train_torchtitan.py), CPU.
+
+At retain 1 the converted model reproduces torchtitan's loss and every parameter's gradient: tightly against
+torchtitan's MoE with its experts' math in fp32 (its GroupedExperts always computes in bf16), and to bf16 accuracy
+against torchtitan's model as it is. A checkpoint of the unconverted model loads into the converted one. At retain
+0.75 each layer keeps exactly floor(0.75 * rows) rows and the model trains, eagerly and under torchtitan's per-block
+``torch.compile(fullgraph=True)``. Two gloo ranks with torchtitan's expert parallelism and FSDP2 match one device
+planning the same quotas (``quota_blocks=2``).
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import os
+import sys
+import tempfile
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("torchtitan", reason="torchtitan is the optional extra lrmoe[torchtitan]")
+# torchtitan's router asks for fp32 autocast around its gate, which CPU autocast declines with a warning per call.
+pytestmark = pytest.mark.filterwarnings("ignore:In CPU autocast, but the target dtype is not supported:UserWarning")
+
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+from torch.distributed.tensor import DTensor  # noqa: E402
+from torchtitan.models.common.moe import GroupedExperts, MoE  # noqa: E402
+
+from lrmoe.integrations.torchtitan import (  # noqa: E402
+    SelectiveBackwardConverter,
+    backward_stats,
+    convert_moe,
+    is_converted,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _load_example():
+    spec = importlib.util.spec_from_file_location("train_torchtitan", ROOT / "examples" / "train_torchtitan.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["train_torchtitan"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+example = _load_example()
+
+
+def small_args(*extra: str):
+    return example.parse_args(["--dim", "32", "--layers", "2", "--experts", "8", "--top-k", "2", "--hidden-dim", "32",
+                               "--vocab", "64", "--seq-len", "32", "--batch-size", "2", *extra])
+
+
+def fp32_grouped_experts(self, x_RD, num_tokens_per_expert_E):
+    """torchtitan's GroupedExperts.forward without its bf16 casts: the same grouped GEMMs, in x's dtype."""
+    offsets_E = torch.cumsum(num_tokens_per_expert_E, dim=0, dtype=torch.int32)
+    h_RF = F.silu(torch._grouped_mm(x_RD, self.w1_EFD.transpose(-2, -1), offs=offsets_E))
+    h_RF = h_RF * torch._grouped_mm(x_RD, self.w3_EFD.transpose(-2, -1), offs=offsets_E)
+    return torch._grouped_mm(h_RF, self.w2_EDF.transpose(-2, -1), offs=offsets_E)
+
+
+def randomise_expert_bias(model, seed):
+    """A non-zero aux-loss-free bias in every layer, so routing depends on it (torchtitan starts it at zero)."""
+    g = torch.Generator().manual_seed(seed)
+    for module in model.modules():
+        if isinstance(module, MoE):
+            module.expert_bias_E.copy_(torch.randn(module.expert_bias_E.shape, generator=g) * 0.05)
+
+
+def loss_and_grads(model, tokens):
+    loss = example.loss_fn(model, tokens)
+    loss.backward()
+    return loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}
+
+
+def assert_grads_close(got, want, rtol):
+    assert got.keys() == want.keys()
+    for name in want:
+        scale = want[name].abs().max().clamp(min=1e-12)
+        err = (got[name] - want[name]).abs().max() / scale
+        assert err <= rtol, f"{name}: max error {err:.2e} of the gradient's largest entry, want <= {rtol:.0e}"
+
+
+@pytest.mark.parametrize("model_name, router", [("qwen3", "qwen3"), ("qwen3", "deepseek"), ("deepseek_v3", "deepseek")])
+def test_retain_one_reproduces_torchtitan_and_loads_its_checkpoint(model_name, router):
+    # A torchtitan checkpoint (another seed, a non-zero expert bias) loads into the converted model unchanged; then
+    # its loss and every gradient equal torchtitan's own model's (experts in fp32 on both sides). Qwen3-MoE with its
+    # softmax router or DeepSeek-V3's (sigmoid, groups, scaling, a shared expert); torchtitan's DeepSeek-V3 (MLA,
+    # a dense first layer, two shared experts).
+    args = small_args("--model", model_name, "--router", router)
+    titan = example.build_model(args, torch.device("cpu"))
+    randomise_expert_bias(titan, 1)
+    for module in titan.modules():
+        if isinstance(module, GroupedExperts):
+            module.forward = fp32_grouped_experts.__get__(module)
+    args.seed = 7
+    model = example.build_model(args, torch.device("cpu"))
+    params_before = dict(model.named_parameters())
+    shapes_before = {k: v.shape for k, v in model.state_dict().items()}
+
+    names = convert_moe(model, retain=1.0, compute_dtype=None)
+
+    moes = [name for name, m in model.named_modules() if isinstance(m, MoE)]
+    assert len(moes) == (5 if model_name == "deepseek_v3" else 2)
+    assert names == [f"{name}.routed_experts.inner_experts" for name in moes]
+    assert all(is_converted(model.get_submodule(n)) for n in names)
+    assert dict(model.named_parameters()) == params_before  # the same Parameter objects, same names
+    assert {k: v.shape for k, v in model.state_dict().items()} == shapes_before
+    model.load_state_dict(titan.state_dict(), strict=True)
+    if router == "deepseek":
+        assert all(model.get_submodule(name).shared_experts is not None for name in moes)
+
+    tokens = example.batch(args.vocab, 4, args.seq_len, step=0, rank=0, device=torch.device("cpu"))
+    want_loss, want = loss_and_grads(titan, tokens)
+    got_loss, got = loss_and_grads(model, tokens)
+    torch.testing.assert_close(got_loss, want_loss, rtol=1e-6, atol=0)
+    assert_grads_close(got, want, rtol=1e-5)
+    for name in moes:  # the routers saw the same loads (torchtitan's expert-bias counter)
+        torch.testing.assert_close(model.get_submodule(name).tokens_per_expert_E,
+                                   titan.get_submodule(name).tokens_per_expert_E)
+
+
+def test_retain_one_in_bf16_matches_torchtitan_as_it_is():
+    # The default compute dtype is bf16, as torchtitan's GroupedExperts computes: against the untouched model the
+    # loss and gradients agree to bf16 accuracy (the two round the SwiGLU differently).
+    args = small_args()
+    titan = example.build_model(args, torch.device("cpu"))
+    model = copy.deepcopy(titan)
+    convert_moe(model, retain=1.0)
+    tokens = example.batch(args.vocab, 4, args.seq_len, step=0, rank=0, device=torch.device("cpu"))
+    want_loss, want = loss_and_grads(titan, tokens)
+    got_loss, got = loss_and_grads(model, tokens)
+    torch.testing.assert_close(got_loss, want_loss, rtol=1e-3, atol=0)
+    assert_grads_close(got, want, rtol=3e-2)
+
+
+def test_retain_keeps_the_planned_rows_of_every_layer():
+    args = small_args()
+    model = example.build_model(args, torch.device("cpu"))
+    convert_moe(model, retain=0.75, selection="top")
+    tokens = example.batch(args.vocab, 4, args.seq_len, step=0, rank=0, device=torch.device("cpu"))
+    example.loss_fn(model, tokens).backward()
+    rows = 4 * args.seq_len * args.top_k
+    stats = backward_stats(model)
+    assert len(stats) == 2
+    for s in stats.values():
+        assert s["retained_rows"].item() == int(0.75 * rows)  # waterfill uses the whole budget
+        assert s["backward_calls"].item() == 1
+        assert 0.75 < s["score_mass_fraction"].item() < 1  # top selection keeps more than its share of the mass
+    assert all(s["backward_calls"].item() == 0 for s in backward_stats(model).values())  # read and reset
+    # No backward: no plan, no RNG draw, the same output as at retain 1.
+    state = torch.get_rng_state()
+    with torch.no_grad():
+        out = model(tokens[:, :-1])
+    assert torch.equal(torch.get_rng_state(), state)
+    dense = copy.deepcopy(model)
+    for module in dense.modules():
+        if is_converted(module):
+            module.lrmoe_options = {"retain": 1.0}
+    with torch.no_grad():
+        torch.testing.assert_close(out, dense(tokens[:, :-1]), rtol=0, atol=0)
+
+
+@pytest.fixture
+def dynamo_config_restored():
+    """torchtitan's apply_compile sets two global dynamo options; later tests get them back as they were."""
+    keys = ("capture_scalar_outputs", "skip_fwd_side_effects_in_bwd_under_checkpoint")
+    with torch._dynamo.config.patch({k: getattr(torch._dynamo.config, k) for k in keys}):
+        yield
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_retain_075_trains(compiled, capsys, dynamo_config_restored):
+    # examples/train_torchtitan.py as the README runs it: torchtitan's step order, its expert-bias hook; compiled
+    # with torchtitan's apply_compile (every block fullgraph=True; aot_eager keeps the test fast, the graph
+    # breaks it would find are the same as inductor's).
+    extra = ["--steps", "12", "--retain", "0.75", "--lr", "1e-2"]
+    if compiled:
+        extra += ["--compile", "--compile-backend", "aot_eager"]
+        torch._dynamo.reset()
+    losses = example.main(["--dim", "32", "--experts", "8", "--hidden-dim", "32", "--vocab", "64", "--seq-len", "32",
+                           *extra])
+    out = capsys.readouterr().out
+    assert "converted 2 MoE layers' experts: retain 0.75" in out
+    assert "kept rows 0.750" in out
+    assert losses[-1] < losses[0] - 0.5, losses  # from about log(64) = 4.16
+
+
+def test_converter_builds_what_convert_moe_makes():
+    # SelectiveBackwardConverter rewrites the config before the build (torchtitan's converters, for its trainer):
+    # the built model has converted experts with the same parameter names, and the same gradients as a model
+    # converted after its build.
+    args = small_args()
+    cfg = example.model_config(dim=args.dim, layers=args.layers, experts=args.experts, top_k=args.top_k,
+                               hidden_dim=args.hidden_dim, vocab=args.vocab, seq_len=args.seq_len)
+    converter = SelectiveBackwardConverter(SelectiveBackwardConverter.Config(
+        retain=0.75, compute_dtype=None, options={"selection": "top"}))
+    cfg = converter.convert(cfg)
+    torch.manual_seed(args.seed)
+    built = cfg.build()
+    built.init_states(buffer_device=torch.device("cpu"))
+    swapped = example.build_model(args, torch.device("cpu"))
+    convert_moe(swapped, retain=0.75, compute_dtype=None, selection="top")
+    assert [n for n, m in built.named_modules() if is_converted(m)] == [
+        n for n, m in swapped.named_modules() if is_converted(m)] != []
+    assert built.state_dict().keys() == swapped.state_dict().keys()
+    tokens = example.batch(args.vocab, 4, args.seq_len, step=0, rank=0, device=torch.device("cpu"))
+    _, want = loss_and_grads(swapped, tokens)
+    _, got = loss_and_grads(built, tokens)
+    assert_grads_close(got, want, rtol=0)
+    with pytest.raises(ValueError, match="already converted"):
+        converter.convert(cfg)
+    with pytest.raises(TypeError, match="compute_dtype must name a torch dtype"):
+        SelectiveBackwardConverter(SelectiveBackwardConverter.Config(retain=0.5, compute_dtype="bf16"))
+
+
+def test_converts_a_model_built_on_meta():
+    # torchtitan's trainer builds on the meta device, then to_empty and init_states: the statistics probe follows.
+    args = small_args()
+    cfg = example.model_config(dim=args.dim, layers=args.layers, experts=args.experts, top_k=args.top_k,
+                               hidden_dim=args.hidden_dim, vocab=args.vocab, seq_len=args.seq_len)
+    with torch.device("meta"):
+        model = cfg.build()
+    names = convert_moe(model, retain=0.5)
+    model.to_empty(device="cpu")
+    model.init_states(buffer_device=torch.device("cpu"))
+    assert all(model.get_submodule(n).lrmoe_stats_probe.device.type == "cpu" for n in names)
+    example.loss_fn(model, example.batch(args.vocab, 2, args.seq_len, 0, 0, torch.device("cpu"))).backward()
+    rows = 2 * args.seq_len * args.top_k
+    assert [s["retained_rows"].item() for s in backward_stats(model).values()] == [rows // 2] * 2
+
+
+def test_refusals():
+    args = small_args()
+    model = example.build_model(args, torch.device("cpu"))
+    with pytest.raises(TypeError, match="unknown options.*'retian'"):
+        convert_moe(model, retain=0.5, retian=0.5)
+    with pytest.raises(ValueError, match="retain"):
+        convert_moe(model, retain=1.5)
+    with pytest.raises(ValueError, match="selection"):
+        convert_moe(model, retain=0.5, selection="best")
+    with pytest.raises(ValueError, match="quota_blocks=3 does not divide"):
+        convert_moe(model, retain=0.5, quota_blocks=3)
+    with pytest.raises(ValueError, match="no torchtitan MoE layer"):
+        convert_moe(torch.nn.Linear(2, 2), retain=0.5)
+    assert not any(is_converted(m) for m in model.modules())  # refused calls converted nothing
+    other = copy.deepcopy(model)  # a second layer that cannot be converted: the first stays torchtitan's too
+    other.layers["1"].moe.routed_experts.inner_experts = torch.nn.Linear(2, 2)
+    with pytest.raises(TypeError, match=r"layers\.1\.moe\.routed_experts\.inner_experts is a Linear"):
+        convert_moe(other, retain=0.5)
+    assert not any(is_converted(m) for m in other.modules())
+    convert_moe(model, retain=0.5)
+    with pytest.raises(ValueError, match="already converted"):
+        convert_moe(model, retain=0.5)
+
+
+# ---------------------------------------------------------------- expert parallelism, 2 gloo ranks
+
+EP_STEPS = 3
+
+
+def _ep_worker(rank, world_size, store, results):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=120))
+    try:
+        cpu = torch.device("cpu")
+        args = small_args("--ep", str(world_size), "--selection", "top")
+        model = example.build_model(args, cpu)
+        convert_moe(model, retain=0.75, selection="top", compute_dtype=None)
+        dims = example.parallel_dims(world_size, world_size, cpu)
+        example.parallelize(model, dims)
+        w1 = model.layers["0"].moe.routed_experts.inner_experts.w1_EFD
+        assert isinstance(w1, DTensor) and w1.to_local().shape[0] == args.experts // world_size
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        losses, grads = [], None
+        for step in range(EP_STEPS):
+            loss = example.train_step(model, example.batch(args.vocab, 2, args.seq_len, step, rank, cpu), world_size)
+            dist.all_reduce(loss)
+            losses.append(loss.item() / world_size)
+            if step == 0:
+                grads = {n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).clone()
+                         for n, p in model.named_parameters()}
+            opt.step()
+            opt.zero_grad()
+        if rank == 0:
+            torch.save({"losses": losses, "grads": grads}, results)
+    finally:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def test_expert_parallel_matches_single_device():
+    os.environ["OMP_NUM_THREADS"] = "1"
+    with tempfile.TemporaryDirectory() as tmp:
+        results = os.path.join(tmp, "results.pt")
+        mp.spawn(_ep_worker, args=(2, os.path.join(tmp, "store"), results), nprocs=2, join=True)
+        ep = torch.load(results)
+
+    # One device, both ranks' sequences in rank order, quotas planned per block of 4 experts as each rank plans.
+    cpu = torch.device("cpu")
+    args = small_args("--selection", "top")
+    model = example.build_model(args, cpu)
+    convert_moe(model, retain=0.75, selection="top", compute_dtype=None, quota_blocks=2)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    losses = []
+    for step in range(EP_STEPS):
+        tokens = torch.cat([example.batch(args.vocab, 2, args.seq_len, step, r, cpu) for r in range(2)])
+        loss, grads = loss_and_grads(model, tokens)
+        losses.append(loss.item())
+        if step == 0:
+            assert_grads_close(ep["grads"], grads, rtol=1e-4)
+        opt.step()
+        opt.zero_grad()
+    torch.testing.assert_close(torch.tensor(ep["losses"]), torch.tensor(losses), rtol=1e-5, atol=0)
+    assert losses[-1] < losses[0]
