@@ -186,6 +186,12 @@ def from_transformers(block: nn.Module, **options) -> LRMoE:
     layer.last_loads = torch.zeros(n_exp, dtype=torch.int64, device=device)
     layer.last_quotas = torch.zeros(n_exp, dtype=torch.int64, device=device)
     layer._stats_probe = layer._new_probe(device)
+    # The block's submodule order (transformers registers its experts before its router), so named_parameters()
+    # and state_dict() list the tensors as the block did: an optimizer's state, saved by position, still fits.
+    order = [name for name in block._modules if name in layer._modules]
+    modules = {name: layer._modules[name] for name in order + [n for n in layer._modules if n not in order]}
+    layer._modules.clear()
+    layer._modules.update(modules)
     layer.train(block.training)
     return layer
 
