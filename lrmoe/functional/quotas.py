@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from lrmoe.functional._checks import check_choice, check_retain, check_same_size, check_tensor
+from lrmoe.functional._checks import check_choice, check_retain, check_same_size, check_tensor, is_integer
 from lrmoe.ops.quotas import one_hot, per_rank, waterfill, waterfill_reference
 
 __all__ = ["apportion", "plan_quotas"]
@@ -33,7 +33,8 @@ def plan_quotas(
     Args:
         loads_SE: [S, G] (or [G]) integer, pairs routed from each source rank to each group. A negative load
             counts as 0 (refusing it would need a sync).
-        retain: fraction of all pairs backward keeps, in (0, 1]. The budget is floor(retain * total load).
+        retain: fraction of all pairs backward keeps, a real number in (0, 1] (Python or NumPy; taken as a Python
+            float). The budget is floor(retain * total load).
         min_retain: every group keeps at least ceil(min_retain * its load) pairs; in [0, retain].
         policy: "waterfill" trims only the groups above a common level lambda: a group keeps
             max(floor, min(load, lambda)) or one more, which flattens the backward load; "proportional" keeps
@@ -68,10 +69,11 @@ def plan_quotas(
         With capacity, sum of quotas of the groups placed on rank w <= max(capacity[w], 0). Deterministic.
     """
     check_tensor("loads_SE", loads_SE, ndim=(1, 2), kind="int")
-    check_retain(retain, min_retain)
+    retain, min_retain = check_retain(retain, min_retain)
     check_choice("policy", policy, POLICIES)
-    if not isinstance(align, int) or isinstance(align, bool) or align < 1:
-        raise ValueError(f"align must be a positive Python int (rows per GEMM tile), got {align!r}")
+    if not is_integer(align) or align < 1:
+        raise ValueError(f"align must be a positive int (rows per GEMM tile), got {align!r}")
+    align = int(align)
     if align > 1 and capacity is not None:
         raise ValueError("align > 1 cannot be combined with capacity: the aligned steps could pass a rank's "
                          "capacity; pass align=1 with capacity")

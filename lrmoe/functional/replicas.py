@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from lrmoe.functional._checks import check_tensor
+from lrmoe.functional._checks import check_int, check_tensor, is_integer
 
 __all__ = ["balanced_capacity", "instance_experts", "place_hot_replicas", "route_to_replicas"]
 
@@ -94,8 +94,7 @@ def place_hot_replicas(loads_WE: torch.Tensor, max_replicas: int) -> torch.Tenso
     Returns: replicas_WR [W, R] int64, -1 in the slots left empty.
     """
     check_tensor("loads_WE", loads_WE, ndim=2, kind="int")
-    if not isinstance(max_replicas, int) or isinstance(max_replicas, bool) or max_replicas < 0:
-        raise ValueError(f"max_replicas must be a non-negative Python int, got {max_replicas!r}")
+    max_replicas = check_int("max_replicas", max_replicas, min_value=0)
     n_ranks, n_exp = loads_WE.shape
     _check_owned_blocks(n_exp, n_ranks, "loads_WE [W, E]")
     device = loads_WE.device
@@ -142,8 +141,9 @@ def instance_experts(replicas_WR: torch.Tensor, num_experts: int) -> torch.Tenso
     ``num_experts`` E: a Python int, a positive multiple of W (replicas_WR's rows).
     """
     check_tensor("replicas_WR", replicas_WR, ndim=2, kind="int")
-    if isinstance(num_experts, bool) or not isinstance(num_experts, int):
-        raise TypeError(f"num_experts must be a Python int, got {type(num_experts).__name__}")
+    if not is_integer(num_experts):
+        raise TypeError(f"num_experts must be an int, got {type(num_experts).__name__}")
+    num_experts = int(num_experts)
     n_ranks = replicas_WR.shape[0]
     _check_owned_blocks(num_experts, n_ranks, "num_experts E and replicas_WR [W, R]")
     owned_WL = torch.arange(num_experts, device=replicas_WR.device).view(n_ranks, -1)

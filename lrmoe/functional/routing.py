@@ -20,6 +20,7 @@ from lrmoe.functional._checks import (
     check_int,
     check_scaling,
     check_tensor,
+    check_top_k,
 )
 from lrmoe.ops.routing import topk_ids
 
@@ -157,14 +158,13 @@ def route_topk(
     check_tensor("logits_TE", logits_TE, ndim=2, kind="float")
     check_choice("score_func", score_func, ("softmax", "sigmoid"))
     n_experts = logits_TE.shape[1]
-    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= n_experts:
-        raise ValueError(f"top_k must be an int in [1, num_experts={n_experts}], got {top_k!r}")
+    top_k = check_top_k(top_k, n_experts)
     if bias_E is not None:
         check_tensor("bias_E", bias_E, ndim=1, kind="float")
         if bias_E.shape[0] != n_experts:
             raise ValueError(f"bias_E must have shape [{n_experts}], got {tuple(bias_E.shape)}")
-    check_group_routing(n_experts, top_k, n_group, topk_group)
-    check_scaling(scaling)
+    n_group, topk_group = check_group_routing(n_experts, top_k, n_group, topk_group)
+    scaling = check_scaling(scaling)
 
     scores_TE = logits_TE.float().softmax(-1) if score_func == "softmax" else logits_TE.float().sigmoid()
     choice_TE = scores_TE.detach()
@@ -202,7 +202,7 @@ def expert_loads(expert_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
     assert stops an out-of-range id there).
     """
     check_tensor("expert_ids", expert_ids, kind="int")
-    check_int("num_experts", num_experts)
+    num_experts = check_int("num_experts", num_experts)
     flat = expert_ids.reshape(-1).long()  # scatter_add_ takes int64 indices (int16 / uint8 ids raised)
     if flat.device.type == "cpu" and flat.numel() and not torch.compiler.is_compiling():
         lo, hi = int(flat.min()), int(flat.max())  # CPU tensors: no device to wait for

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lrmoe.functional._checks import check_choice, check_same_device, check_same_size, check_tensor
+from lrmoe.functional._checks import check_choice, check_int, check_same_device, check_same_size, check_tensor
 from lrmoe.ops.selection import MODES
 from lrmoe.ops.selection import inclusion_probabilities as inclusion_probabilities_op
 from lrmoe.ops.selection import select_within_quota as select_within_quota_op
@@ -105,15 +105,13 @@ def select_within_quota(
         raise ValueError(
             f"group_ids_P must have the shape of scores_P {tuple(scores_P.shape)}, got {tuple(group_ids_P.shape)}"
         )
-    if not isinstance(max_rows, int) or isinstance(max_rows, bool) or max_rows < 0:
-        raise ValueError(f"max_rows must be a non-negative Python int, got {max_rows!r}")
+    max_rows = check_int("max_rows", max_rows, min_value=0)
     if uniform_G is not None:
         check_tensor("uniform_G", uniform_G, kind="float")
         if uniform_G.dim() != 1 or uniform_G.shape[0] != quotas_G.shape[0]:
             raise ValueError(f"uniform_G must have shape [{quotas_G.shape[0]}], got {tuple(uniform_G.shape)}")
-    if max_group_size is not None and (not isinstance(max_group_size, int) or isinstance(max_group_size, bool)
-                                       or max_group_size < 0):
-        raise ValueError(f"max_group_size must be a non-negative Python int or None, got {max_group_size!r}")
+    if max_group_size is not None:
+        max_group_size = check_int("max_group_size", max_group_size, min_value=0)
     if group_order_P is not None:
         check_tensor("group_order_P", group_order_P, ndim=1, kind="int")
         if group_order_P.dtype != torch.int64:
