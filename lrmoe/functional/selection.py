@@ -62,7 +62,7 @@ def select_within_quota(
     quotas_G: torch.Tensor,
     *,
     max_rows: int,
-    mode: str = "top",
+    mode: str = "sample",
     generator: torch.Generator | None = None,
     uniform_G: torch.Tensor | None = None,
     group_order_P: torch.Tensor | None = None,
@@ -77,7 +77,8 @@ def select_within_quota(
         quotas_G: [G] integer, pairs to keep per group (clamped to [0, group size]).
         max_rows: static buffer size R. Groups past the end are truncated (a group cut by it keeps its first kept
             pairs by pair id), never written out of bounds.
-        mode: "top" or "sample".
+        mode: "sample" (default: unbiased, LRMoE's default ``selection`` too) or "top" (deterministic, weight 1;
+            the paper's rule, a biased gradient estimate).
         generator: RNG for "sample" (the global one when None), one uniform draw per group.
         uniform_G: [G] pre-drawn float uniforms in [0, 1) for "sample", instead of drawing; lets a caller draw in
             the forward pass and select in backward reproducibly. Clamped to [2^-30, 1 - 2^-30]
