@@ -7,12 +7,19 @@ Numbers: a count takes any integer that is not a bool (``numbers.Integral``: Pyt
 or factor any real number that is not a bool (``numbers.Real``: Python and NumPy floats and integers). A check
 returns the value as a Python int or float, so that what a caller stores and computes with is a Python number
 (float32 arithmetic on a NumPy scalar could round ``retain * pairs`` differently from the planner's float64).
+
+Checking mode (``lrmoe.checks``, or ``LRMOE_CHECK=1`` in the environment) adds the checks that do read tensor
+contents: the data-dependent contracts (loads >= 0, ids in range, offsets nondecreasing, ...) that the fast path
+leaves to the caller, since on a GPU each one waits for the device. Off by default. Each primitive asks
+``checking()`` in a plain Python branch: off, or while torch.compile traces, nothing runs and nothing is traced
+(the checks run in eager code only, so a compiled graph is the same with checking on or off).
 """
 
 from __future__ import annotations
 
 import math
 import numbers
+import os
 from collections.abc import Iterable
 
 import torch
@@ -189,3 +196,79 @@ def check_replica_slots(name: str, replicas: int, num_experts: int, world_size: 
             f"{name}={replicas} exceeds the {n_other} experts a rank does not own (E - E/W with E={num_experts}, "
             f"W={world_size}); a rank holds at most one instance of an expert"
         )
+
+
+# ------------------------------------------------------------------------------------------------ checking mode
+
+_checking = os.environ.get("LRMOE_CHECK", "") not in ("", "0")
+
+
+class checks:
+    """Switch checking mode on (default) or off: ``lrmoe.checks(True)`` for the rest of the process, or a block::
+
+        with lrmoe.checks():
+            loss = model(x).sum()   # every lrmoe primitive validates its data-dependent contracts
+            loss.backward()
+
+    The previous setting comes back when the block ends. The initial setting is ``LRMOE_CHECK`` from the
+    environment (``1``: on; unset, empty or ``0``: off). Under checking, a primitive given out-of-contract values
+    (negative loads, ids out of range, decreasing offsets, ...) raises ValueError naming the argument, where the
+    fast path would compute something wrong or fail with a raw index error. Each check reads tensor values: a
+    host sync on a GPU. Checks run in eager code only; torch.compile traces none of them.
+    """
+
+    def __init__(self, enabled: bool = True):
+        global _checking
+        if not isinstance(enabled, bool):
+            raise TypeError(f"enabled must be a bool, got {type(enabled).__name__}")
+        self._previous = _checking
+        _checking = enabled
+
+    def __enter__(self) -> checks:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        global _checking
+        _checking = self._previous
+
+
+def checking() -> bool:
+    """Whether the data-dependent checks run now: checking mode is on and no compiler is tracing."""
+    return _checking and not torch.compiler.is_compiling()
+
+
+def _readable(t: torch.Tensor) -> bool:
+    """A tensor with values to read (not on the meta device) and any entries at all."""
+    return t.device.type != "meta" and t.numel() > 0
+
+
+def check_at_least(name: str, t: torch.Tensor | None, low: int, what: str) -> None:
+    """Checking mode: every entry of ``t`` is >= ``low`` (``what`` says what the entries are)."""
+    if t is not None and _readable(t):
+        smallest = t.min().item()
+        if smallest < low:
+            raise ValueError(f"{name} must be >= {low} ({what}), got {smallest} at index "
+                             f"{_first_index(t < low)}")
+
+
+def check_in_range(name: str, t: torch.Tensor | None, low: int, high: int, what: str) -> None:
+    """Checking mode: every entry of ``t`` in [low, high) (``what`` says what the entries are)."""
+    if t is not None and _readable(t):
+        lo, hi = t.min().item(), t.max().item()
+        if lo < low or hi >= high:
+            raise ValueError(f"{name} must be in [{low}, {high}) ({what}), got values from {lo} to {hi} (first "
+                             f"outside at index {_first_index((t < low) | (t >= high))})")
+
+
+def check_nondecreasing(name: str, t: torch.Tensor, what: str) -> None:
+    """Checking mode: a 1-D ``t`` that never decreases."""
+    if _readable(t) and t.shape[0] > 1:
+        drops = t[1:] < t[:-1]
+        if drops.any():
+            i = int(_first_index(drops)[0])
+            raise ValueError(f"{name} must be nondecreasing ({what}), got {t[i].item()} then {t[i + 1].item()} at "
+                             f"indices {i}, {i + 1}")
+
+
+def _first_index(mask: torch.Tensor) -> tuple[int, ...]:
+    return tuple(int(i) for i in mask.nonzero()[0])

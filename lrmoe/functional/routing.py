@@ -15,12 +15,14 @@ import torch
 
 from lrmoe.functional._checks import (
     check_choice,
+    check_in_range,
     check_float_dtype,
     check_group_routing,
     check_int,
     check_scaling,
     check_tensor,
     check_top_k,
+    checking,
 )
 from lrmoe.ops.routing import topk_ids
 
@@ -163,6 +165,9 @@ def route_topk(
         check_tensor("bias_E", bias_E, ndim=1, kind="float")
         if bias_E.shape[0] != n_experts:
             raise ValueError(f"bias_E must have shape [{n_experts}], got {tuple(bias_E.shape)}")
+        if checking() and bias_E.device.type != "meta" and not bias_E.isfinite().all():
+            raise ValueError("bias_E must be finite: a NaN or infinite selection bias decides the choice of "
+                             "experts for every token")
     n_group, topk_group = check_group_routing(n_experts, top_k, n_group, topk_group)
     scaling = check_scaling(scaling)
 
@@ -198,8 +203,8 @@ def expert_loads(expert_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
     """Pairs routed to each expert: [E] int64. scatter_add, not bincount (bincount syncs on CUDA).
 
     ``expert_ids``: integer tensor of any shape, ids in [0, num_experts): checked on the CPU outside compiled code
-    (a ValueError naming the range); on a GPU not checked, as that would need a sync (scatter_add_'s device-side
-    assert stops an out-of-range id there).
+    (a ValueError naming the range); on a GPU only in checking mode (``lrmoe.checks``), as that needs a sync
+    (scatter_add_'s device-side assert stops an out-of-range id there).
     """
     check_tensor("expert_ids", expert_ids, kind="int")
     num_experts = check_int("num_experts", num_experts)
@@ -208,6 +213,8 @@ def expert_loads(expert_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
         lo, hi = int(flat.min()), int(flat.max())  # CPU tensors: no device to wait for
         if lo < 0 or hi >= num_experts:
             raise ValueError(f"expert_ids must be in [0, num_experts={num_experts}), got ids from {lo} to {hi}")
+    elif checking():  # lrmoe.checks: on any device
+        check_in_range("expert_ids", flat, 0, num_experts, f"expert ids, num_experts={num_experts}")
     return torch.zeros(num_experts, dtype=torch.int64, device=flat.device).scatter_add_(
         0, flat, torch.ones_like(flat, dtype=torch.int64)
     )
