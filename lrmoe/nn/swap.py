@@ -205,6 +205,8 @@ def replace_moe_blocks(model: nn.Module, **options) -> list[str]:
     Returns the replaced blocks' names. Raises ValueError when ``model`` holds none, and as ``from_transformers``
     does; all before any change.
     """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     found = [(name, block) for name, block in model.named_modules() if _block_kind(block) and name]
     if not found:
         raise ValueError(f"model holds no transformers MoE block ({', '.join(BLOCKS)})")
