@@ -119,7 +119,7 @@ def test_readme_primitives_run_as_pasted_and_compute_the_retained_rows_input_gra
     env = {}
     exec(compile(code, "README.md block 2", "exec"), env)
 
-    T, K, E, F = env["T"], env["K"], env["E"], env["F"]
+    T, K, F = env["T"], env["K"], env["F"]
     sel, dphi_RF, routing = env["sel"], env["dphi_RF"], env["routing"]
     n_kept = int(sel.offsets[-1])
     assert n_kept == int(env["quotas_E"].sum()) == (3 * T * K) // 4

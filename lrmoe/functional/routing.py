@@ -15,9 +15,9 @@ import torch
 
 from lrmoe.functional._checks import (
     check_choice,
-    check_in_range,
     check_float_dtype,
     check_group_routing,
+    check_in_range,
     check_int,
     check_scaling,
     check_tensor,
