@@ -131,8 +131,8 @@ def add_demo_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
     parser.add_argument(
         "--metric", choices=("lrm", "grad_l2", "grad_abs", "random"), default="lrm",
         help="the score that ranks a token-expert pair for the backward (default lrm: gate^2 * |grad out|^2 * "
-             "|SwiGLU activation|^2, the pair's share of its expert's weight gradient; grad_l2 and grad_abs drop "
-             "the activation; random is the control)",
+             "|SwiGLU activation|^2, the squared norm of the pair's term in its expert's weight gradient; grad_l2 "
+             "and grad_abs leave out the activation; random is the control)",
     )
     parser.add_argument(
         "--selection", choices=("sample", "top"), default="sample",
