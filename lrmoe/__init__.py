@@ -5,6 +5,7 @@ largest contribution to the expert's weight update, within planned quotas. See d
 """
 
 from lrmoe import functional, memory, nn, ops
+from lrmoe.functional._checks import checks
 
 __version__ = "0.1.0"
-__all__ = ["__version__", "functional", "memory", "nn", "ops"]
+__all__ = ["__version__", "checks", "functional", "memory", "nn", "ops"]

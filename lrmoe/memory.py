@@ -80,7 +80,13 @@ from dataclasses import dataclass
 
 import torch
 
-from lrmoe.functional._checks import check_backward_capacity, check_choice, check_replica_slots, check_retain
+from lrmoe.functional._checks import (
+    check_backward_capacity,
+    check_choice,
+    check_replica_slots,
+    check_retain,
+    is_real,
+)
 from lrmoe.functional.experts import backward_capacity_rows, retained_rows_bound
 
 __all__ = [
@@ -629,12 +635,18 @@ def plan_memory(
         prefer="replicas": most replicas first, then highest retain.
     Since a larger budget only adds fitting candidates, a larger budget never gives a plan later in that order.
 
+    ``budget_bytes``: an int, or any real number (a float such as 6e9, a NumPy number), rounded down to whole bytes.
+
     Raises ValueError, naming ``budget_bytes`` and the exact shortfall in bytes, when no candidate fits: the
     shortfall is the cheapest candidate's peak minus the budget (the cheapest is the smallest retain with no
     replicas, except where a smaller retain needs more index buffers than retain = 1).
     """
-    if not isinstance(budget_bytes, int) or isinstance(budget_bytes, bool):
-        raise TypeError(f"budget_bytes must be an int, got {type(budget_bytes).__name__}")
+    if not is_real(budget_bytes):
+        raise TypeError(f"budget_bytes must be a number of bytes (an int, or a float such as 6e9), got "
+                        f"{type(budget_bytes).__name__}")
+    if not math.isfinite(budget_bytes):
+        raise ValueError(f"budget_bytes must be finite, got {budget_bytes}")
+    budget_bytes = math.floor(budget_bytes)  # whole bytes, rounded down: the plan never exceeds what was given
     if not isinstance(max_replicas, int) or isinstance(max_replicas, bool) or max_replicas < 0:
         raise ValueError(f"max_replicas must be a non-negative int, got {max_replicas!r}")
     if max_replicas and config.world_size == 1:

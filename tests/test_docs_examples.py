@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lrmoe.functional import route_topk
+from lrmoe.functional import inclusion_probabilities
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -110,29 +110,30 @@ def test_the_signature_check_reads_custom_ops_and_skips_names_a_doc_defines():
     assert "plan_quotas" not in names
 
 
-def test_readme_primitives_compute_the_retained_rows_input_gradient():
-    """README's second block, run as written on small inputs: dphi_RF holds, for each kept pair (token t, expert e),
-    coef * (down[e]^T g_t), and zeros on the padding rows."""
+def test_readme_primitives_run_as_pasted_and_compute_the_retained_rows_input_gradient(capsys):
+    """README's second block, run as a whole program in an empty namespace (every name it uses, it defines):
+    dphi_RF holds, for each kept pair (token t, expert e), alpha / p * (down[e]^T g_t) against a dense
+    reference, zeros on the padding rows; the kept pairs are the planned quotas, 3/4 of the pairs."""
     code = DOC_BLOCKS["README.md"][1]
     assert "compact_and_gemm" in code and "select_within_quota" in code
-    n_tok, n_exp, dim, ffn = 32, 16, 8, 4
-    gen = torch.Generator().manual_seed(0)
-    logits_TE = torch.randn(n_tok, n_exp, generator=gen)
-    loads_E = torch.bincount(route_topk(logits_TE, top_k=8).expert_ids.flatten(), minlength=n_exp)
-    env = dict(logits_TE=logits_TE, loads_E=loads_E, grad_out_TD=torch.randn(n_tok, dim, generator=gen),
-               phi_sq_TK=torch.rand(n_tok, 8, generator=gen) + 0.1, R=n_tok * 8,
-               down_EDF=torch.randn(n_exp, dim, ffn, generator=gen))
+    env = {}
     exec(compile(code, "README.md block 2", "exec"), env)
 
-    sel, dphi_RF, coef_R = env["sel"], env["dphi_RF"], env["coef_R"]
+    T, K, F = env["T"], env["K"], env["F"]
+    sel, dphi_RF, routing = env["sel"], env["dphi_RF"], env["routing"]
     n_kept = int(sel.offsets[-1])
-    assert n_kept == int(env["quotas_E"].sum()) and 0 < n_kept < n_tok * 8
-    assert dphi_RF.shape == (n_tok * 8, ffn)
-    experts_P = env["routing"].expert_ids.flatten()
-    for i in range(n_kept):
-        pair = int(sel.pair_ids[i])
-        want = coef_R[i] * (env["down_EDF"][experts_P[pair]].t() @ env["grad_out_TD"][pair // 8])
-        torch.testing.assert_close(dphi_RF[i], want)
+    assert n_kept == int(env["quotas_E"].sum()) == (3 * T * K) // 4
+    assert capsys.readouterr().out == f"{n_kept} of {T * K} pairs kept, dphi_RF {tuple(dphi_RF.shape)}\n"
+    assert dphi_RF.shape == (env["R"], F) and env["R"] < T * K
+    experts_P, gates_P = routing.expert_ids.flatten(), routing.gates.flatten()
+    p_P = inclusion_probabilities(env["scores_TK"].flatten(), experts_P, env["quotas_E"])
+    kept = sel.pair_ids[:n_kept]
+    assert len(set(kept.tolist())) == n_kept and (kept >= 0).all()
+    # Dense reference, pair by pair: alpha_u / p_u * down[e]^T g_t.
+    down_EDF, grad_out_TD = env["down_EDF"], env["grad_out_TD"]
+    want_RF = torch.stack([gates_P[u] / p_P[u].float() * (down_EDF[experts_P[u]].t() @ grad_out_TD[u // K])
+                           for u in kept.tolist()])
+    torch.testing.assert_close(dphi_RF[:n_kept], want_RF, rtol=1e-4, atol=1e-5)
     assert torch.all(dphi_RF[n_kept:] == 0)
 
 

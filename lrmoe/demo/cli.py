@@ -1,9 +1,6 @@
 """``lrmoe demo``: train the same tiny byte-level MoE LM dense and with LRMoE's selective backward, then compare.
 
-Every run uses the same seed, so the same initial weights and the same batches; only ``retain`` differs. The
-default (two runs of 1,000 steps on the stdlib sources) takes about 2-3 minutes on two CPU cores and writes a
-JSON log of every step and PNG plots (loss curves; per-expert load before and after calibration) to --out
-(runs/demo); ``--quick`` is a few-second smoke run for CI.
+The command's help text is ``DESCRIPTION`` below (plain text: argparse prints it as written).
 """
 
 from __future__ import annotations
@@ -28,6 +25,17 @@ from lrmoe.functional._checks import check_backward_capacity
 __all__ = ["add_demo_parser", "run_demo", "format_table"]
 
 DEFAULT_RETAIN = (1.0, 0.75)
+
+DESCRIPTION = """\
+Train the same tiny byte-level MoE language model with the dense backward and with LRMoE's selective backward,
+then compare.
+
+Every run uses the same seed, so the same initial weights and the same batches; only --retain differs. The
+default (two runs of 1,000 steps on the Python stdlib sources) takes about 2-3 minutes on two CPU cores and
+writes a JSON log of every step and PNG plots (training and held-out loss, the loss difference to the dense
+run, per-expert load before and after calibration in every layer) to --out: runs/demo by default, and
+runs/demo-quick with --quick (runs/demo-PRESET with --preset PRESET), so a smoke run never overwrites a full
+run's results. --quick is a few-second smoke run (CI)."""
 
 # Presets: (model config, train config, corpus byte cap). Command-line flags override single fields.
 _PRESETS = {
@@ -86,7 +94,7 @@ def add_demo_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
     parser = subparsers.add_parser(
         "demo",
         help="train a tiny byte-level MoE LM dense and with selective backward, and compare",
-        description=__doc__,
+        description=DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--steps", type=_positive_int, help="optimiser steps per run (default 1000; 20 with --quick)")
@@ -105,8 +113,9 @@ def add_demo_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
         help="'python' (the stdlib sources, default), 'prose' (the Python docs' English text) or a text file",
     )
     parser.add_argument(
-        "--out", metavar="DIR", default="runs/demo",
-        help="write the JSON logs and PNG plots here (default runs/demo); '' writes nothing",
+        "--out", metavar="DIR",
+        help="write the JSON logs and PNG plots here (default runs/demo; runs/demo-quick with --quick, "
+             "runs/demo-PRESET with another --preset); '' writes nothing",
     )
     parser.add_argument("--init", metavar="PATH", help="start from these model weights (continued training)")
     parser.add_argument("--save", metavar="PATH", help="save the final weights of the (last) run here")
@@ -119,9 +128,22 @@ def add_demo_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
     size.add_argument(
         "--preset", choices=sorted(_PRESETS), help="model and run size (default 'default'; --quick means 'quick')"
     )
-    parser.add_argument("--metric", choices=("lrm", "grad_l2", "grad_abs", "random"), default="lrm")
-    parser.add_argument("--selection", choices=("sample", "top"), default="sample")
-    parser.add_argument("--policy", choices=("waterfill", "proportional"), default="waterfill")
+    parser.add_argument(
+        "--metric", choices=("lrm", "grad_l2", "grad_abs", "random"), default="lrm",
+        help="the score that ranks a token-expert pair for the backward (default lrm: gate^2 * |grad out|^2 * "
+             "|SwiGLU activation|^2, the squared norm of the pair's term in its expert's weight gradient; grad_l2 "
+             "and grad_abs leave out the activation; random is the control)",
+    )
+    parser.add_argument(
+        "--selection", choices=("sample", "top"), default="sample",
+        help="which pairs each expert keeps within its quota (default sample: unbiased, inclusion probability "
+             "proportional to sqrt(score), kept pairs weighted 1/p; top: the highest scores, weight 1)",
+    )
+    parser.add_argument(
+        "--policy", choices=("waterfill", "proportional"), default="waterfill",
+        help="how the retain budget is split into per-expert quotas (default waterfill: trim only the most "
+             "loaded experts, flattening the backward load; proportional: every expert keeps the same fraction)",
+    )
     parser.add_argument(
         "--backward-capacity", type=float, metavar="FACTOR",
         help="LRMoE's backward_capacity for the runs with retain < 1: every expert keeps at most FACTOR times the "
@@ -252,6 +274,15 @@ def _write_json(path: Path, payload: dict | list) -> None:
     path.write_text(json.dumps(clean(payload), indent=1) + "\n")
 
 
+def _out_dir(args: argparse.Namespace) -> Path | None:
+    """--out as given ('' for none), else runs/demo for the default preset and runs/demo-PRESET for another
+    (--quick: runs/demo-quick), so a smoke run does not overwrite a full run's logs and plots."""
+    if args.out is not None:
+        return Path(args.out) if args.out else None
+    preset = args.preset or ("quick" if args.quick else "default")
+    return Path("runs/demo" if preset == "default" else f"runs/demo-{preset}")
+
+
 def _log_path(out_dir: Path, retain: float) -> Path:
     return out_dir / f"retain_{retain:g}.json"
 
@@ -283,7 +314,7 @@ def run_demo(args: argparse.Namespace) -> int:
                              f"{str(err).splitlines()[0]}") from None
     if args.save and not Path(args.save).resolve().parent.is_dir():
         raise SystemExit(f"lrmoe demo: --save: no directory {Path(args.save).resolve().parent}")
-    out_dir = Path(args.out) if args.out else None
+    out_dir = _out_dir(args)
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)
 
@@ -350,7 +381,8 @@ def run_demo(args: argparse.Namespace) -> int:
 
 
 def _write_plots(results: list[dict], out_dir: Path) -> list[Path]:
-    """loss_curves.png, and expert_loads_retain_R.png for every run with retain < 1 (matplotlib permitting)."""
+    """loss_curves.png (with the difference to the dense run when there is one), and expert_loads_retain_R.png
+    (every layer) for every run with retain < 1 (matplotlib permitting)."""
     if not have_matplotlib():
         print("matplotlib is not installed: no plots (pip install 'lrmoe[demo]')")
         return []

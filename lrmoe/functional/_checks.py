@@ -2,14 +2,37 @@
 
 Every check looks only at Python values, shapes and dtypes, never at tensor contents, so none of them
 synchronises with the device or breaks a compiled graph. Errors name the argument and what was expected.
+
+Numbers: a count takes any integer that is not a bool (``numbers.Integral``: Python and NumPy integers), a fraction
+or factor any real number that is not a bool (``numbers.Real``: Python and NumPy floats and integers). A check
+returns the value as a Python int or float, so that what a caller stores and computes with is a Python number
+(float32 arithmetic on a NumPy scalar could round ``retain * pairs`` differently from the planner's float64).
+
+Checking mode (``lrmoe.checks``, or ``LRMOE_CHECK=1`` in the environment) adds the checks that do read tensor
+contents: the data-dependent contracts (loads >= 0, ids in range, offsets nondecreasing, ...) that the fast path
+leaves to the caller, since on a GPU each one waits for the device. Off by default. Each primitive asks
+``checking()`` in a plain Python branch: off, or while torch.compile traces, nothing runs and nothing is traced
+(the checks run in eager code only, so a compiled graph is the same with checking on or off).
 """
 
 from __future__ import annotations
 
 import math
+import numbers
+import os
 from collections.abc import Iterable
 
 import torch
+
+
+def is_integer(value: object) -> bool:
+    """A Python or NumPy integer, not a bool (a bool is an int in Python, never a count)."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def is_real(value: object) -> bool:
+    """A Python or NumPy real number (float or integer), not a bool and not a tensor."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 def check_tensor(
@@ -44,10 +67,18 @@ def check_same_device(**tensors: torch.Tensor | None) -> None:
 
 
 def check_int(name: str, value: object, min_value: int = 1) -> int:
-    """A Python int (not a bool) >= ``min_value``: counts such as ``num_experts``."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < min_value:
-        raise ValueError(f"{name} must be a Python int >= {min_value}, got {value!r}")
-    return value
+    """An integer (Python or NumPy, not a bool) >= ``min_value``: counts such as ``num_experts``. Returns it as a
+    Python int. ValueError either way (a float count, even 2.0, is a wrong value for a count)."""
+    if not is_integer(value) or value < min_value:
+        raise ValueError(f"{name} must be an int >= {min_value}, got {value!r}")
+    return int(value)
+
+
+def check_top_k(top_k: object, num_experts: int) -> int:
+    """``top_k`` an int in [1, num_experts] (``route_topk``, ``LRMoE``); returned as a Python int."""
+    if not is_integer(top_k) or not 1 <= top_k <= num_experts:
+        raise ValueError(f"top_k must be an int in [1, num_experts={num_experts}], got {top_k!r}")
+    return int(top_k)
 
 
 def check_choice(name: str, value: object, choices: Iterable[str]) -> str:
@@ -57,15 +88,20 @@ def check_choice(name: str, value: object, choices: Iterable[str]) -> str:
     return value  # type: ignore[return-value]
 
 
-def check_retain(retain: float, min_retain: float = 0.0) -> None:
-    if isinstance(retain, (torch.Tensor, bool)) or not isinstance(retain, (int, float)):
-        raise TypeError(f"retain must be a Python float in (0, 1], got {type(retain).__name__}")
+def check_retain(retain: float, min_retain: float = 0.0) -> tuple[float, float]:
+    """``retain`` a real number in (0, 1] and ``min_retain`` one in [0, retain]; returned as Python floats
+    (``np.float32(0.7)`` is the float 0.699999988..., the value it holds). TypeError for a non-number (a tensor,
+    a bool, a string), ValueError out of range (NaN included)."""
+    if not is_real(retain):
+        raise TypeError(f"retain must be a real number in (0, 1] (a Python or NumPy float), got "
+                        f"{type(retain).__name__}")
     if not 0.0 < retain <= 1.0:
         raise ValueError(f"retain must be in (0, 1], got {retain}")
-    if isinstance(min_retain, (torch.Tensor, bool)) or not isinstance(min_retain, (int, float)):
-        raise TypeError(f"min_retain must be a Python float in [0, retain], got {type(min_retain).__name__}")
+    if not is_real(min_retain):
+        raise TypeError(f"min_retain must be a real number in [0, retain], got {type(min_retain).__name__}")
     if not 0.0 <= min_retain <= retain:
         raise ValueError(f"min_retain must be in [0, retain={retain}], got {min_retain}")
+    return float(retain), float(min_retain)
 
 
 def check_same_size(name_a: str, a: torch.Tensor, dim_a: int, name_b: str, b: torch.Tensor, dim_b: int) -> None:
@@ -86,7 +122,7 @@ def check_backward_capacity(backward_capacity: float | None, retain: float, quot
     # >= 1, as ExpertParallel's capacity_factor: the E capacities together hold the budget, and (min_retain <=
     # retain) a balanced expert's min_retain floor fits its capacity. SymFloat: torch.compile(dynamic=True) may
     # pass a module's float attribute symbolically (math.isfinite would break the graph; comparisons are guards).
-    if (isinstance(backward_capacity, bool) or not isinstance(backward_capacity, (int, float, torch.SymFloat))
+    if (not (is_real(backward_capacity) or isinstance(backward_capacity, torch.SymFloat))
             or not 1 <= backward_capacity < math.inf):
         raise ValueError(f"backward_capacity must be a finite float >= 1 (times the balanced quota) or None, got "
                          f"{backward_capacity!r}: E capacities of C rows must together hold the retain budget")
@@ -104,22 +140,25 @@ def check_backward_capacity(backward_capacity: float | None, retain: float, quot
                          "(source_ids_T, or a plan with group_ids); expert parallelism has its own capacity_factor")
 
 
-def check_group_routing(num_experts: int, top_k: int, n_group: int | None, topk_group: int | None) -> None:
+def check_group_routing(num_experts: int, top_k: int, n_group: int | None,
+                        topk_group: int | None) -> tuple[int | None, int | None]:
     """Group-limited routing's options (``route_topk``, ``LRMoE``): both or neither; n_group a positive divisor of
-    num_experts, topk_group in [1, n_group], and top_k experts reachable in topk_group groups."""
+    num_experts, topk_group in [1, n_group], and top_k experts reachable in topk_group groups. Returns them as
+    Python ints (or both None)."""
     if (n_group is None) != (topk_group is None):
         raise ValueError("n_group and topk_group must be given together")
     if n_group is None:
-        return
-    if isinstance(n_group, bool) or not isinstance(n_group, int) or n_group < 1 or num_experts % n_group:
+        return None, None
+    if not is_integer(n_group) or n_group < 1 or num_experts % n_group:
         raise ValueError(f"n_group must be a positive divisor of num_experts={num_experts}, got {n_group!r}")
     group_size = num_experts // n_group
-    if isinstance(topk_group, bool) or not isinstance(topk_group, int) or not 1 <= topk_group <= n_group:
+    if not is_integer(topk_group) or not 1 <= topk_group <= n_group:
         raise ValueError(f"topk_group must be an int in [1, n_group={n_group}], got {topk_group!r}")
     if top_k > topk_group * group_size:
         raise ValueError(
             f"top_k={top_k} exceeds the experts reachable in topk_group={topk_group} groups of {group_size}"
         )
+    return int(n_group), int(topk_group)
 
 
 def check_float_dtype(name: str, dtype: object) -> None:
@@ -134,12 +173,17 @@ def check_generator(generator: object) -> None:
         raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
 
 
-def check_scaling(scaling: float, name: str = "scaling") -> None:
-    """A finite number > 0 named ``name``: ``route_topk``'s ``scaling``, ``LRMoE``'s ``routed_scaling_factor`` and
-    ``update_selection_bias``' ``rate``. Comparisons, not math.isfinite: under torch.compile(dynamic=True) a
-    module's float may arrive as a SymFloat."""
-    if isinstance(scaling, bool) or not isinstance(scaling, (int, float, torch.SymFloat)) or not 0 < scaling < math.inf:
+def check_scaling(scaling: float, name: str = "scaling") -> float:
+    """A finite real number > 0 named ``name``: ``route_topk``'s ``scaling``, ``LRMoE``'s ``routed_scaling_factor``
+    and ``update_selection_bias``' ``rate``; returned as a Python float (a SymFloat as it is). Comparisons, not
+    math.isfinite: under torch.compile(dynamic=True) a module's float may arrive as a SymFloat."""
+    if isinstance(scaling, torch.SymFloat):
+        if not 0 < scaling < math.inf:
+            raise ValueError(f"{name} must be a finite number > 0, got {scaling!r}")
+        return scaling
+    if not is_real(scaling) or not 0 < scaling < math.inf:
         raise ValueError(f"{name} must be a finite number > 0, got {scaling!r}")
+    return float(scaling)
 
 
 def check_replica_slots(name: str, replicas: int, num_experts: int, world_size: int) -> None:
@@ -152,3 +196,79 @@ def check_replica_slots(name: str, replicas: int, num_experts: int, world_size: 
             f"{name}={replicas} exceeds the {n_other} experts a rank does not own (E - E/W with E={num_experts}, "
             f"W={world_size}); a rank holds at most one instance of an expert"
         )
+
+
+# ------------------------------------------------------------------------------------------------ checking mode
+
+_checking = os.environ.get("LRMOE_CHECK", "") not in ("", "0")
+
+
+class checks:
+    """Switch checking mode on (default) or off: ``lrmoe.checks(True)`` for the rest of the process, or a block::
+
+        with lrmoe.checks():
+            loss = model(x).sum()   # every lrmoe primitive validates its data-dependent contracts
+            loss.backward()
+
+    The previous setting comes back when the block ends. The initial setting is ``LRMOE_CHECK`` from the
+    environment (``1``: on; unset, empty or ``0``: off). Under checking, a primitive given out-of-contract values
+    (negative loads, ids out of range, decreasing offsets, ...) raises ValueError naming the argument, where the
+    fast path would compute something wrong or fail with a raw index error. Each check reads tensor values: a
+    host sync on a GPU. Checks run in eager code only; torch.compile traces none of them.
+    """
+
+    def __init__(self, enabled: bool = True):
+        global _checking
+        if not isinstance(enabled, bool):
+            raise TypeError(f"enabled must be a bool, got {type(enabled).__name__}")
+        self._previous = _checking
+        _checking = enabled
+
+    def __enter__(self) -> checks:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        global _checking
+        _checking = self._previous
+
+
+def checking() -> bool:
+    """Whether the data-dependent checks run now: checking mode is on and no compiler is tracing."""
+    return _checking and not torch.compiler.is_compiling()
+
+
+def _readable(t: torch.Tensor) -> bool:
+    """A tensor with values to read (not on the meta device) and any entries at all."""
+    return t.device.type != "meta" and t.numel() > 0
+
+
+def check_at_least(name: str, t: torch.Tensor | None, low: int, what: str) -> None:
+    """Checking mode: every entry of ``t`` is >= ``low`` (``what`` says what the entries are)."""
+    if t is not None and _readable(t):
+        smallest = t.min().item()
+        if smallest < low:
+            raise ValueError(f"{name} must be >= {low} ({what}), got {smallest} at index "
+                             f"{_first_index(t < low)}")
+
+
+def check_in_range(name: str, t: torch.Tensor | None, low: int, high: int, what: str) -> None:
+    """Checking mode: every entry of ``t`` in [low, high) (``what`` says what the entries are)."""
+    if t is not None and _readable(t):
+        lo, hi = t.min().item(), t.max().item()
+        if lo < low or hi >= high:
+            raise ValueError(f"{name} must be in [{low}, {high}) ({what}), got values from {lo} to {hi} (first "
+                             f"outside at index {_first_index((t < low) | (t >= high))})")
+
+
+def check_nondecreasing(name: str, t: torch.Tensor, what: str) -> None:
+    """Checking mode: a 1-D ``t`` that never decreases."""
+    if _readable(t) and t.shape[0] > 1:
+        drops = t[1:] < t[:-1]
+        if drops.any():
+            i = int(_first_index(drops)[0])
+            raise ValueError(f"{name} must be nondecreasing ({what}), got {t[i].item()} then {t[i + 1].item()} at "
+                             f"indices {i}, {i + 1}")
+
+
+def _first_index(mask: torch.Tensor) -> tuple[int, ...]:
+    return tuple(int(i) for i in mask.nonzero()[0])

@@ -7,7 +7,14 @@ from __future__ import annotations
 
 import torch
 
-from lrmoe.functional._checks import check_same_device, check_tensor
+from lrmoe.functional._checks import (
+    check_at_least,
+    check_in_range,
+    check_nondecreasing,
+    check_same_device,
+    check_tensor,
+    checking,
+)
 from lrmoe.ops import gather_grouped_mm
 
 __all__ = ["compact_and_gemm"]
@@ -24,7 +31,8 @@ def compact_and_gemm(
         rows_R: [R] integer, the source row of every buffer row; entries past offsets[-1] are ignored (may be -1),
             entries before must lie in [0, N).
         offsets_E: [E] integer, cumulative group ends (nondecreasing); group e holds rows
-            [offsets[e-1], offsets[e]). Ends past R are clipped.
+            [offsets[e-1], offsets[e]). Ends past R are clipped. Checking mode (``lrmoe.checks``) refuses negative
+            or decreasing offsets and rows out of range; the fast path does not read them (a sync).
 
     Returns: y_RO, dtype of x. Differentiable in x (gradient scattered back to the gathered rows) and weight.
     One custom op (``lrmoe::gather_grouped_mm``), so compiled graphs see a single node.
@@ -45,4 +53,9 @@ def compact_and_gemm(
         )
     if weight_EOI.dtype != x_NI.dtype:
         raise TypeError(f"weight_EOI dtype {weight_EOI.dtype} must equal x_NI dtype {x_NI.dtype}")
+    if checking() and offsets_E.device.type != "meta":  # lrmoe.checks: the contracts above that need the values
+        check_at_least("offsets_E", offsets_E, 0, "cumulative group ends")
+        check_nondecreasing("offsets_E", offsets_E, "cumulative group ends")
+        used = min(int(offsets_E[-1]), rows_R.shape[0]) if offsets_E.numel() else 0
+        check_in_range("rows_R", rows_R[:used], 0, x_NI.shape[0], f"source rows of x_NI, before offsets_E[-1]={used}")
     return gather_grouped_mm(x_NI, weight_EOI, rows_R.long(), offsets_E.int())

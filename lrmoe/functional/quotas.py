@@ -10,7 +10,16 @@ from __future__ import annotations
 
 import torch
 
-from lrmoe.functional._checks import check_choice, check_retain, check_same_size, check_tensor
+from lrmoe.functional._checks import (
+    check_at_least,
+    check_choice,
+    check_in_range,
+    check_retain,
+    check_same_size,
+    check_tensor,
+    checking,
+    is_integer,
+)
 from lrmoe.ops.quotas import one_hot, per_rank, waterfill, waterfill_reference
 
 __all__ = ["apportion", "plan_quotas"]
@@ -32,15 +41,16 @@ def plan_quotas(
 
     Args:
         loads_SE: [S, G] (or [G]) integer, pairs routed from each source rank to each group. A negative load
-            counts as 0 (refusing it would need a sync).
-        retain: fraction of all pairs backward keeps, in (0, 1]. The budget is floor(retain * total load).
+            counts as 0 (refusing it would need a sync; checking mode, ``lrmoe.checks``, refuses it).
+        retain: fraction of all pairs backward keeps, a real number in (0, 1] (Python or NumPy; taken as a Python
+            float). The budget is floor(retain * total load).
         min_retain: every group keeps at least ceil(min_retain * its load) pairs; in [0, retain].
         policy: "waterfill" trims only the groups above a common level lambda: a group keeps
             max(floor, min(load, lambda)) or one more, which flattens the backward load; "proportional" keeps
             the same fraction of every group (largest-remainder rounding); with floors, each group keeps its
             floor plus the same fraction of the load above it.
         capacity: [W] integer, the most rows each rank's expert backward may take; given together with
-        placement: [G] integer in [0, W) (not checked: that would need a sync), the rank that runs each group's
+        placement: [G] integer in [0, W) (checked in checking mode only: a sync), the rank that runs each group's
             backward. Rank w's quotas then sum to at most capacity[w]. Without placement, capacity is [G], one
             per group (the same plan as placement = arange(G), with no per-rank sums: with "waterfill", one
             waterfill of min(load, capacity)). Capacity is a hard limit (it stands for
@@ -68,10 +78,11 @@ def plan_quotas(
         With capacity, sum of quotas of the groups placed on rank w <= max(capacity[w], 0). Deterministic.
     """
     check_tensor("loads_SE", loads_SE, ndim=(1, 2), kind="int")
-    check_retain(retain, min_retain)
+    retain, min_retain = check_retain(retain, min_retain)
     check_choice("policy", policy, POLICIES)
-    if not isinstance(align, int) or isinstance(align, bool) or align < 1:
-        raise ValueError(f"align must be a positive Python int (rows per GEMM tile), got {align!r}")
+    if not is_integer(align) or align < 1:
+        raise ValueError(f"align must be a positive int (rows per GEMM tile), got {align!r}")
+    align = int(align)
     if align > 1 and capacity is not None:
         raise ValueError("align > 1 cannot be combined with capacity: the aligned steps could pass a rank's "
                          "capacity; pass align=1 with capacity")
@@ -89,6 +100,12 @@ def plan_quotas(
             if placement.shape[0] != n_groups:
                 raise ValueError(f"placement must have one rank per group, shape [{n_groups}], got "
                                  f"{tuple(placement.shape)}")
+    if checking():  # lrmoe.checks: the contracts the fast path cannot check without a sync
+        check_at_least("loads_SE", loads_SE, 0, "pairs routed")
+        check_at_least("capacity", capacity, 0, "rows a rank's backward may take")
+        if placement is not None:
+            check_in_range("placement", placement, 0, capacity.shape[0], "the rank of each group, W = capacity's "
+                           "length")
 
     if retain >= 1.0 and capacity is None:
         # Every pair kept: quota == load whatever the policy and floors (the invariant above), with no planning.
@@ -197,11 +214,14 @@ def apportion(total_G: torch.Tensor, weights_SG: torch.Tensor) -> torch.Tensor:
     Exact integer arithmetic: row s gets floor(total * w_s / sum w) plus one for the ``total - sum floor`` rows
     with the largest remainders (ties to the lower row). When total_G <= sum of weights, no row gets more than
     its weight. A column whose weights sum to zero gets zeros. Both integer tensors, total_G [G] and weights_SG
-    [S, G]; weights >= 0 (not checked: that would need a sync).
+    [S, G]; weights >= 0 (checked in checking mode only: a sync).
     """
     check_tensor("total_G", total_G, ndim=1, kind="int")
     check_tensor("weights_SG", weights_SG, ndim=2, kind="int")
     check_same_size("total_G", total_G, 0, "weights_SG", weights_SG, 1)
+    if checking():
+        check_at_least("total_G", total_G, 0, "totals to split")
+        check_at_least("weights_SG", weights_SG, 0, "weights")
     weights_SG = weights_SG.long()
     num_SG = total_G.long().unsqueeze(0) * weights_SG
     sum_G = weights_SG.sum(0)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from lrmoe.functional._checks import check_tensor
+from lrmoe.functional._checks import check_at_least, check_in_range, check_int, check_tensor, checking, is_integer
 
 __all__ = ["balanced_capacity", "instance_experts", "place_hot_replicas", "route_to_replicas"]
 
@@ -38,7 +38,7 @@ def route_to_replicas(counts_SE: torch.Tensor, capacity_EW: torch.Tensor) -> tor
     3. if the expert's demand exceeds its total capacity, the excess goes to the instance with the largest
        capacity (the lowest rank among equals), which is then the only one over capacity. Every pair is
        always assigned. An expert with no instance at all (a capacity row of zeros) sends its excess to
-       rank 0: giving every expert an instance is the caller's job (checking it here would need a sync).
+       rank 0: giving every expert an instance is the caller's job (checked in checking mode only: a sync).
 
     Returns: split_SEW, int64, with split.sum(-1) == counts; split[s, e, w] > 0 only where capacity[e, w] > 0
     (given an instance per expert); split.sum(0) <= capacity whenever counts.sum(0) <= capacity.sum(1).
@@ -58,6 +58,13 @@ def route_to_replicas(counts_SE: torch.Tensor, capacity_EW: torch.Tensor) -> tor
             f"counts_SE has {n_src} sources but capacity_EW has {n_ranks} ranks; source s is rank s, so they "
             "must be equal"
         )
+    if checking():
+        check_at_least("counts_SE", counts_SE, 0, "pairs per source and expert")
+        check_at_least("capacity_EW", capacity_EW, 0, "rows per expert instance")
+        homeless_E = (counts_SE.sum(0) > 0) & (capacity_EW <= 0).all(1)
+        if homeless_E.any():
+            raise ValueError(f"capacity_EW gives experts {homeless_E.nonzero().flatten().tolist()} no instance (a row "
+                             "of zeros) but counts_SE routes pairs to them")
 
     counts_SE = counts_SE.long().clamp(min=0)
     cap_EW = capacity_EW.long().clamp(min=0)
@@ -94,10 +101,11 @@ def place_hot_replicas(loads_WE: torch.Tensor, max_replicas: int) -> torch.Tenso
     Returns: replicas_WR [W, R] int64, -1 in the slots left empty.
     """
     check_tensor("loads_WE", loads_WE, ndim=2, kind="int")
-    if not isinstance(max_replicas, int) or isinstance(max_replicas, bool) or max_replicas < 0:
-        raise ValueError(f"max_replicas must be a non-negative Python int, got {max_replicas!r}")
+    max_replicas = check_int("max_replicas", max_replicas, min_value=0)
     n_ranks, n_exp = loads_WE.shape
     _check_owned_blocks(n_exp, n_ranks, "loads_WE [W, E]")
+    if checking():
+        check_at_least("loads_WE", loads_WE, 0, "pairs per rank and expert")
     device = loads_WE.device
     n_local = n_exp // n_ranks
     load_E = loads_WE.sum(0).double()
@@ -142,12 +150,22 @@ def instance_experts(replicas_WR: torch.Tensor, num_experts: int) -> torch.Tenso
     ``num_experts`` E: a Python int, a positive multiple of W (replicas_WR's rows).
     """
     check_tensor("replicas_WR", replicas_WR, ndim=2, kind="int")
-    if isinstance(num_experts, bool) or not isinstance(num_experts, int):
-        raise TypeError(f"num_experts must be a Python int, got {type(num_experts).__name__}")
+    if not is_integer(num_experts):
+        raise TypeError(f"num_experts must be an int, got {type(num_experts).__name__}")
+    num_experts = int(num_experts)
     n_ranks = replicas_WR.shape[0]
     _check_owned_blocks(num_experts, n_ranks, "num_experts E and replicas_WR [W, R]")
     owned_WL = torch.arange(num_experts, device=replicas_WR.device).view(n_ranks, -1)
-    return torch.cat([owned_WL, replicas_WR.long()], dim=1)
+    experts_WI = torch.cat([owned_WL, replicas_WR.long()], dim=1)
+    if checking():
+        check_in_range("replicas_WR", replicas_WR, -1, num_experts, "an expert id per replica slot, -1 empty")
+        if experts_WI.device.type != "meta":  # a placement policy's contract: no expert twice on a rank
+            sorted_WI = experts_WI.sort(1).values
+            twice_W = ((sorted_WI[:, 1:] == sorted_WI[:, :-1]) & (sorted_WI[:, 1:] >= 0)).any(1)
+            if twice_W.any():
+                raise ValueError(f"replicas_WR puts an expert twice on ranks {twice_W.nonzero().flatten().tolist()} "
+                                 "(a replica of an expert the rank owns, or two replicas of one expert)")
+    return experts_WI
 
 
 def balanced_capacity(loads_E: torch.Tensor, experts_WI: torch.Tensor) -> torch.Tensor:
@@ -157,7 +175,7 @@ def balanced_capacity(loads_E: torch.Tensor, experts_WI: torch.Tensor) -> torch.
     evenly over its instances, each source's own instance first.
 
     loads_E: [E] integer. experts_WI: [W, I] integer, as :func:`instance_experts` makes it (E a positive multiple
-    of W, I >= E / W); its expert ids must be in [-1, E) (not checked: that would need a sync).
+    of W, I >= E / W); its expert ids must be in [-1, E) (checked in checking mode only: a sync).
     """
     check_tensor("loads_E", loads_E, ndim=1, kind="int")
     check_tensor("experts_WI", experts_WI, ndim=2, kind="int")
@@ -167,6 +185,9 @@ def balanced_capacity(loads_E: torch.Tensor, experts_WI: torch.Tensor) -> torch.
         raise ValueError(f"experts_WI has I={experts_WI.shape[1]} instance slots per rank, fewer than the "
                          f"E/W={n_exp // n_ranks} experts each rank owns (E={n_exp} from loads_E, W={n_ranks}); "
                          "loads_E and experts_WI must have the same E")
+    if checking():
+        check_at_least("loads_E", loads_E, 0, "pairs per expert")
+        check_in_range("experts_WI", experts_WI, -1, n_exp, "an expert id per instance slot, -1 empty")
     valid_WI = experts_WI >= 0
     safe_WI = experts_WI.clamp(min=0)
     n_inst_E = torch.zeros(n_exp, dtype=torch.int64, device=loads_E.device).index_add_(

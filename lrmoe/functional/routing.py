@@ -17,9 +17,12 @@ from lrmoe.functional._checks import (
     check_choice,
     check_float_dtype,
     check_group_routing,
+    check_in_range,
     check_int,
     check_scaling,
     check_tensor,
+    check_top_k,
+    checking,
 )
 from lrmoe.ops.routing import topk_ids
 
@@ -157,14 +160,16 @@ def route_topk(
     check_tensor("logits_TE", logits_TE, ndim=2, kind="float")
     check_choice("score_func", score_func, ("softmax", "sigmoid"))
     n_experts = logits_TE.shape[1]
-    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= n_experts:
-        raise ValueError(f"top_k must be an int in [1, num_experts={n_experts}], got {top_k!r}")
+    top_k = check_top_k(top_k, n_experts)
     if bias_E is not None:
         check_tensor("bias_E", bias_E, ndim=1, kind="float")
         if bias_E.shape[0] != n_experts:
             raise ValueError(f"bias_E must have shape [{n_experts}], got {tuple(bias_E.shape)}")
-    check_group_routing(n_experts, top_k, n_group, topk_group)
-    check_scaling(scaling)
+        if checking() and bias_E.device.type != "meta" and not bias_E.isfinite().all():
+            raise ValueError("bias_E must be finite: a NaN or infinite selection bias decides the choice of "
+                             "experts for every token")
+    n_group, topk_group = check_group_routing(n_experts, top_k, n_group, topk_group)
+    scaling = check_scaling(scaling)
 
     scores_TE = logits_TE.float().softmax(-1) if score_func == "softmax" else logits_TE.float().sigmoid()
     choice_TE = scores_TE.detach()
@@ -198,16 +203,18 @@ def expert_loads(expert_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
     """Pairs routed to each expert: [E] int64. scatter_add, not bincount (bincount syncs on CUDA).
 
     ``expert_ids``: integer tensor of any shape, ids in [0, num_experts): checked on the CPU outside compiled code
-    (a ValueError naming the range); on a GPU not checked, as that would need a sync (scatter_add_'s device-side
-    assert stops an out-of-range id there).
+    (a ValueError naming the range); on a GPU only in checking mode (``lrmoe.checks``), as that needs a sync
+    (scatter_add_'s device-side assert stops an out-of-range id there).
     """
     check_tensor("expert_ids", expert_ids, kind="int")
-    check_int("num_experts", num_experts)
+    num_experts = check_int("num_experts", num_experts)
     flat = expert_ids.reshape(-1).long()  # scatter_add_ takes int64 indices (int16 / uint8 ids raised)
     if flat.device.type == "cpu" and flat.numel() and not torch.compiler.is_compiling():
         lo, hi = int(flat.min()), int(flat.max())  # CPU tensors: no device to wait for
         if lo < 0 or hi >= num_experts:
             raise ValueError(f"expert_ids must be in [0, num_experts={num_experts}), got ids from {lo} to {hi}")
+    elif checking():  # lrmoe.checks: on any device
+        check_in_range("expert_ids", flat, 0, num_experts, f"expert ids, num_experts={num_experts}")
     return torch.zeros(num_experts, dtype=torch.int64, device=flat.device).scatter_add_(
         0, flat, torch.ones_like(flat, dtype=torch.int64)
     )

@@ -19,7 +19,15 @@ from dataclasses import dataclass
 
 import torch
 
-from lrmoe.functional._checks import check_choice, check_same_device, check_same_size, check_tensor
+from lrmoe.functional._checks import (
+    check_choice,
+    check_in_range,
+    check_int,
+    check_same_device,
+    check_same_size,
+    check_tensor,
+    checking,
+)
 from lrmoe.ops.selection import MODES
 from lrmoe.ops.selection import inclusion_probabilities as inclusion_probabilities_op
 from lrmoe.ops.selection import select_within_quota as select_within_quota_op
@@ -54,7 +62,7 @@ def select_within_quota(
     quotas_G: torch.Tensor,
     *,
     max_rows: int,
-    mode: str = "top",
+    mode: str = "sample",
     generator: torch.Generator | None = None,
     uniform_G: torch.Tensor | None = None,
     group_order_P: torch.Tensor | None = None,
@@ -65,11 +73,13 @@ def select_within_quota(
 
     Args:
         scores_P: [P] float, pair scores (NaN counts as +inf: such pairs come first).
-        group_ids_P: [P] integer in [0, G), the group of every pair (not checked: that would need a sync).
+        group_ids_P: [P] integer in [0, G), the group of every pair (checked in checking mode only, a sync:
+            ``lrmoe.checks``; so are the contracts of uniform_G, group_order_P, max_group_size, group_ends_G).
         quotas_G: [G] integer, pairs to keep per group (clamped to [0, group size]).
         max_rows: static buffer size R. Groups past the end are truncated (a group cut by it keeps its first kept
             pairs by pair id), never written out of bounds.
-        mode: "top" or "sample".
+        mode: "sample" (default: unbiased, LRMoE's default ``selection`` too) or "top" (deterministic, weight 1;
+            the paper's rule, a biased gradient estimate).
         generator: RNG for "sample" (the global one when None), one uniform draw per group.
         uniform_G: [G] pre-drawn float uniforms in [0, 1) for "sample", instead of drawing; lets a caller draw in
             the forward pass and select in backward reproducibly. Clamped to [2^-30, 1 - 2^-30]
@@ -77,12 +87,12 @@ def select_within_quota(
         group_order_P: [P] int64, the stable ascending argsort of ``group_ids_P`` (pairs by group, pair id
             within), when the caller already has it (an MoE layer sorts its pairs by expert for the forward
             dispatch). Both modes select in this order; given, the selection does not sort the group ids again
-            (on CUDA, "top" is then one kernel launch). Not checked (that would need a sync): another
+            (on CUDA, "top" is then one kernel launch). Checked in checking mode only (a sync): another
             permutation gives a wrong selection.
         max_group_size: a bound on every group's size when the caller knows one (in an MoE layer each token
             picks an expert at most once, so a group holds at most T pairs). With ``group_order_P`` and a bound
             up to 8,192, CUDA "sample" sorts each group in one program's registers instead of sorting all pairs.
-            Not checked (a sync): a group above it gives a wrong selection.
+            Checked in checking mode only (a sync): a group above it gives a wrong selection.
         group_ends_G: [G] integer, the cumulative group sizes (group g's members end at group_ends_G[g] in the
             group order), when the caller has them (an MoE layer's grouped-GEMM offsets of its forward dispatch).
             On CUDA the selection then reads each group's start and size instead of searching the group ids for
@@ -97,15 +107,13 @@ def select_within_quota(
         raise ValueError(
             f"group_ids_P must have the shape of scores_P {tuple(scores_P.shape)}, got {tuple(group_ids_P.shape)}"
         )
-    if not isinstance(max_rows, int) or isinstance(max_rows, bool) or max_rows < 0:
-        raise ValueError(f"max_rows must be a non-negative Python int, got {max_rows!r}")
+    max_rows = check_int("max_rows", max_rows, min_value=0)
     if uniform_G is not None:
         check_tensor("uniform_G", uniform_G, kind="float")
         if uniform_G.dim() != 1 or uniform_G.shape[0] != quotas_G.shape[0]:
             raise ValueError(f"uniform_G must have shape [{quotas_G.shape[0]}], got {tuple(uniform_G.shape)}")
-    if max_group_size is not None and (not isinstance(max_group_size, int) or isinstance(max_group_size, bool)
-                                       or max_group_size < 0):
-        raise ValueError(f"max_group_size must be a non-negative Python int or None, got {max_group_size!r}")
+    if max_group_size is not None:
+        max_group_size = check_int("max_group_size", max_group_size, min_value=0)
     if group_order_P is not None:
         check_tensor("group_order_P", group_order_P, ndim=1, kind="int")
         if group_order_P.dtype != torch.int64:
@@ -122,6 +130,9 @@ def select_within_quota(
 
     check_same_device(scores_P=scores_P, group_ids_P=group_ids_P, quotas_G=quotas_G, uniform_G=uniform_G,
                       group_order_P=group_order_P, group_ends_G=group_ends_G)
+    if checking():
+        _check_selection_inputs(group_ids_P, quotas_G.shape[0], uniform_G, group_order_P, max_group_size,
+                                group_ends_G)
     if mode == "sample" and uniform_G is None:
         # Drawn here, not in the op, so that lrmoe::select_within_quota is deterministic given its inputs.
         uniform_G = torch.rand(quotas_G.shape[0], generator=generator, device=scores_P.device)
@@ -136,6 +147,26 @@ def select_within_quota(
     return Selection(pair_ids=pair_ids_R, weights=weights_R, counts=counts_G, offsets=offsets_G)
 
 
+def _check_selection_inputs(group_ids_P, n_groups, uniform_G, group_order_P, max_group_size, group_ends_G):
+    """Checking mode (lrmoe.checks): the contracts of select_within_quota's docstring that need the values."""
+    check_in_range("group_ids_P", group_ids_P, 0, n_groups, "the group of each pair, G = len(quotas_G)")
+    if uniform_G is not None and uniform_G.device.type != "meta" and not ((uniform_G >= 0) & (uniform_G < 1)).all():
+        raise ValueError(f"uniform_G must be in [0, 1) (one uniform draw per group), got values from "
+                         f"{uniform_G.min().item()} to {uniform_G.max().item()}")
+    if group_ids_P.device.type == "meta":
+        return
+    if group_order_P is not None and not torch.equal(group_order_P, torch.argsort(group_ids_P, stable=True)):
+        raise ValueError("group_order_P must be the stable ascending argsort of group_ids_P (pairs by group, pair id "
+                         "within); it is not")
+    sizes_G = torch.zeros(n_groups, dtype=torch.int64, device=group_ids_P.device).scatter_add_(
+        0, group_ids_P.long(), torch.ones_like(group_ids_P, dtype=torch.int64))
+    if max_group_size is not None and n_groups and sizes_G.max().item() > max_group_size:
+        raise ValueError(f"max_group_size={max_group_size} is below the largest group, {sizes_G.max().item()} pairs")
+    if group_ends_G is not None and not torch.equal(group_ends_G.long(), sizes_G.cumsum(0)):
+        raise ValueError(f"group_ends_G must be the cumulative group sizes {sizes_G.cumsum(0).tolist()}, got "
+                         f"{group_ends_G.tolist()}")
+
+
 def inclusion_probabilities(scores_P: torch.Tensor, group_ids_P: torch.Tensor, quotas_G: torch.Tensor) -> torch.Tensor:
     """[P] fp64: the inclusion probability of every pair under ``mode="sample"``.
 
@@ -148,4 +179,6 @@ def inclusion_probabilities(scores_P: torch.Tensor, group_ids_P: torch.Tensor, q
     check_tensor("group_ids_P", group_ids_P, ndim=1, kind="int")
     check_tensor("quotas_G", quotas_G, ndim=1, kind="int")
     check_same_size("scores_P", scores_P, 0, "group_ids_P", group_ids_P, 0)
+    if checking():
+        check_in_range("group_ids_P", group_ids_P, 0, quotas_G.shape[0], "the group of each pair, G = len(quotas_G)")
     return inclusion_probabilities_op(scores_P.detach(), group_ids_P, quotas_G)

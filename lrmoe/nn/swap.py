@@ -186,19 +186,27 @@ def from_transformers(block: nn.Module, **options) -> LRMoE:
     layer.last_loads = torch.zeros(n_exp, dtype=torch.int64, device=device)
     layer.last_quotas = torch.zeros(n_exp, dtype=torch.int64, device=device)
     layer._stats_probe = layer._new_probe(device)
+    # The block's submodule order (transformers registers its experts before its router), so named_parameters()
+    # and state_dict() list the tensors as the block did: an optimizer's state, saved by position, still fits.
+    order = [name for name in block._modules if name in layer._modules]
+    modules = {name: layer._modules[name] for name in order + [n for n in layer._modules if n not in order]}
+    layer._modules.clear()
+    layer._modules.update(modules)
     layer.train(block.training)
     return layer
 
 
 def replace_moe_blocks(model: nn.Module, **options) -> list[str]:
     """Replace every transformers MoE block of ``model`` (``BLOCKS``) by ``from_transformers(block, **options)``:
-    the same weights and router (the same modules and Parameter objects, so state_dict names, loaded checkpoints
-    and ``output_router_logits`` stay valid), LRMoE's selective backward, statistics and expert parallelism. Call
+    the same weights and router (the same modules and Parameter objects in the block's order, so state_dict names,
+    loaded checkpoints, an optimizer's state and ``output_router_logits`` stay valid), LRMoE's selective backward, statistics and expert parallelism. Call
     it before sharding.
 
     Returns the replaced blocks' names. Raises ValueError when ``model`` holds none, and as ``from_transformers``
     does; all before any change.
     """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     found = [(name, block) for name, block in model.named_modules() if _block_kind(block) and name]
     if not found:
         raise ValueError(f"model holds no transformers MoE block ({', '.join(BLOCKS)})")

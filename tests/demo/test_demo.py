@@ -200,3 +200,79 @@ def test_bad_files_and_values_are_refused_before_training(tmp_path):
     for argv in (["--eval-every", "-3"], ["--lr", "nan"], ["--preset", "default"]):  # argparse: exit status 2
         with pytest.raises(SystemExit):
             run_main(["demo", "--quick", "--steps", "1", "--out", "", *argv])
+
+
+# ------------------------------------------------------------------------------------- output folder, help, plots
+
+
+def test_quick_writes_to_its_own_folder_not_over_the_full_runs(tmp_path, monkeypatch):
+    """--quick once wrote to runs/demo, over the full run's logs and plots; it has runs/demo-quick now."""
+    monkeypatch.chdir(tmp_path)
+    full = tmp_path / "runs" / "demo"
+    full.mkdir(parents=True)
+    (full / "retain_1.json").write_text("{}")  # a full run's log
+    status, text = run_main(["demo", "--quick", "--steps", "2", "--retain", "1.0", "--no-progress", "--no-plots"])
+    assert status == 0 and "written to runs/demo-quick" in text
+    assert read_log(tmp_path / "runs" / "demo-quick", "1")["steps"] == 2
+    assert (full / "retain_1.json").read_text() == "{}"
+    from lrmoe.__main__ import build_parser
+    from lrmoe.demo.cli import _out_dir
+
+    def out(*argv):
+        return _out_dir(build_parser().parse_args(["demo", *argv]))
+
+    assert (out(), out("--preset", "study"), out("--quick", "--out", "x"), out("--out", "")) == (
+        Path("runs/demo"), Path("runs/demo-study"), Path("x"), None)
+
+
+def test_help_is_plain_text_and_explains_every_choice():
+    from lrmoe.__main__ import build_parser
+
+    parser = build_parser()
+    demo = parser._subparsers._group_actions[0].choices["demo"]
+    text = demo.format_help()
+    assert "``" not in text and "runs/demo-quick" in text
+    helps = {a.dest: a.help for a in demo._actions}
+    assert "inclusion probability" in helps["selection"] and "waterfill" in helps["policy"]
+    assert "gate^2" in helps["metric"]
+    for dest in ("metric", "selection", "policy"):  # each choice named in its help
+        action = next(a for a in demo._actions if a.dest == dest)
+        assert all(choice in action.help for choice in action.choices), dest
+
+
+def _run_result(retain: float, losses: list[float], n_layers: int = 3) -> dict:
+    return {"retain": retain, "metric": "lrm", "selection": "sample",
+            "history": [{"step": i + 1, "loss": v} for i, v in enumerate(losses)],
+            "eval_curve": [{"step": 0, "heldout_loss": 5.0}, {"step": len(losses), "heldout_loss": losses[-1]}],
+            "mean_expert_loads": [[8.0, 4.0, 2.0, 2.0]] * n_layers,
+            "mean_expert_quotas": [[5.0, 4.0, 2.0, 1.0]] * n_layers}
+
+
+def test_loss_figure_has_a_difference_panel_and_loads_one_panel_per_layer():
+    pytest.importorskip("matplotlib")
+    from lrmoe.demo.plots import expert_loads_figure, loss_curves_figure
+
+    dense, sparse = _run_result(1.0, [5.0, 4.0, 3.5, 3.0]), _run_result(0.5, [5.0, 4.25, 3.5, 3.125])
+    fig = loss_curves_figure([dense, sparse])
+    assert len(fig.axes) == 3
+    diff_ax = fig.axes[2]
+    raw = diff_ax.lines[0]  # the per-step difference of the retain-0.5 run
+    assert list(raw.get_xdata()) == [1, 2, 3, 4] and list(raw.get_ydata()) == [0.0, 0.25, 0.0, 0.125]
+    assert "dense" in diff_ax.get_ylabel()
+    assert len(loss_curves_figure([sparse]).axes) == 2  # no dense run: nothing to subtract
+    loads = expert_loads_figure(sparse)
+    assert [ax.get_title() for ax in loads.axes] == ["layer 0", "layer 1", "layer 2"]
+    assert [p.get_height() for p in loads.axes[2].patches[4:]] == [5.0, 4.0, 2.0, 1.0]  # quotas, by load
+
+
+def test_the_demo_writes_its_plot_files(quick_run):
+    pytest.importorskip("matplotlib")
+    import matplotlib.image
+
+    _, _, out_dir = quick_run
+    loss = matplotlib.image.imread(out_dir / "loss_curves.png")
+    loads = matplotlib.image.imread(out_dir / "expert_loads_retain_0.75.png")
+    # Pixel sizes are the figure sizes at 120 dpi: 3 panels of 5.5 x 4 inches (2 panels would be 11 x 4), and the
+    # quick model's 2 layers of 4.5 x 3.6 (one layer was 7 x 3.8).
+    assert loss.shape[:2] == (480, 1980)
+    assert loads.shape[:2] == (432, 1080)

@@ -458,3 +458,23 @@ _S, _G, _Q = torch.rand(5), torch.tensor([0, 1, 0, 1, 1]), torch.tensor([1, 2])
 def test_select_errors_name_the_argument(args, kwargs, exc, name):
     with pytest.raises(exc, match=name):
         select_within_quota(*args, **kwargs)
+
+
+def test_the_default_mode_is_the_unbiased_sample_as_in_the_layer():
+    """select_within_quota's default mode is LRMoE's default selection, "sample": weights 1/p (the kept pairs'
+    weighted count estimates the group size), drawn from the global RNG when no generator or uniforms are given."""
+    import inspect
+
+    from lrmoe.nn import LRMoE
+
+    assert (inspect.signature(select_within_quota).parameters["mode"].default
+            == inspect.signature(LRMoE).parameters["selection"].default == "sample")
+    scores, gids, quotas = torch.tensor([4.0, 1.0, 9.0, 0.25, 2.0]), torch.zeros(5, dtype=torch.int64), torch.tensor([2])
+    torch.manual_seed(7)
+    got = select_within_quota(scores, gids, quotas, max_rows=2)
+    torch.manual_seed(7)
+    want = select_within_quota(scores, gids, quotas, max_rows=2, mode="sample")
+    assert torch.equal(got.pair_ids, want.pair_ids) and torch.equal(got.weights, want.weights)
+    p = inclusion_probabilities(scores, gids, quotas)
+    torch.testing.assert_close(got.weights.double(), 1 / p[got.pair_ids], rtol=1e-6, atol=0)
+    assert (got.weights > 1).any()  # not "top"'s weight 1

@@ -347,3 +347,33 @@ def test_a_converted_block_compiles_fullgraph_and_updates_its_selection_bias():
     moved = layer.gate.e_score_correction_bias - bias
     torch.testing.assert_close(moved.abs(), torch.full_like(moved, 1e-3).where(moved != 0, 0), rtol=1e-3, atol=0)
     assert moved.ne(0).any()
+
+
+def _adam_step(model, ids, opt):
+    opt.zero_grad()
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+
+
+@pytest.mark.parametrize("convert", ["replace_moe_blocks", "swap_experts"])
+def test_an_optimizer_state_of_the_unswapped_model_loads_and_steps_identically(convert):
+    """An optimizer's state_dict names parameters by position in named_parameters(). replace_moe_blocks put the
+    router before the experts (transformers registers the experts first), so Adam state saved before the swap
+    met the wrong tensors: a shape error at step(), or, where shapes matched, moments applied to other weights."""
+    import lrmoe.nn
+
+    hf = _qwen3_lm()
+    ids = torch.randint(0, 32, (2, 10), generator=torch.Generator().manual_seed(1))
+    opt = torch.optim.Adam(hf.parameters(), lr=1e-2)
+    _adam_step(hf, ids, opt)  # moments of every parameter, as a checkpoint holds them
+    ours = copy.deepcopy(hf)
+    getattr(lrmoe.nn, convert)(ours)  # retain 1: the same gradients as transformers'
+    assert [n for n, _ in ours.named_parameters()] == [n for n, _ in hf.named_parameters()]
+    resumed = torch.optim.Adam(ours.parameters(), lr=1e-2)
+    # A copy, as read from disk: load_state_dict keeps the tensors it is given, which opt's next step moves.
+    resumed.load_state_dict(copy.deepcopy(opt.state_dict()))
+    _adam_step(hf, ids, opt)
+    _adam_step(ours, ids, resumed)
+    want = dict(hf.named_parameters())
+    for n, p in ours.named_parameters():
+        torch.testing.assert_close(p, want[n], rtol=1e-5, atol=1e-6, msg=lambda m, n=n: f"{n}: {m}")

@@ -1,0 +1,160 @@
+"""Checking mode (``lrmoe.checks``, ``LRMOE_CHECK=1``): the functional primitives' data-dependent contracts, which
+the sync-free fast path leaves to the caller, refused with a ValueError naming the argument (the standing suite;
+docs/reliability.md). Off by default; never traced by torch.compile.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+import lrmoe
+from lrmoe.functional import (
+    apportion,
+    balanced_capacity,
+    compact_and_gemm,
+    inclusion_probabilities,
+    instance_experts,
+    place_hot_replicas,
+    plan_quotas,
+    route_to_replicas,
+    route_topk,
+    select_within_quota,
+)
+from lrmoe.functional import _checks as _checks_module
+from lrmoe.functional._checks import checking
+
+S5, G5, Q2 = torch.tensor([0.5, 0.1, 0.9, 0.3, 0.7]), torch.tensor([0, 1, 0, 1, 1]), torch.tensor([1, 2])
+X, W = torch.randn(3, 2), torch.randn(2, 4, 2)  # compact_and_gemm: N = 3 rows, E = 2 experts
+ROWS = torch.tensor([0, 1, 2, 1])
+
+
+@pytest.fixture(autouse=True)
+def checking_off_around_each_test():
+    with lrmoe.checks(False):
+        yield
+
+
+# (id, call, a pattern naming the argument and the contract)
+VIOLATIONS = [
+    ("negative load", lambda: plan_quotas(torch.tensor([3, -1, 2]), 0.5), r"loads_SE must be >= 0 .* got -1"),
+    ("negative load [S, G]", lambda: plan_quotas(torch.tensor([[3, 1], [2, -4]]), 0.5), r"loads_SE .* index \(1, 1\)"),
+    ("negative capacity", lambda: plan_quotas(torch.tensor([3, 1]), 0.5, capacity=torch.tensor([2, -1])),
+     "capacity must be >= 0"),
+    ("placement >= W", lambda: plan_quotas(torch.tensor([3, 1, 2]), 0.5, capacity=torch.tensor([4, 4]),
+                                           placement=torch.tensor([0, 2, 1])), r"placement must be in \[0, 2\)"),
+    ("negative weight", lambda: apportion(torch.tensor([3]), torch.tensor([[1], [-1]])), "weights_SG must be >= 0"),
+    ("negative total", lambda: apportion(torch.tensor([-3]), torch.tensor([[1], [1]])), "total_G must be >= 0"),
+    ("group id >= G", lambda: select_within_quota(S5, torch.tensor([0, 1, 2, 1, 1]), Q2, max_rows=4),
+     r"group_ids_P must be in \[0, 2\) .* from 0 to 2"),
+    ("negative group id", lambda: select_within_quota(S5, torch.tensor([0, -1, 0, 1, 1]), Q2, max_rows=4),
+     r"group_ids_P must be in \[0, 2\)"),
+    ("uniform >= 1", lambda: select_within_quota(S5, G5, Q2, max_rows=4, uniform_G=torch.tensor([0.5, 1.5])),
+     r"uniform_G must be in \[0, 1\)"),
+    ("uniform nan", lambda: select_within_quota(S5, G5, Q2, max_rows=4, uniform_G=torch.tensor([0.5, float("nan")])),
+     r"uniform_G must be in \[0, 1\)"),
+    ("group order", lambda: select_within_quota(S5, G5, Q2, max_rows=4, group_order_P=torch.arange(5)),
+     "group_order_P must be the stable ascending argsort"),
+    ("max group size", lambda: select_within_quota(S5, G5, Q2, max_rows=4, max_group_size=2),
+     "max_group_size=2 is below the largest group, 3 pairs"),
+    ("group ends", lambda: select_within_quota(S5, G5, Q2, max_rows=4, group_ends_G=torch.tensor([3, 5])),
+     r"group_ends_G must be the cumulative group sizes \[2, 5\]"),
+    ("inclusion group id", lambda: inclusion_probabilities(S5, torch.tensor([0, 1, 0, 1, 7]), Q2),
+     r"group_ids_P must be in \[0, 2\)"),
+    ("negative count", lambda: route_to_replicas(torch.tensor([[1, -2], [0, 1]]), torch.ones(2, 2, dtype=torch.long)),
+     "counts_SE must be >= 0"),
+    ("negative instance capacity", lambda: route_to_replicas(torch.ones(2, 2, dtype=torch.long),
+                                                             torch.tensor([[2, -1], [2, 2]])),
+     "capacity_EW must be >= 0"),
+    ("expert without instance", lambda: route_to_replicas(torch.ones(2, 2, dtype=torch.long),
+                                                          torch.tensor([[2, 2], [0, 0]])),
+     r"capacity_EW gives experts \[1\] no instance"),
+    ("negative rank load", lambda: place_hot_replicas(torch.tensor([[1, -1], [0, 2]]), 1), "loads_WE must be >= 0"),
+    ("replica id >= E", lambda: instance_experts(torch.tensor([[4], [-1]]), 4), r"replicas_WR must be in \[-1, 4\)"),
+    ("replica of an owned expert", lambda: instance_experts(torch.tensor([[1], [-1]]), 4),
+     r"replicas_WR puts an expert twice on ranks \[0\]"),
+    ("instance id >= E", lambda: balanced_capacity(torch.tensor([2, 0, 5, 7]), torch.tensor([[0, 1, 9], [2, 3, -1]])),
+     r"experts_WI must be in \[-1, 4\)"),
+    ("negative expert load", lambda: balanced_capacity(torch.tensor([2, 0, -5, 7]), torch.tensor([[0, 1], [2, 3]])),
+     "loads_E must be >= 0"),
+    ("decreasing offsets", lambda: compact_and_gemm(X, W, ROWS, torch.tensor([3, 2])),
+     "offsets_E must be nondecreasing .* got 3 then 2"),
+    ("negative offset", lambda: compact_and_gemm(X, W, ROWS, torch.tensor([-1, 2])), "offsets_E must be >= 0"),
+    ("row >= N", lambda: compact_and_gemm(X, W, torch.tensor([0, 3, 2, 1]), torch.tensor([1, 3])),
+     r"rows_R must be in \[0, 3\)"),
+    ("nan selection bias", lambda: route_topk(torch.randn(3, 4), 2, bias_E=torch.tensor([0.0, float("nan"), 0, 0])),
+     "bias_E must be finite"),
+]
+
+
+@pytest.mark.parametrize("call, match", [case[1:] for case in VIOLATIONS], ids=[case[0] for case in VIOLATIONS])
+def test_checking_mode_refuses_a_contract_violation_naming_the_argument(call, match):
+    with lrmoe.checks():
+        with pytest.raises(ValueError, match=match):
+            call()
+
+
+def test_the_fast_path_keeps_its_documented_results_for_what_it_cannot_check():
+    """Checking off: a negative load counts as 0, rows past offsets_E[-1] are ignored, ends past R are clipped."""
+    assert torch.equal(plan_quotas(torch.tensor([3, -1, 2]), 0.5), plan_quotas(torch.tensor([3, 0, 2]), 0.5))
+    y = compact_and_gemm(X, W, torch.tensor([0, 2, -1, 99]), torch.tensor([1, 2]))
+    torch.testing.assert_close(y[1], W[1] @ X[2])
+    assert (y[2:] == 0).all()
+    with lrmoe.checks():  # the same calls are within contract: checking does not refuse them
+        y_checked = compact_and_gemm(X, W, torch.tensor([0, 2, -1, 99]), torch.tensor([1, 2]))
+        assert torch.equal(y_checked, y)
+        assert torch.equal(compact_and_gemm(X, W, ROWS, torch.tensor([2, 9])),
+                           compact_and_gemm(X, W, ROWS, torch.tensor([2, 4])))  # an end past R = 4 is clipped
+
+
+def test_checks_is_a_switch_and_a_block_that_restores_the_previous_setting():
+    assert not checking()
+    with lrmoe.checks():
+        assert checking()
+        with lrmoe.checks(False):
+            assert not checking()
+        assert checking()
+    assert not checking()
+    lrmoe.checks(True)  # a call switches it for the rest of the process
+    try:
+        assert checking()
+    finally:
+        lrmoe.checks(False)
+    with pytest.raises(TypeError, match="enabled must be a bool"):
+        lrmoe.checks("yes")
+
+
+@pytest.mark.parametrize("value, on", [("1", True), ("true", True), ("0", False), ("", False), (None, False)])
+def test_the_environment_variable_sets_the_initial_mode(value, on, monkeypatch):
+    """LRMOE_CHECK is read when the module loads: a fresh copy of lrmoe.functional._checks, loaded under each
+    value, starts checking or not (a fresh interpreter would take ~10 s to import torch for the same answer)."""
+    if value is None:
+        monkeypatch.delenv("LRMOE_CHECK", raising=False)
+    else:
+        monkeypatch.setenv("LRMOE_CHECK", value)
+    spec = importlib.util.spec_from_file_location("fresh_checks", _checks_module.__file__)
+    fresh = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fresh)
+    assert fresh.checking() is on
+
+
+def test_compiled_graphs_are_the_same_with_checking_on_and_trace_no_check():
+    """fullgraph compiles with checking on or off (a check that synced would break the graph); the checks run in
+    eager code only, so a compiled call given an out-of-contract load computes as the fast path does."""
+
+    def plan_and_gemm(loads_E, offsets_E):
+        quotas_E = plan_quotas(loads_E, 0.5)
+        return quotas_E, compact_and_gemm(X, W, ROWS, offsets_E)
+
+    compiled = torch.compile(plan_and_gemm, fullgraph=True, backend="eager")
+    loads, offsets = torch.tensor([3, -1, 2]), torch.tensor([1, 3])
+    want = plan_and_gemm(loads, offsets)
+    with lrmoe.checks():
+        got = compiled(loads, offsets)
+        with pytest.raises(ValueError, match="loads_SE"):
+            plan_and_gemm(loads, offsets)  # eager: checked
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    got_off = compiled(loads, offsets)
+    assert torch.equal(got_off[0], want[0])
