@@ -8,6 +8,7 @@ from lrmoe.functional.experts import (
     selective_swiglu_experts,
 )
 from lrmoe.functional.gemm import compact_and_gemm
+from lrmoe.functional.options import BackwardOptions, RoutingOptions
 from lrmoe.functional.quotas import apportion, plan_quotas
 from lrmoe.functional.replicas import (
     balanced_capacity,
@@ -20,8 +21,10 @@ from lrmoe.functional.scoring import score_pairs
 from lrmoe.functional.selection import Selection, inclusion_probabilities, select_within_quota
 
 __all__ = [
+    "BackwardOptions",
     "ExpertPlan",
     "Routing",
+    "RoutingOptions",
     "Selection",
     "apportion",
     "backward_capacity_rows",

@@ -20,7 +20,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from lrmoe.functional.routing import Routing
-from lrmoe.nn.lrmoe import LRMoE, SwiGLUExperts, _check_expert_options
+from lrmoe.functional.options import BackwardOptions, resolve_options
+from lrmoe.nn.lrmoe import LRMoE, SwiGLUExperts
 
 __all__ = ["TransformersRoutedLRMoE", "from_transformers", "replace_moe_blocks", "swap_experts"]
 
@@ -74,11 +75,12 @@ def _why_not_swiglu(module: nn.Module) -> str | None:
     return None
 
 
-def swap_experts(model: nn.Module, **options) -> list[str]:
+def swap_experts(model: nn.Module, *, backward: BackwardOptions | None = None, **options) -> list[str]:
     """Replace every experts module of a transformers model (fused 3-D ``gate_up_proj`` [E, 2F, D] and
     ``down_proj`` [E, D, F], SiLU) by a :class:`~lrmoe.nn.SwiGLUExperts` that holds the same Parameter objects and
-    runs :func:`~lrmoe.functional.selective_swiglu_experts` with ``options`` (its keyword arguments: retain,
-    selection, metric, ...) on every call.
+    runs :func:`~lrmoe.functional.selective_swiglu_experts` with ``backward`` (a
+    :class:`~lrmoe.functional.BackwardOptions`) or ``options`` (its fields as keywords: retain, selection,
+    metric, ...; not both) on every call.
 
     The parameters are the same objects, so state_dict names, loaded weights and an optimiser built before stay
     valid. At retain 1 the model's outputs and gradients are those of transformers' experts (up to summation
@@ -99,10 +101,10 @@ def swap_experts(model: nn.Module, **options) -> list[str]:
              and not isinstance(module, SwiGLUExperts)]
     if not found:
         if any(isinstance(module, SwiGLUExperts) for module in model.modules()):
-            raise ValueError("model's experts are SwiGLUExperts already (swapped before?); set their .options to "
-                             "change the options")
+            raise ValueError("model's experts are SwiGLUExperts already (swapped before?); set their .backward "
+                             "(a BackwardOptions) to change the options")
         raise ValueError("model holds no experts module with fused 3-D gate_up_proj and down_proj parameters")
-    _check_expert_options(options)
+    backward = resolve_options(BackwardOptions, backward, "swap_experts", **options)
     for name, module in found:
         if not name:
             raise ValueError("model is itself an experts module; swap it in its parent (or build SwiGLUExperts)")
@@ -116,7 +118,7 @@ def swap_experts(model: nn.Module, **options) -> list[str]:
     for name, module in found:
         n_exp, two_f, dim = module.gate_up_proj.shape
         with torch.device("meta"):
-            experts = SwiGLUExperts(n_exp, dim, two_f // 2, **options)
+            experts = SwiGLUExperts(n_exp, dim, two_f // 2, backward=backward)
         experts.gate_up_proj, experts.down_proj = module.gate_up_proj, module.down_proj
         experts.train(module.training)
         model.set_submodule(name, experts)

@@ -22,7 +22,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 from ep_harness import RecordAllToAll, run_ranks
 from lrmoe.functional import plan_experts, plan_quotas, route_topk, selective_swiglu_experts
 from lrmoe.nn import ExpertParallel, LRMoE
-from lrmoe.nn.expert_parallel import expert_major_order, split_sizes
+from lrmoe.functional.expert_parallel import expert_major_order
 
 D, FF, E, K = 8, 6, 8, 2
 
@@ -326,12 +326,8 @@ def test_configurations_and_named_mesh_dimension():
 # ------------------------------------------------------------------------------------ single-process pieces
 
 
-def test_split_sizes_and_expert_major_order():
+def test_expert_major_order():
     counts_WE = torch.tensor([[1, 0, 2, 3], [4, 1, 0, 2]])  # W = 2 ranks, E = 4, L = 2
-    send, recv = split_sizes(counts_WE, 0, 2)
-    assert send.tolist() == [1, 5] and recv.tolist() == [1, 5]
-    send, recv = split_sizes(counts_WE, 1, 2)
-    assert send.tolist() == [5, 2] and recv.tolist() == [5, 2]
     # Rank 1 receives source-major blocks (s0,e2) (s0,e3) (s1,e2) (s1,e3) of sizes 2, 3, 0, 2.
     counts_SL = counts_WE[:, 2:]
     perm = expert_major_order(counts_SL, 7)

@@ -309,7 +309,8 @@ _BAD_REPLICATION = [
     ({"capacity_factor": float("inf")}, ValueError, "capacity_factor"),
     ({"capacity_factor": "2"}, TypeError, "capacity_factor"),
     ({"capacity_factor": True}, TypeError, "capacity_factor"),
-    ({"placement_policy": "hot"}, TypeError, "placement_policy"),
+    ({"placement_policy": 3}, TypeError, "placement_policy"),  # neither callable nor a name
+    ({"placement_policy": "coldest"}, ValueError, "placement_policy"),  # a name not registered
 ]
 
 
