@@ -25,9 +25,9 @@ from lrmoe.functional.quotas import plan_quotas
 from lrmoe.functional.replicas import balanced_capacity, instance_experts, place_hot_replicas, route_to_replicas
 from lrmoe.ops import argsort_ids
 
-__all__ = ["PLACEMENT_POLICIES", "ExpertParallelPlan", "ExpertParallelStats", "PlacementPolicy", "backward_capacity", "block_rows",
-           "check_placement", "check_replication", "expert_major_order", "instance_slots", "pair_destinations",
-           "placement_policy_name", "plan_expert_parallel", "register_placement_policy"]
+__all__ = ["PLACEMENT_POLICIES", "ExpertParallelPlan", "ExpertParallelStats", "PlacementPolicy", "backward_capacity",
+           "block_rows", "check_placement", "check_replication", "expert_major_order", "instance_slots",
+           "pair_destinations", "placement_policy_name", "plan_expert_parallel", "plan_to", "register_placement_policy"]
 
 PlacementPolicy = Callable[[torch.Tensor, int], torch.Tensor]
 
@@ -284,6 +284,22 @@ def block_rows(rows_I: torch.Tensor) -> torch.Tensor:
     return (rows_I.max(-1).values + 7) // 8 * 8
 
 
+def plan_to(plan: ExpertParallelPlan, loads_WE: torch.Tensor) -> ExpertParallelPlan:
+    """A plan computed on CPU tensors, on the device of ``loads_WE`` (which it carries as its loads): one copy of
+    the packed integer tensors, then views."""
+    parts = [plan.instances, plan.routes, plan.assignment, plan.instance_quotas, plan.quotas]
+    if plan.capacity is not None:
+        parts.append(plan.capacity)
+    # non_blocking: CUDA stages pageable host memory at once and the stream does not wait; a blocking copy would
+    # synchronise the stream a second time in the step.
+    packed = torch.cat([t.reshape(-1) for t in parts]).to(loads_WE.device, non_blocking=True)
+    views = [v.view(t.shape) for v, t in zip(packed.split([t.numel() for t in parts]), parts, strict=True)]
+    inst, routes, assign, inst_quotas, quotas = views[:5]
+    return ExpertParallelPlan(loads=loads_WE.long(), instances=inst, routes=routes, assignment=assign,
+                              instance_quotas=inst_quotas, quotas=quotas,
+                              capacity=views[5] if plan.capacity is not None else None)
+
+
 @dataclass(frozen=True)
 class ExpertParallelStats:
     """Per-step statistics of an expert-parallel LRMoE layer, as tensors (no sync until read).
@@ -341,3 +357,22 @@ class ExpertParallelStats:
         rows_WI = self.instance_quotas.sum(0)
         slots_W = (block_rows(rows_WI) * rows_WI.shape[1]).double()
         return torch.where(slots_W > 0, 1 - rows_WI.sum(1).double() / slots_W.clamp(min=1), 0.0)
+
+    @staticmethod
+    def from_records(loads_WE, quotas_WE, instances_WI, assign_SWI, quotas_SWI, capacity_W, forward_bytes_4,
+                     backward_5) -> ExpertParallelStats:
+        """The statistics from a layer's records of its last forward (its ep_* buffers: the plan, and forward bytes
+        of dispatch, combine, replica weights and their gradients) and the backward accumulator (score-mass
+        fraction kept, retained pairs, backward dispatch and combine bytes, backward calls)."""
+        calls = backward_5[4]
+        return ExpertParallelStats(
+            loads=loads_WE.clone(), quotas=quotas_WE.clone(), instances=instances_WI.clone(),
+            assignment=assign_SWI.clone(), instance_quotas=quotas_SWI.clone(), capacity=capacity_W.clone(),
+            rank_loads=assign_SWI.sum((0, 2)), rank_backward_loads=quotas_SWI.sum((0, 2)),
+            total_pairs=loads_WE.sum(), retained_pairs=quotas_WE.sum(),
+            dispatch_bytes=forward_bytes_4[0].clone(), combine_bytes=forward_bytes_4[1].clone(),
+            replica_bytes=forward_bytes_4[2].clone(), replica_grad_bytes=forward_bytes_4[3].clone(),
+            backward_dispatch_bytes=backward_5[2].clone(), backward_combine_bytes=backward_5[3].clone(),
+            local_retained_pairs=backward_5[1].clone(), score_mass_fraction=backward_5[0] / calls,
+            backward_calls=calls.clone(),
+        )

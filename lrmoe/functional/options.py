@@ -28,7 +28,8 @@ from lrmoe.functional.quotas import POLICIES
 from lrmoe.functional.scoring import METRICS
 from lrmoe.functional.selection import MODES
 
-__all__ = ["ACTIVATION_POLICIES", "BackwardOptions", "RoutingOptions", "SCORE_FUNCS", "option_names", "resolve_options", "split_options"]
+__all__ = ["ACTIVATION_POLICIES", "SCORE_FUNCS", "BackwardOptions", "RoutingOptions", "option_names", "resolve_options",
+           "split_options"]
 
 # What forward keeps of each pair's gate/up projection for backward (BackwardOptions.activations).
 ACTIVATION_POLICIES = ("save", "recompute", "offload")

@@ -178,8 +178,9 @@ class AllToAllTransport:
         # y rows and ||phi||^2 go back in the order they came (source-major).
         ident_N = torch.arange(perm_N.shape[0], device=perm_N.device)
         inv_perm_N = torch.empty_like(perm_N).scatter_(0, perm_N, ident_N)
-        y_PD, phi_sq_P = _all_to_all_with_scalars(y_ND.index_select(0, inv_perm_N), phi_sq_N.index_select(0, inv_perm_N),
-                                                  self.splits.fwd_send, self.splits.fwd_recv, self.ep)
+        y_PD, phi_sq_P = _all_to_all_with_scalars(
+            y_ND.index_select(0, inv_perm_N), phi_sq_N.index_select(0, inv_perm_N), self.splits.fwd_send,
+            self.splits.fwd_recv, self.ep)
         return y_PD, phi_sq_P, inv_perm_N
 
     def exchange(self, g_TD, gates_TK, pair_R, weight_R, ends_G, saved, cfg, need_h_index):

@@ -10,32 +10,25 @@ Rank w owns experts [w * L, (w + 1) * L): ``experts.gate_up_proj`` and ``experts
 gradient comes from the rank's own tokens only (a data-parallel wrapper over the same ranks reduces it). With
 ``max_replicas`` R > 0, rank w also holds up to R replicas of hot experts it does not own, chosen every step.
 
-Forward, on every rank:
-1. route the local tokens (top-k) and count loads_E;
-2. all-gather loads_E into loads_WE, the tiny [W, E] load matrix;
-3. plan (``plan_expert_parallel``, lrmoe.functional.expert_parallel, through the op lrmoe::ep_plan), the same on
-   every rank: placement, forward assignment of each (source, expert) pair block to the expert's instances,
-   backward quotas per (source, instance). Source s keeps exactly quotas[s, w, i] of its own pairs that ran on
-   instance (w, i), so it knows its quotas without backward communication; plus this rank's sampling uniforms;
-4. read the plan on the host once: the split sizes of every all-to-all of this step follow from it (the only
-   host synchronisation of the layer step; with ``plan_on="host"`` the load matrix is read instead and the plan
-   runs on CPU tensors);
-5. replica weights (R > 0) from their owners through one differentiable all-to-all, so in backward the
-   replicas' weight gradients travel back to the owners and are summed into their shards by autograd;
-6-9. the selective expert step (lrmoe.functional.expert_step) with the all-to-all transport
-   (lrmoe.nn._transport): dispatch, grouped GEMMs on the local instances, combine, out_t = sum_k alpha_u y_u.
-Steps 5-9 run in ``layer.experts(...)`` (the experts' class is swapped for an expert-parallel subclass, as the
-layer's is), so hooks on that module see the weights used: FSDP2's ``fully_shard(layer.experts, mesh["dp"])``
-gathers them there. Applied to a ``SwiGLUExperts`` of its own (a transformers model's experts after
-``swap_experts``), steps 2-9 run in that call with the module's options, and its ``stats()`` are the layer's.
+Forward, on every rank: (1) route the local tokens and count loads_E; (2) all-gather them into the tiny [W, E]
+load matrix; (3) plan (``plan_expert_parallel`` in lrmoe.functional.expert_parallel, through the op lrmoe::ep_plan),
+the same on every rank: placement, each (source, expert) pair block's instances, backward quotas per (source,
+instance), so a source knows its quotas without backward communication; (4) read the plan's split sizes on the
+host, the step's one host synchronisation (``plan_on="host"``: the load matrix is read instead and the plan runs
+on CPU tensors); (5) replica weights (R > 0) from their owners through one differentiable all-to-all, whose
+backward returns the replicas' weight gradients to the owners' shards; (6-9) the selective expert step
+(lrmoe.functional.expert_step) with the all-to-all transport (lrmoe.nn._transport): dispatch, grouped GEMMs on
+the local instances, combine. Steps 5-9 run in ``layer.experts(...)`` (the experts' class is swapped for an
+expert-parallel subclass, as the layer's is), so hooks on that module see the weights used: FSDP2's
+``fully_shard(layer.experts, mesh["dp"])`` gathers them there. Applied to a ``SwiGLUExperts`` of its own (a
+transformers model's experts after ``swap_experts``), steps 2-9 run in that call with the module's options.
 
-Backward: the source scores and selects its own pairs; only the retained rows travel to the instances that ran
+Backward: the source scores and selects its own pairs; only the retained rows travel, to the instances that ran
 them, which run the compact backward and return the input-gradient rows. The router gradient is exact and local.
 
 Checkpoints: the sharded experts save and load with torch.distributed.checkpoint; replicas are per-step copies,
-never saved. torch.compile: the layer compiles with ``fullgraph=True``, forward and backward (tested with
-``torch._dynamo.config.capture_scalar_outputs = True``); the host read of the split sizes becomes unbacked
-SymInts, so one graph serves every step's loads without recompiling.
+never saved. torch.compile: the layer compiles with ``fullgraph=True``, forward and backward (with
+``capture_scalar_outputs``); the split sizes become unbacked SymInts, so one graph serves every step's loads.
 """
 
 from __future__ import annotations
@@ -63,6 +56,7 @@ from lrmoe.functional.expert_parallel import (  # noqa: F401  (backward_capacity
     pair_destinations,
     placement_policy_name,
     plan_expert_parallel,
+    plan_to,
 )
 from lrmoe.functional.expert_step import StepConfig, selective_step
 from lrmoe.functional.options import BackwardOptions
@@ -178,13 +172,11 @@ class ExpertParallel(ParallelStyle):
                             f"(swap_experts puts them into transformers models), got {type(module).__name__}")
         experts = module if standalone else module.experts
         opts = self.backward if self.backward is not None else module.backward
-        quota_align = opts.quota_align
         _refuse_backward_capacity(opts.backward_capacity)
-        if quota_align != 1 and self.replication.capacity_factor is not None:
-            raise ValueError(
-                f"quota_align={quota_align} with capacity_factor={self.replication.capacity_factor}: aligned "
-                "quota steps could pass a rank's backward capacity; use quota_align=1 or capacity_factor=None"
-            )
+        if opts.quota_align != 1 and self.replication.capacity_factor is not None:
+            raise ValueError(f"quota_align={opts.quota_align} with capacity_factor={self.replication.capacity_factor}: "
+                             "aligned quota steps could pass a rank's backward capacity; use quota_align=1 or "
+                             "capacity_factor=None")
         ep_mesh = self._ep_mesh(device_mesh)
         n_ranks = ep_mesh.size()
         if experts.num_experts % n_ranks:
@@ -234,10 +226,9 @@ class ExpertParallel(ParallelStyle):
     def _ep_mesh(self, mesh: DeviceMesh) -> DeviceMesh:
         if self.mesh_dim_name is None:
             if mesh.ndim != 1:
-                raise ValueError(
-                    f"ExpertParallel needs a 1-D EP mesh, got a {mesh.ndim}-D mesh "
-                    f"(dims {mesh.mesh_dim_names}); pass ExpertParallel(mesh_dim_name=...) to pick the EP dimension"
-                )
+                raise ValueError(f"ExpertParallel needs a 1-D EP mesh, got a {mesh.ndim}-D mesh (dims "
+                                 f"{mesh.mesh_dim_names}); pass ExpertParallel(mesh_dim_name=...) to pick the EP "
+                                 "dimension")
             return mesh
         names = mesh.mesh_dim_names or ()
         if self.mesh_dim_name not in names:
@@ -247,10 +238,8 @@ class ExpertParallel(ParallelStyle):
 
 def _refuse_backward_capacity(capacity: float | None) -> None:
     if capacity is not None:
-        raise ValueError(
-            f"backward_capacity={capacity} is the single-device layer's per-expert capacity; "
-            "expert parallelism bounds each rank's backward rows with ExpertParallel(capacity_factor=...)"
-        )
+        raise ValueError(f"backward_capacity={capacity} is the single-device layer's per-expert capacity; expert "
+                         "parallelism bounds each rank's backward rows with ExpertParallel(capacity_factor=...)")
 
 
 # One expert-parallel subclass per (class, mixin), made once and reused, as FSDP2's fully_shard does for its
@@ -278,22 +267,6 @@ def _plan(loads_WE: torch.Tensor, opts: BackwardOptions, rep: _Replication) -> E
                      rep.capacity_factor, rep.placement or "hot", opts.quota_align)
 
 
-def _plan_to(plan: ExpertParallelPlan, loads_WE: torch.Tensor) -> ExpertParallelPlan:
-    """A plan computed on CPU tensors, on the device of ``loads_WE`` (which it carries as its loads): one copy of
-    the packed integer tensors, then views."""
-    parts = [plan.instances, plan.routes, plan.assignment, plan.instance_quotas, plan.quotas]
-    if plan.capacity is not None:
-        parts.append(plan.capacity)
-    # non_blocking: CUDA stages pageable host memory at once and the stream does not wait; a blocking copy would
-    # synchronise the stream a second time in the step.
-    packed = torch.cat([t.reshape(-1) for t in parts]).to(loads_WE.device, non_blocking=True)
-    views = [v.view(t.shape) for v, t in zip(packed.split([t.numel() for t in parts]), parts, strict=True)]
-    inst, routes, assign, inst_quotas, quotas = views[:5]
-    return ExpertParallelPlan(loads=loads_WE.long(), instances=inst, routes=routes, assignment=assign,
-                              instance_quotas=inst_quotas, quotas=quotas,
-                              capacity=views[5] if plan.capacity is not None else None)
-
-
 def _ep_step(module: nn.Module, experts: nn.Module, run_experts: Callable[..., torch.Tensor], x_TD: torch.Tensor,
              expert_ids_TK: torch.Tensor, gates_TK: torch.Tensor, probe: torch.Tensor | None) -> torch.Tensor:
     """Steps 2-9 of the module docstring for one forward: the load matrix, the plan, this rank's pair
@@ -312,7 +285,7 @@ def _ep_step(module: nn.Module, experts: nn.Module, run_experts: Callable[..., t
         # the split sizes below then read CPU tensors, and the plan goes to the device in one copy.
         plan_host = _plan(loads_WE.cpu(), opts, rep)
         splits = host_splits(plan_host, ep, n_local, rep.backward_blocks)
-        plan = _plan_to(plan_host, loads_WE)
+        plan = plan_to(plan_host, loads_WE)
     else:
         plan = _plan(loads_WE, opts, rep)  # opaque to the compiler (lrmoe.ops.ep_plan says why)
         splits = host_splits(plan, ep, n_local, rep.backward_blocks)  # the step's one host synchronisation
@@ -420,28 +393,8 @@ class _ExpertParallelMixin:
         acc = self._stats_probe.grad
         if acc is None:
             acc = torch.zeros(N_EP_BACKWARD_STATS, dtype=torch.float64, device=self.ep_loads.device)
-        calls = acc[4]
-        return ExpertParallelStats(
-            loads=self.ep_loads.clone(),
-            quotas=self.ep_quotas.clone(),
-            instances=self.ep_instances.clone(),
-            assignment=self.ep_assignment.clone(),
-            instance_quotas=self.ep_instance_quotas.clone(),
-            capacity=self.ep_capacity.clone(),
-            rank_loads=self.ep_assignment.sum((0, 2)),
-            rank_backward_loads=self.ep_instance_quotas.sum((0, 2)),
-            total_pairs=self.ep_loads.sum(),
-            retained_pairs=self.ep_quotas.sum(),
-            dispatch_bytes=self.ep_forward_bytes[0].clone(),
-            combine_bytes=self.ep_forward_bytes[1].clone(),
-            replica_bytes=self.ep_forward_bytes[2].clone(),
-            replica_grad_bytes=self.ep_forward_bytes[3].clone(),
-            backward_dispatch_bytes=acc[2].clone(),
-            backward_combine_bytes=acc[3].clone(),
-            local_retained_pairs=acc[1].clone(),
-            score_mass_fraction=acc[0] / calls,
-            backward_calls=calls.clone(),
-        )
+        return ExpertParallelStats.from_records(self.ep_loads, self.ep_quotas, self.ep_instances, self.ep_assignment,
+                                                self.ep_instance_quotas, self.ep_capacity, self.ep_forward_bytes, acc)
 
 
 class _ExpertParallelStandaloneMixin(_ExpertParallelExpertsMixin):
