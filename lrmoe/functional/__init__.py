@@ -1,5 +1,10 @@
 """Pure functional primitives of lrmoe: tensors in, tensors out, static shapes, no host synchronisation."""
 
+from lrmoe.functional.expert_parallel import (
+    ExpertParallelPlan,
+    plan_expert_parallel,
+    register_placement_policy,
+)
 from lrmoe.functional.experts import (
     ExpertPlan,
     backward_capacity_rows,
@@ -22,6 +27,7 @@ from lrmoe.functional.selection import Selection, inclusion_probabilities, selec
 
 __all__ = [
     "BackwardOptions",
+    "ExpertParallelPlan",
     "ExpertPlan",
     "Routing",
     "RoutingOptions",
@@ -34,8 +40,10 @@ __all__ = [
     "inclusion_probabilities",
     "instance_experts",
     "place_hot_replicas",
+    "plan_expert_parallel",
     "plan_experts",
     "plan_quotas",
+    "register_placement_policy",
     "retained_rows_bound",
     "route_to_replicas",
     "route_topk",

@@ -123,6 +123,36 @@ def test_matches_single_device_with_source_expert_quotas(world):
     run_ranks(world, _matches_reference, CONFIGS)
 
 
+def _one_rank_is_the_single_device_layer(rank, world):
+    """One EP rank is the one-device layer: the same step with the all-to-all transport (to itself) instead of
+    the identity transport. ExpertParallel(backward=...) gives the layer its options object."""
+    from lrmoe.functional import BackwardOptions
+
+    mesh = init_device_mesh("cpu", (world,))
+    for opts in (BackwardOptions(), BackwardOptions(retain=0.5, selection="top", activations="recompute")):
+        torch.manual_seed(0)
+        base = LRMoE(D, FF, E, K)
+        single = copy.deepcopy(base)
+        single.backward = opts
+        layer = parallelize_module(copy.deepcopy(base), mesh, ExpertParallel(backward=opts))
+        assert layer.backward is opts
+        results = []
+        for module in (layer, single):
+            torch.manual_seed(1)
+            x, c = torch.randn(20, D, requires_grad=True), torch.randn(20, D)
+            out = module(x)
+            (out * c).sum().backward()
+            down = module.experts.down_proj.grad
+            results.append([out, x.grad, module.gate.weight.grad, getattr(down, "_local_tensor", down)])
+        for got, want in zip(*results, strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        assert torch.equal(layer.stats().quotas[0], single.stats().quotas)
+
+
+def test_one_rank_is_the_single_device_layer():
+    run_ranks(1, _one_rank_is_the_single_device_layer)
+
+
 def test_glm_style_routing_and_shared_experts_match_single_device():
     """The GLM-4.5 / DeepSeek-V3 block (sigmoid, selection bias, groups, scaled gates, a shared expert) under
     expert parallelism: the same contract, the shared expert's gradient summed over ranks like the router's."""
