@@ -143,7 +143,6 @@ class _SelectiveStep(torch.autograd.Function):
 
         ctx.cfg, ctx.transport = cfg, transport
         ctx.has_probe = probe is not None
-        ctx.x_shape = x_TD.shape
         ctx.save_for_backward(x_ND, gate_up_IFD, down_IDF, gates_TK, dest_P, quotas_G, uniform_G, groups_P,
                               assign_SWI, quotas_SWI, h_saved, y_PD, phi_sq_TK, order_P, inv_P, offsets_I,
                               h_of_row_N)
@@ -199,7 +198,7 @@ class _SelectiveStep(torch.autograd.Function):
             group_rows=cfg.group_rows,
         )
         dx_RD = transport.give_back(dx_RD, state)
-        grad_x = None if dx_RD is None else sum_rows_per_token(dx_RD, pair_R, n_tok, top_k).view(ctx.x_shape)
+        grad_x = None if dx_RD is None else sum_rows_per_token(dx_RD, pair_R, n_tok, top_k)
 
         grad_probe = transport.probe_grad(mass_kept, state) if ctx.has_probe else None
         # Gradients of x, gate_up, down, gates; none of the plan's tensors; the probe's; none of cfg, transport.

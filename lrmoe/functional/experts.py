@@ -12,6 +12,9 @@ Backward: the router gradient dL/d alpha_u = <g_t, y_u> is exact for every pair.
 and the expert backward runs as grouped GEMMs over the compact buffer of at most R rows only: a dropped pair
 contributes nothing to dW_gu, dW_d or, through the expert, to dx. At retain = 1 nothing is scored or dropped and
 the backward equals plain autograd.
+
+This module plans one device's step (``plan_experts``) and runs it (``selective_swiglu_experts``): the one-rank
+case of the selective expert step of lrmoe.functional.expert_step, with the identity transport.
 """
 
 from __future__ import annotations
