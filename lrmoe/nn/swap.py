@@ -148,8 +148,8 @@ def from_transformers(block: nn.Module, **options) -> LRMoE:
     computes (``BLOCKS``: Qwen3-MoE's softmax router; GLM-4.5's and DeepSeek-V3's sigmoid router with its selection
     bias, groups and scaled gates, and their shared expert). It holds the block's router module, as ``gate``, and
     its expert and shared-expert Parameter objects (no copy; the layer's own tensors are built on the meta device,
-    then placed on the block's), so state_dict names are the block's. ``options``: LRMoE's own (retain, selection,
-    metric, policy, min_retain, activations, generator, quota_align, backward_capacity); the routing comes from
+    then placed on the block's), so state_dict names are the block's. ``options``: LRMoE's backward options
+    (``backward=BackwardOptions(...)``, or its fields as keywords: retain, selection, ...); the routing comes from
     the block. At retain 1 the layer's outputs and gradients are the block's (up to summation order).
 
     Raises ValueError for another block class or experts that are not plain SwiGLU experts, TypeError for an
@@ -165,7 +165,7 @@ def from_transformers(block: nn.Module, **options) -> LRMoE:
     if why is not None:
         raise ValueError(f"cannot convert {name}: its experts ({type(block.experts).__name__}): {why}")
     fixed = {"dim", "hidden_dim", "num_experts", "top_k", "score_func", "norm_topk_prob", "routed_scaling_factor",
-             "n_group", "topk_group", "selection_bias", "router_dtype", "shared_hidden_dim"}
+             "n_group", "topk_group", "selection_bias", "router_dtype", "shared_hidden_dim", "routing"}
     if fixed & set(options):
         raise TypeError(f"from_transformers takes its routing from the block; got {sorted(fixed & set(options))}")
     gate, experts, shared = block.gate, block.experts, getattr(block, "shared_experts", None)
