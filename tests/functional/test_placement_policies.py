@@ -1,4 +1,4 @@
-"""Tests of lrmoe/functional/expert_parallel.py that need no process group: the named placement-policy table and
+"""Tests of the named placement-policy table of lrmoe/functional/expert_parallel.py and the plan it feeds, which need
 the plan it feeds (the planner's properties are in tests/nn/test_expert_parallel*.py, beside the layer)."""
 
 from __future__ import annotations
