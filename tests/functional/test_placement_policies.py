@@ -1,5 +1,5 @@
-"""Tests of the named placement-policy table of lrmoe/functional/expert_parallel.py and the plan it feeds, which need
-the plan it feeds (the planner's properties are in tests/nn/test_expert_parallel*.py, beside the layer)."""
+"""Tests of the named placement-policy table of lrmoe/functional/expert_parallel.py and the plan it feeds, which
+need no process group (the planner's properties are in tests/nn/test_expert_parallel*.py, beside the layer)."""
 
 from __future__ import annotations
 
