@@ -1,10 +1,11 @@
 """Bytes per MoE layer and rank, and a planner that fits replicas and backward capacity into a byte budget.
 
-Notation (DESIGN.md §2): T tokens per rank, D model dim, F expert hidden dim, E experts, K top-k, P = T * K pairs
-this rank routes, W EP ranks, L = E / W experts this rank owns, N forward rows its expert instances compute (its
-received dispatch rows; N = P on one device), R retained rows it sends in backward, M retained rows its experts
-receive in backward (R = M on one device). b: bytes per element of the parameter and activation dtype (LRMoE
-requires x.dtype == parameter dtype), g: of the gradient dtype, o: optimiser-state bytes per parameter.
+Notation (docs/design.md, "Notation"): T tokens per rank, D model dim, F expert hidden dim, E experts, K top-k,
+P = T * K pairs this rank routes, W EP ranks, L = E / W experts this rank owns, N forward rows its expert
+instances compute (its received dispatch rows; N = P on one device), R retained rows it sends in backward, M
+retained rows its experts receive in backward (R = M on one device). b: bytes per element of the parameter and
+activation dtype (LRMoE requires x.dtype == parameter dtype), g: of the gradient dtype, o: optimiser-state bytes
+per parameter.
 
 The model follows the code as it is (``selective_swiglu_experts`` on one device, ``ExpertParallel`` for W > 1),
 buffer by buffer, so that a change there shows up as a failing test here (tests/test_memory.py measures the
@@ -17,8 +18,8 @@ static, held at the end of the step:
     router            E * D * (b + g + o)   (gate.weight, replicated on every rank)
     replica_weights   r * 3FD * b
     replica_grads     r * 3FD * g
-    Replicas carry no optimiser state: a replica's gradient is summed into its owner's (DESIGN.md §5) and only
-    the owner steps; the replica is fetched again from the owner's weights.
+    Replicas carry no optimiser state: a replica's gradient is summed into its owner's (docs/design.md, "Expert
+    parallelism") and only the owner steps; the replica is fetched again from the owner's weights.
 resident, held through the whole step: static less the gradients, unless ``grads_preallocated``. Gradients that
     start as None (PyTorch's default zero_grad) are the backward's weight-gradient outputs, counted in the
     backward phases from the GEMM that makes them; preallocated ones are resident, and the same outputs are
@@ -74,20 +75,18 @@ peak = resident + saved + max(forward transient, backward transient); token_buff
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from lrmoe.functional._checks import (
-    check_backward_capacity,
-    check_choice,
-    check_replica_slots,
-    check_retain,
-    is_real,
-)
+from lrmoe._memory_phases import backward_phases, forward_phases, saved_activations
+from lrmoe.functional._checks import check_choice, check_replica_slots, check_retain, is_real
+from lrmoe.functional.expert_parallel import backward_capacity
 from lrmoe.functional.experts import backward_capacity_rows, retained_rows_bound
+from lrmoe.functional.options import ACTIVATION_POLICIES, BackwardOptions
 
 __all__ = [
     "ACTIVATION_POLICIES",
@@ -107,12 +106,8 @@ __all__ = [
 
 ADAMW_FP32 = 8  # fp32 first and second moments
 ADAMW_FP32_MASTER = 12  # the same plus an fp32 master copy of bf16 weights
-ACTIVATION_POLICIES = ("save", "recompute", "offload")
 # Dyadic, so retain * P is exact in floating point.
 DEFAULT_RETAIN_CHOICES = (1.0, 0.875, 0.75, 0.625, 0.5, 0.375, 0.25)
-_FP32 = 4
-_INT64 = 8
-_INT32 = 4
 
 
 @dataclass(frozen=True)
@@ -224,8 +219,7 @@ def balanced_rows(config: MemoryConfig, retain: float, recv: int | None = None,
             raise ValueError(f"on one device the forward rows are the pairs P={n_pairs}, got recv={recv}")
         rows = retained_rows_bound(n_pairs, config.num_experts, retain)
         if backward_capacity is not None:
-            check_backward_capacity(backward_capacity, retain, quota_align=1, grouped_by_source=False,
-                                     policy="waterfill")  # the layer's own checks on the factor and retain
+            BackwardOptions(retain=retain, backward_capacity=backward_capacity)  # the layer's own checks
             rows = config.num_experts * backward_capacity_rows(config.tokens, config.top_k, config.num_experts,
                                                                retain, backward_capacity)
             if rows > n_pairs:
@@ -353,6 +347,7 @@ def layer_memory(
     policy: str = "save",
     rows: Rows | None = None,
     backward_capacity: float | None = None,
+    backward: BackwardOptions | None = None,
 ) -> LayerMemory:
     """Model the bytes of one layer step on one rank.
 
@@ -365,7 +360,18 @@ def layer_memory(
         rows: row counts, e.g. from :func:`rows_from_plan`; default :func:`balanced_rows`.
         backward_capacity: LRMoE's (one device): the backward on E blocks of C rows with batched GEMMs; the
             default rows are then E * C.
+        backward: the layer's :class:`~lrmoe.functional.BackwardOptions` instead of ``retain``, ``policy`` (its
+            ``activations``) and ``backward_capacity`` (not both); its ``selection`` replaces ``config.selection``.
     """
+    if backward is not None:
+        if not isinstance(backward, BackwardOptions):
+            raise TypeError(f"backward must be a BackwardOptions or None, got {type(backward).__name__}")
+        if (retain, policy, backward_capacity) != (1.0, "save", None):
+            raise TypeError("layer_memory: pass either backward (a BackwardOptions) or retain, policy and "
+                            "backward_capacity, not both")
+        retain, policy, backward_capacity = backward.retain, backward.activations, backward.backward_capacity
+        if backward.selection != config.selection:
+            config = dataclasses.replace(config, selection=backward.selection)
     check_retain(retain)
     check_choice("policy", policy, ACTIVATION_POLICIES)
     if not isinstance(replicas, int) or isinstance(replicas, bool) or replicas < 0:
@@ -385,7 +391,7 @@ def layer_memory(
     g = (config.grad_dtype or config.param_dtype).itemsize
     o = config.optimizer_bytes_per_param
     numel = config.expert_numel
-    saved = _saved(config, rows, retain, b, replicas)
+    saved = saved_activations(config, rows, retain, b, replicas)
     offloaded = 0
     if policy != "save":
         h_bytes = saved.pop("h")
@@ -399,8 +405,8 @@ def layer_memory(
         replica_grads=replicas * numel * g,
         saved=saved,
         offloaded=offloaded,
-        forward_phases=_forward_phases(config, rows, b, policy, saved),
-        backward_phases=_backward_phases(config, rows, retain, b, policy, replicas,
+        forward_phases=forward_phases(config, rows, b, policy, saved),
+        backward_phases=backward_phases(config, rows, retain, b, policy, replicas,
                                          blocked=backward_capacity is not None),
         rows=rows,
         replicas=replicas,
@@ -409,184 +415,6 @@ def layer_memory(
         router_grad=config.num_experts * config.dim * g,
         grads_preallocated=config.grads_preallocated,
     )
-
-
-def _saved(config: MemoryConfig, rows: Rows, retain: float, b: int, replicas: int) -> dict[str, int]:
-    T, D, F, E, P, N = config.tokens, config.dim, config.hidden_dim, config.num_experts, rows.pairs, rows.recv
-    saved = {
-        "x": T * D * b,
-        "router_scores": T * E * _FP32,
-        "expert_ids": P * _INT64,
-    }
-    if config.norm_topk_prob:
-        saved["raw_gates"] = P * _FP32
-        saved["gate_sums"] = T * _FP32
-    saved["gates"] = P * b
-    saved["h"] = N * 2 * F * b
-    saved["y"] = P * D * b
-    saved["phi_sq"] = P * _FP32
-    saved["order_and_inverse"] = 2 * P * _INT64
-    if config.world_size == 1:
-        saved["quotas"] = E * _INT64
-        saved["offsets"] = E * _INT32
-    else:
-        saved["x_recv"] = N * D * b
-        saved["recv_permutation"] = N * _INT64
-        saved["loads_and_quotas"] = 2 * config.world_size * E * _INT64
-        if replicas:
-            # torch.cat of the owned shard and the fetched replicas: the [L + r] instance weights the expert
-            # function saves hold a copy of the owned experts too (the replicas' part is replica_weights).
-            saved["owned_weight_copy"] = config.local_experts * config.expert_numel * b
-    if retain < 1.0 and config.selection == "sample":
-        saved["uniforms"] = E * _FP32
-    return saved
-
-
-class _Timeline:
-    """Buffers live at each point of a pass, in the code's order: ``alloc`` what outlives its line (a local that
-    stays referenced until the function returns), ``free`` what is released, ``mark`` a phase (a local maximum:
-    the live buffers plus the temporaries of that line)."""
-
-    def __init__(self):
-        self.live: dict[str, int] = {}
-        self.phases: dict[str, dict[str, int]] = {}
-
-    def alloc(self, **buffers: int) -> None:
-        self.live.update((k, v) for k, v in buffers.items() if v)
-
-    def free(self, *names: str) -> None:
-        for name in names:
-            self.live.pop(name, None)
-
-    def mark(self, phase: str, **temporaries: int) -> None:
-        self.phases[phase] = {**self.live, **{k: v for k, v in temporaries.items() if v}}
-
-
-def _gathers(config: MemoryConfig, *dims: int) -> bool:
-    """Whether a grouped GEMM with these feature dimensions first gathers its rows into a contiguous buffer: the
-    CUDA torch._grouped_mm path (bf16, each feature dimension a multiple of 8; row counts are free, as in
-    lrmoe.ops.grouped_gemm._grouped_mm_ok, so the model stays monotone in the token count). The Triton kernels
-    (other dtypes) fuse the gather, and the CPU reference gathers one expert's rows at a time."""
-    return (config.device_type == "cuda" and config.param_dtype == torch.bfloat16
-            and all(d % 8 == 0 for d in dims))
-
-
-def _forward_phases(config: MemoryConfig, rows: Rows, b: int, policy: str,
-                    saved: dict[str, int]) -> dict[str, dict[str, int]]:
-    """The forward, line by line. ``peak`` counts every saved activation at every phase; on one device the phases
-    before the down projection also carry ``saved_later``, minus the saved bytes made after them (y, ||phi||^2,
-    the pairs' inverse order), so that a phase's sum plus the saved bytes is what is live there. (Expert
-    parallelism: not split, every saved activation counted as live from the start, an upper bound.)"""
-    T, D, F, P, N = config.tokens, config.dim, config.hidden_dim, rows.pairs, rows.recv
-    one_device = config.world_size == 1
-    after_gemm = -(saved["phi_sq"] + P * _INT64) if one_device else 0  # made after the down projection
-    before_gemm = after_gemm - (saved["y"] if one_device else 0)
-    t = _Timeline()
-    # The router's fp32 gates stay referenced until the layer's forward returns when the experts take a cast copy
-    # (16-bit weights), and so do the plan's loads.
-    t.alloc(router_gates_fp32=P * _FP32 if b != _FP32 else 0, plan_loads=config.num_experts * _INT64)
-    t.alloc(token_index=P * _INT64)
-    if config.world_size > 1:
-        t.mark("dispatch", dispatch_send=P * D * b)  # received rows are saved (x_recv)
-        t.alloc(recv_permutation_tmp=N * _INT64)
-    t.alloc(row_index=N * _INT64)
-    # h: saved under "save"; otherwise a forward transient (offloaded: and, on a GPU, until its copy to the host is
-    # done, which the copy overlaps with the rest of the forward).
-    t.mark("gate_up_gemm", x_rows=N * D * b if _gathers(config, D, 2 * F) else 0, saved_later=before_gemm)
-    t.alloc(h=N * 2 * F * b if policy != "save" else 0)
-    # lrmoe::swiglu_sqnorm: phi and its rows' ||phi||^2, both locals until the forward returns; no SiLU temporary.
-    t.mark("swiglu", phi=N * F * b, phi_sq_rows=N * _FP32, saved_later=before_gemm)
-    t.alloc(phi=N * F * b, phi_sq_rows=N * _FP32)
-    # phi read in place (rows_R=None). One device: y is the saved y (counted there), read in place by the combine.
-    y_rows = N * D * b if config.world_size > 1 else 0
-    t.mark("down_gemm", y_rows=y_rows, saved_later=after_gemm)
-    t.alloc(y_rows=y_rows)
-    if config.world_size > 1:  # the y rows that come back are the saved y; their ||phi||^2 come in a second collective
-        # The rows and ||phi||^2 sent (in the order they came) are temporaries of the all-to-all's line.
-        t.mark("combine_all_to_all", combine_send=N * (D * b + _FP32), phi_sq_recv=P * _FP32)
-        t.alloc(phi_sq_recv=P * _FP32, pair_index=P * _INT64)
-    t.mark("combine", out=T * D * b)  # lrmoe::gather_sum_rows: each token's K rows of y read where they are
-    return t.phases
-
-
-def _backward_phases(config: MemoryConfig, rows: Rows, retain: float, b: int, policy: str,
-                     replicas: int, blocked: bool = False) -> dict[str, dict[str, int]]:
-    """The backward of ``selective_swiglu_experts`` (W = 1) or of ``ExpertParallel``'s expert function (W > 1),
-    line by line. Every local stays referenced until the function returns, so nothing it allocates is freed
-    before the end; the weight-gradient outputs are live from their GEMM on (they become the gradients, or are
-    added into preallocated ones after the function returns)."""
-    T, D, F, E, P = config.tokens, config.dim, config.hidden_dim, config.num_experts, rows.pairs
-    R, M = rows.sent_retained, rows.recv_retained
-    n_inst = config.local_experts + replicas  # weight-gradient outputs cover every instance
-    dense = retain >= 1.0
-    t = _Timeline()
-    t.alloc(grad_out=T * D * b)
-    t.mark("router_gradient", grad_gates_fp32=P * _FP32)  # lrmoe::gather_dot_rows, fp32, then cast
-    t.alloc(grad_gates=P * b)
-    if dense:
-        t.alloc(row_weights=R * _FP32)  # ones; the rows are the forward's order
-    else:
-        t.alloc(scores=P * _FP32, pair_ids=R * _INT64, row_weights=R * _FP32, finite_scores=P * _FP32)
-    if blocked:  # pad_to_blocks: its index temporaries on one line, then the padded pair ids and weights
-        t.mark("pad_to_blocks", pad_index=5 * R * _INT64)  # rows, experts, clamped, destinations, a temporary
-        t.alloc(padded_pair_ids=(R + 1) * _INT64, padded_row_weights=(R + 1) * _FP32)
-    t.alloc(row_index=2 * R * _INT64, row_coef=R * _FP32)  # safe pair ids, token ids; alpha / p
-    t.mark("dy", dy=R * D * b)  # retained_dy: lrmoe::gather_scale_rows, one pass, no temporary (eager)
-    t.alloc(dy=R * D * b)
-    if config.world_size > 1:
-        if dense:  # the payload is dy itself
-            t.alloc(backward_recv=M * D * b, recv_row_index=M * _INT64)
-        else:
-            # dy rows and their int32 indices travel as they are (two collectives, no packed copy of either side).
-            t.alloc(send_index=2 * R * _INT64 + R * _INT32, backward_recv=M * (D * b + _INT32),
-                    recv_row_index=3 * M * _INT64)
-        t.alloc(expert_major_index=2 * M * _INT64)  # perm_M, rows_M
-        t.mark("dy_expert_major", dy_expert_major=M * D * b)
-        t.alloc(dy_expert_major=M * D * b)
-    if blocked:  # the rows of x (and the gather's unit coefficients), once for the recomputed h and the weight gradient
-        t.alloc(x_rows=M * D * b, x_rows_coef=M * _FP32)
-    if policy == "recompute":  # from x (one device: by token; W > 1: the received rows), gathered
-        t.mark("h_rows", x_rows=M * D * b if _gathers(config, D, 2 * F) and not blocked else 0,
-               h_rows=M * 2 * F * b)
-        t.alloc(h_rows=M * 2 * F * b)
-    else:  # the rows' index into the saved h (or its host copy), an argument of expert_rows_backward
-        t.alloc(h_row_index=M * _INT64)
-        if policy == "offload":  # the retained rows read back from the host copy
-            t.mark("h_rows", h_rows=M * 2 * F * b)
-            t.alloc(h_rows=M * 2 * F * b)
-        # "save": lrmoe::swiglu_backward reads the saved h in place through the index
-    # The GEMMs below read their rows in place (rows_R=None): no gather copy.
-    t.mark("dphi_gemm", dphi_rows=M * F * b)
-    t.alloc(dphi_rows=M * F * b)
-    # lrmoe::swiglu_backward: its outputs. Its CPU reference's temporaries are inside one op (not modelled, see the
-    # module docstring); the CUDA kernel has none.
-    t.mark("swiglu_backward", dh_rows=M * 2 * F * b, phi_rows=M * F * b)
-    t.alloc(dh_rows=M * 2 * F * b, phi_rows=M * F * b)
-    t.free(*(["h_rows"] if policy != "save" else []), "dphi_rows")
-    t.mark("grad_down_gemm", grad_down=n_inst * D * F * b)
-    t.alloc(grad_down=n_inst * D * F * b)
-    # expert_rows_backward (both layers) releases each row buffer after its last use.
-    t.free("dy" if config.world_size == 1 else "dy_expert_major", "phi_rows")
-    t.mark("grad_gate_up_gemm", x_gathered=M * D * b if _gathers(config, 2 * F, D) and not blocked else 0,
-           grad_gate_up=n_inst * 2 * F * D * b)
-    t.alloc(grad_gate_up=n_inst * 2 * F * D * b)
-    if blocked:
-        t.free("x_rows")  # its coefficients stay until expert_rows_backward returns
-    t.mark("dx_gemm", dx_rows=M * D * b)
-    t.alloc(dx_rows=M * D * b)
-    t.free("dh_rows", *(["h_row_index"] if policy != "recompute" else []),  # gone when expert_rows_backward returns
-           *(["x_rows_coef"] if blocked else []))
-    if config.world_size > 1:
-        t.alloc(dx_source_major=M * D * b, dx_returned=R * D * b)
-    # sum_rows_per_token: every pair learns its row (an index per pair), then each token's rows are summed in place.
-    t.mark("input_grad", dx_dest_index=2 * R * _INT64, dx_pair_rows=(P + 1) * _INT64, grad_x=T * D * b)
-    # The function returns: its locals and saved tensors go; autograd runs the router's backward (fp32 gate
-    # gradients, softmax and gate backward) and sums the two input gradients.
-    kept = {"grad_out", "grad_gates", "grad_down", "grad_gate_up"}
-    t.free(*(name for name in list(t.live) if name not in kept))
-    t.mark("router_backward", grad_gates_fp32=P * _FP32, router_grad=E * D * b, grad_x=T * D * b,
-           grad_x_router=T * D * b)  # autograd sums the two into the first in place (a buffer it alone holds)
-    return t.phases
 
 
 # ---------------------------------------------------------------------------------------------------- planner
@@ -709,9 +537,10 @@ def expert_parallel_kwargs(plan: MemoryPlan) -> dict[str, int | float]:
         raise ValueError(f"plan.replicas={plan.replicas} exceeds the {config.num_experts - config.local_experts} "
                          "experts a rank does not own (ExpertParallel's limit on max_replicas)")
     budget = math.floor(float(n_ranks * config.pairs) * plan.retain)  # plan_quotas' budget, in float64
+    loads_WE = torch.full((n_ranks, 1), config.pairs, dtype=torch.int64)  # every rank routes config.tokens tokens
 
-    def capacity(factor: float) -> int:  # backward_capacity's arithmetic, operation by operation
-        return math.ceil(budget * factor / n_ranks)
+    def capacity(factor: float) -> int:  # what ExpertParallel plans: backward_capacity itself
+        return int(backward_capacity(loads_WE, plan.retain, factor)[0])
 
     if budget == 0:
         return {"max_replicas": plan.replicas, "capacity_factor": 1.0}

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from lrmoe.functional import plan_quotas
+from lrmoe.functional import BackwardOptions, plan_quotas
 from lrmoe.memory import (
     ADAMW_FP32,
     ADAMW_FP32_MASTER,
@@ -556,3 +556,21 @@ def test_expert_parallel_kwargs_refuse_what_expert_parallel_cannot_express():
     kwargs = expert_parallel_kwargs(plan)
     assert (plan.retain, plan.replicas, plan.backward_rows) == (0.75, 2, 49152 + 16)
     assert kwargs == {"max_replicas": 2, "capacity_factor": pytest.approx((49152 + 16) / 49152)}
+
+
+def test_layer_memory_takes_the_layers_backward_options():
+    """layer_memory(backward=layer.backward) is the model of that layer: retain, activations (the model's
+    ``policy``), backward_capacity and selection from the options object, as the flat arguments give them."""
+    cfg = MemoryConfig(16, 12, 8, 2, 64, selection="top")
+    opts = BackwardOptions(retain=0.5, activations="recompute", backward_capacity=1.25)
+    got = layer_memory(cfg, backward=opts)
+    want = layer_memory(dataclasses.replace(cfg, selection="sample"), retain=0.5, policy="recompute",
+                        backward_capacity=1.25)
+    assert got.peak == want.peak and got.saved == want.saved and got.rows == want.rows
+    assert "uniforms" in got.saved  # selection "sample" came from the options, not the config's "top"
+    assert layer_memory(cfg, backward=BackwardOptions()).peak == layer_memory(cfg).peak
+    with pytest.raises(TypeError, match="either backward .* or retain, policy and backward_capacity"):
+        layer_memory(cfg, retain=0.5, backward=opts)
+    with pytest.raises(TypeError, match="backward must be a BackwardOptions"):
+        layer_memory(cfg, backward={"retain": 0.5})
+

@@ -1,5 +1,10 @@
 """Pure functional primitives of lrmoe: tensors in, tensors out, static shapes, no host synchronisation."""
 
+from lrmoe.functional.expert_parallel import (
+    ExpertParallelPlan,
+    plan_expert_parallel,
+    register_placement_policy,
+)
 from lrmoe.functional.experts import (
     ExpertPlan,
     backward_capacity_rows,
@@ -8,6 +13,7 @@ from lrmoe.functional.experts import (
     selective_swiglu_experts,
 )
 from lrmoe.functional.gemm import compact_and_gemm
+from lrmoe.functional.options import BackwardOptions, RoutingOptions
 from lrmoe.functional.quotas import apportion, plan_quotas
 from lrmoe.functional.replicas import (
     balanced_capacity,
@@ -20,8 +26,11 @@ from lrmoe.functional.scoring import score_pairs
 from lrmoe.functional.selection import Selection, inclusion_probabilities, select_within_quota
 
 __all__ = [
+    "BackwardOptions",
+    "ExpertParallelPlan",
     "ExpertPlan",
     "Routing",
+    "RoutingOptions",
     "Selection",
     "apportion",
     "backward_capacity_rows",
@@ -31,8 +40,10 @@ __all__ = [
     "inclusion_probabilities",
     "instance_experts",
     "place_hot_replicas",
+    "plan_expert_parallel",
     "plan_experts",
     "plan_quotas",
+    "register_placement_policy",
     "retained_rows_bound",
     "route_to_replicas",
     "route_topk",

@@ -10,29 +10,18 @@ Parameter names and shapes: ``gate.weight`` [E, D]; ``experts.gate_up_proj`` [E,
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from lrmoe.functional._checks import (
-    check_backward_capacity,
-    check_choice,
-    check_float_dtype,
-    check_generator,
-    check_group_routing,
-    check_int,
-    check_retain,
-    check_same_device,
-    check_scaling,
-)
-from lrmoe.functional.experts import ACTIVATION_POLICIES, N_BACKWARD_STATS, plan_experts, selective_swiglu_experts
-from lrmoe.functional.quotas import POLICIES
+from lrmoe.functional._checks import check_group_routing, check_int, check_same_device, check_scaling
+from lrmoe.functional.expert_step import N_BACKWARD_STATS
+from lrmoe.functional.experts import plan_experts, selective_swiglu_experts
+from lrmoe.functional.options import BackwardOptions, RoutingOptions, option_names, resolve_options, split_options
 from lrmoe.functional.routing import Routing, route_topk, router_logits
-from lrmoe.functional.scoring import METRICS
-from lrmoe.functional.selection import MODES
 
 __all__ = ["LRMoE", "LRMoEStats", "SwiGLUExperts", "SwiGLUMLP"]
 
@@ -81,32 +70,12 @@ def recomputing() -> bool:
     return not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1
 
 
-# selective_swiglu_experts' keyword arguments that SwiGLUExperts may fix for all its calls (the plan, the stats
-# probe and source groups belong to one call).
-EXPERT_OPTIONS = ("retain", "metric", "selection", "policy", "min_retain", "generator", "activations", "quota_align",
-                  "backward_capacity")
-
-
-# The options plan_experts takes too.
-_PLAN_OPTIONS = ("retain", "min_retain", "policy", "selection", "generator", "quota_align", "backward_capacity",
-                 "source_ids_T", "num_sources")
-
-
-def _check_expert_options(options: dict) -> None:
-    unknown = sorted(set(options) - set(EXPERT_OPTIONS))
-    if unknown:
-        raise TypeError(f"unknown expert options {unknown}; expected some of {', '.join(EXPERT_OPTIONS)} "
-                        "(selective_swiglu_experts' keyword arguments)")
-    retain = options.get("retain", 1.0)
-    check_retain(retain, options.get("min_retain", 0.0))
-    for name, choices in (("metric", METRICS), ("selection", MODES), ("policy", POLICIES),
-                          ("activations", ACTIVATION_POLICIES)):
-        if name in options:
-            check_choice(name, options[name], choices)
-    check_generator(options.get("generator"))
-    check_int("quota_align", options.get("quota_align", 1))
-    check_backward_capacity(options.get("backward_capacity"), retain, options.get("quota_align", 1),
-                            grouped_by_source=False, policy=options.get("policy", "waterfill"))
+def _shown(options) -> str:
+    """An options object's fields that differ from their defaults, as ``name=value`` for a module's repr."""
+    default = type(options)()
+    return ", ".join(f"{name}={getattr(options, name)!r}" for name in option_names(type(options))
+                     if getattr(options, name) is not getattr(default, name)
+                     and getattr(options, name) != getattr(default, name))
 
 
 class SwiGLUExperts(nn.Module):
@@ -115,24 +84,25 @@ class SwiGLUExperts(nn.Module):
 
     Args:
         num_experts, dim, hidden_dim: E, D, F.
-        **options: selective_swiglu_experts' keyword arguments for every call (``EXPERT_OPTIONS``: retain,
-            selection, ...; a call's own options override them). None: retain 1, the plain dense backward.
-            ``lrmoe.nn.swap_experts`` puts these modules, with options, into a transformers model.
+        backward: the selective backward's options for every call (:class:`~lrmoe.functional.BackwardOptions`);
+            or its fields as keywords (``**options``: retain, selection, ...), not both. None: retain 1, the plain
+            dense backward. A call's own options override them. ``lrmoe.nn.swap_experts`` puts these modules, with
+            options, into a transformers model. Change them later with ``module.backward = replace(...)``.
     """
 
-    def __init__(self, num_experts: int, dim: int, hidden_dim: int, **options):
+    def __init__(self, num_experts: int, dim: int, hidden_dim: int, *, backward: BackwardOptions | None = None,
+                 **options):
         super().__init__()
         for name, value in (("num_experts", num_experts), ("dim", dim), ("hidden_dim", hidden_dim)):
             check_int(name, value)
-        _check_expert_options(options)
+        self.backward = resolve_options(BackwardOptions, backward, "SwiGLUExperts", **options)
         self.num_experts, self.dim, self.hidden_dim = num_experts, dim, hidden_dim
-        self.options = options
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * hidden_dim, dim))
         self.down_proj = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
         self.reset_parameters()
 
     def extra_repr(self) -> str:
-        shown = ", ".join(f"{k}={v!r}" for k, v in self.options.items())
+        shown = _shown(self.backward)
         return f"num_experts={self.num_experts}, dim={self.dim}, hidden_dim={self.hidden_dim}" + (
             f", {shown}" if shown else "")
 
@@ -150,19 +120,24 @@ class SwiGLUExperts(nn.Module):
         if isinstance(gate_up, DTensor) or isinstance(down, DTensor):
             # The ops would refuse a mix of tensors and DTensors, naming none of this.
             raise RuntimeError(f"the experts' weights are DTensors: {UNGATHERED_EXPERTS}")
-        opts = self.options | options
-        backward = torch.is_grad_enabled() and (x_TD.requires_grad or gates_TK.requires_grad
-                                                or gate_up.requires_grad or down.requires_grad)
-        if "plan" not in opts and not (backward or self.training):
+        flat, call = split_options(BackwardOptions, options)
+        given = call.pop("backward", None)
+        if flat:  # the call's own options over the module's
+            opts = replace(self.backward if given is None else given, **flat)
+        else:
+            opts = self.backward if given is None else resolve_options(BackwardOptions, given, "SwiGLUExperts call")
+        runs_backward = torch.is_grad_enabled() and (x_TD.requires_grad or gates_TK.requires_grad
+                                                     or gate_up.requires_grad or down.requires_grad)
+        if call.get("plan") is None and not (runs_backward or self.training):
             # Evaluation leaves the RNG untouched, as LRMoE does (_draws_uniform): no sampling uniforms.
-            opts["plan"] = plan_experts(expert_ids_TK, self.num_experts, draw_uniform=False,
-                                        **{k: opts[k] for k in _PLAN_OPTIONS if k in opts})
+            call["plan"] = plan_experts(expert_ids_TK, self.num_experts, draw_uniform=False, backward=opts,
+                                        source_ids_T=call.get("source_ids_T"), num_sources=call.get("num_sources", 1))
         dtype = compute_dtype(x_TD)  # torch.autocast's (transformers' experts compute in it there), else x's
         if gates_TK.is_floating_point():  # others are refused, naming gates_TK, not cast
             gates_TK = gates_TK.to(dtype)
         with torch.autocast(x_TD.device.type, enabled=False):  # the experts run in ``dtype`` exactly
             return selective_swiglu_experts(x_TD.to(dtype), gate_up.to(dtype), down.to(dtype), expert_ids_TK,
-                                            gates_TK, **opts)
+                                            gates_TK, backward=opts, **call)
 
     def reset_parameters(self) -> None:
         # nn.Linear's default: uniform(+-1/sqrt(fan_in)) per expert matrix.
@@ -223,7 +198,15 @@ class LRMoE(nn.Module):
             Needs retain < 1, policy "waterfill" and quota_align 1; one device only (expert parallelism has
             capacity_factor).
 
-    Input [..., dim] -> output of the same shape and dtype.
+        backward: the options above of the selective backward (retain, min_retain, metric, selection, policy,
+            activations, quota_align, backward_capacity, generator) as one
+            :class:`~lrmoe.functional.BackwardOptions`, instead of the keywords (not both).
+        routing: the routing options above (score_func, norm_topk_prob, routed_scaling_factor, n_group,
+            topk_group, selection_bias, router_dtype) as one :class:`~lrmoe.functional.RoutingOptions`, likewise.
+
+    ``layer.backward`` and ``layer.routing`` hold the options; ``layer.retain`` (and every other field) reads
+    them, and setting it replaces the object by a changed copy. Input [..., dim] -> output of the same shape and
+    dtype.
     """
 
     def __init__(
@@ -250,40 +233,31 @@ class LRMoE(nn.Module):
         selection_bias: bool = False,
         shared_hidden_dim: int | None = None,
         router_dtype: torch.dtype | None = None,
+        backward: BackwardOptions | None = None,
+        routing: RoutingOptions | None = None,
     ):
         super().__init__()
-        sizes = [("dim", dim), ("hidden_dim", hidden_dim), ("num_experts", num_experts), ("quota_align", quota_align)]
+        sizes = [("dim", dim), ("hidden_dim", hidden_dim), ("num_experts", num_experts)]
         if shared_hidden_dim is not None:
             sizes.append(("shared_hidden_dim", shared_hidden_dim))
         for name, value in sizes:
             check_int(name, value)
         if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= num_experts:
             raise ValueError(f"top_k must be an int in [1, num_experts={num_experts}], got {top_k!r}")
-        check_retain(retain, min_retain)
-        check_choice("metric", metric, METRICS)
-        check_choice("selection", selection, MODES)
-        check_choice("policy", policy, POLICIES)
-        check_choice("score_func", score_func, ("softmax", "sigmoid"))
-        check_choice("activations", activations, ACTIVATION_POLICIES)
-        check_group_routing(num_experts, top_k, n_group, topk_group)
-        check_scaling(routed_scaling_factor, "routed_scaling_factor")
-        check_float_dtype("router_dtype", router_dtype)
-        for name, value in (("selection_bias", selection_bias), ("norm_topk_prob", norm_topk_prob)):
-            if not isinstance(value, bool):
-                raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
-        if generator is not None and not isinstance(generator, torch.Generator):
-            raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
+        # The flat keywords are a facade over the two options objects: each is validated once, when built.
+        self.backward = resolve_options(
+            BackwardOptions, backward, "LRMoE", retain=retain, metric=metric, selection=selection, policy=policy,
+            min_retain=min_retain, generator=generator, activations=activations, quota_align=quota_align,
+            backward_capacity=backward_capacity)
+        self.routing = resolve_options(
+            RoutingOptions, routing, "LRMoE", score_func=score_func, norm_topk_prob=norm_topk_prob,
+            routed_scaling_factor=routed_scaling_factor, n_group=n_group, topk_group=topk_group,
+            selection_bias=selection_bias, router_dtype=router_dtype)
+        check_group_routing(num_experts, top_k, self.routing.n_group, self.routing.topk_group)
         self.dim, self.hidden_dim, self.num_experts, self.top_k = dim, hidden_dim, num_experts, top_k
-        self.retain, self.metric, self.selection, self.policy = retain, metric, selection, policy
-        self.min_retain, self.score_func, self.norm_topk_prob = min_retain, score_func, norm_topk_prob
-        self.generator, self.activations, self.quota_align = generator, activations, quota_align
-        check_backward_capacity(backward_capacity, retain, quota_align, grouped_by_source=False, policy=policy)
-        self.backward_capacity = backward_capacity
-        self.routed_scaling_factor, self.n_group, self.topk_group = routed_scaling_factor, n_group, topk_group
-        self.selection_bias, self.router_dtype = selection_bias, router_dtype
 
         self.gate = nn.Linear(dim, num_experts, bias=False)
-        if selection_bias:  # on the gate, where transformers' GLM-4.5 / DeepSeek-V3 routers keep it
+        if self.selection_bias:  # on the gate, where transformers' GLM-4.5 / DeepSeek-V3 routers keep it
             self.gate.register_buffer("e_score_correction_bias", torch.zeros(num_experts, dtype=torch.float32))
         self.experts = SwiGLUExperts(num_experts, dim, hidden_dim)
         self.shared_experts = None if shared_hidden_dim is None else SwiGLUMLP(dim, shared_hidden_dim)
@@ -294,17 +268,9 @@ class LRMoE(nn.Module):
         self._stats_probe = self._new_probe(self.last_loads.device)
 
     def extra_repr(self) -> str:
-        return (
-            f"dim={self.dim}, hidden_dim={self.hidden_dim}, num_experts={self.num_experts}, top_k={self.top_k}, "
-            f"retain={self.retain}, metric={self.metric!r}, selection={self.selection!r}, policy={self.policy!r}, "
-            f"activations={self.activations!r}"
-            + (f", quota_align={self.quota_align}" if self.quota_align != 1 else "")
-            + (f", backward_capacity={self.backward_capacity}" if self.backward_capacity is not None else "")
-            + (f", routed_scaling_factor={self.routed_scaling_factor}" if self.routed_scaling_factor != 1.0 else "")
-            + (f", n_group={self.n_group}, topk_group={self.topk_group}" if self.n_group is not None else "")
-            + (", selection_bias=True" if self.selection_bias else "")
-            + (f", router_dtype={self.router_dtype}" if self.router_dtype is not None else "")
-        )
+        shown = ", ".join(part for part in (_shown(self.backward), _shown(self.routing)) if part)
+        return (f"dim={self.dim}, hidden_dim={self.hidden_dim}, num_experts={self.num_experts}, top_k={self.top_k}"
+                + (f", {shown}" if shown else ""))
 
     # Backward statistics probe: how many entries and in which dtype (a subclass may need more, or exact counts).
     _probe_size = N_BACKWARD_STATS
@@ -333,24 +299,16 @@ class LRMoE(nn.Module):
         x_TD = x.reshape(-1, self.dim)
         routing = self.route(x_TD)
         probe = self._probe_for(x)
-        plan = plan_experts(
-            routing.expert_ids, self.num_experts, retain=self.retain, min_retain=self.min_retain,
-            policy=self.policy, selection=self.selection, generator=self.generator,
-            draw_uniform=self._draws_uniform(probe), quota_align=self.quota_align,
-            backward_capacity=self.backward_capacity,
-        )
+        plan = plan_experts(routing.expert_ids, self.num_experts, draw_uniform=self._draws_uniform(probe),
+                            backward=self.backward)
         if not recomputing():
             with torch.no_grad():
                 self.last_loads.copy_(plan.loads)
                 self.last_quotas.copy_(plan.quotas)
         dtype = compute_dtype(x)
         with torch.autocast(x.device.type, enabled=False):  # the experts run in ``dtype`` exactly
-            out_TD = self.experts(
-                x_TD.to(dtype), routing.expert_ids, routing.gates.to(dtype), retain=self.retain, metric=self.metric,
-                selection=self.selection, policy=self.policy, min_retain=self.min_retain, plan=plan,
-                generator=self.generator, stats_probe=probe, activations=self.activations,
-                backward_capacity=self.backward_capacity,
-            )
+            out_TD = self.experts(x_TD.to(dtype), routing.expert_ids, routing.gates.to(dtype), plan=plan,
+                                  stats_probe=probe, backward=self.backward)
         return self.add_shared(x_TD, out_TD).view(x.shape)
 
     def route(self, x_TD: torch.Tensor) -> Routing:
@@ -444,3 +402,23 @@ class LRMoE(nn.Module):
     def reset_stats(self) -> None:
         """Forget the accumulated backward statistics."""
         self._stats_probe.grad = None
+
+
+def _option_property(group: str, name: str) -> property:
+    """LRMoE's ``layer.<name>``: a field of its ``layer.<group>`` options object. Setting it replaces the object
+    by a copy with that field changed (validated again)."""
+
+    def get(self):
+        return getattr(getattr(self, group), name)
+
+    def set_(self, value):
+        setattr(self, group, replace(getattr(self, group), **{name: value}))
+
+    return property(get, set_, doc=f"``self.{group}.{name}`` (see :class:`LRMoE`).")
+
+
+for _group, _cls in (("backward", BackwardOptions), ("routing", RoutingOptions)):
+    for _name in option_names(_cls):
+        setattr(LRMoE, _name, _option_property(_group, _name))
+del _group, _cls, _name
+

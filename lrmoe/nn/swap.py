@@ -20,7 +20,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from lrmoe.functional.routing import Routing
-from lrmoe.nn.lrmoe import LRMoE, SwiGLUExperts, _check_expert_options
+from lrmoe.functional.options import BackwardOptions, resolve_options
+from lrmoe.nn.lrmoe import LRMoE, SwiGLUExperts
 
 __all__ = ["TransformersRoutedLRMoE", "from_transformers", "replace_moe_blocks", "swap_experts"]
 
@@ -74,11 +75,12 @@ def _why_not_swiglu(module: nn.Module) -> str | None:
     return None
 
 
-def swap_experts(model: nn.Module, **options) -> list[str]:
+def swap_experts(model: nn.Module, *, backward: BackwardOptions | None = None, **options) -> list[str]:
     """Replace every experts module of a transformers model (fused 3-D ``gate_up_proj`` [E, 2F, D] and
     ``down_proj`` [E, D, F], SiLU) by a :class:`~lrmoe.nn.SwiGLUExperts` that holds the same Parameter objects and
-    runs :func:`~lrmoe.functional.selective_swiglu_experts` with ``options`` (its keyword arguments: retain,
-    selection, metric, ...) on every call.
+    runs :func:`~lrmoe.functional.selective_swiglu_experts` with ``backward`` (a
+    :class:`~lrmoe.functional.BackwardOptions`) or ``options`` (its fields as keywords: retain, selection,
+    metric, ...; not both) on every call.
 
     The parameters are the same objects, so state_dict names, loaded weights and an optimiser built before stay
     valid. At retain 1 the model's outputs and gradients are those of transformers' experts (up to summation
@@ -99,10 +101,10 @@ def swap_experts(model: nn.Module, **options) -> list[str]:
              and not isinstance(module, SwiGLUExperts)]
     if not found:
         if any(isinstance(module, SwiGLUExperts) for module in model.modules()):
-            raise ValueError("model's experts are SwiGLUExperts already (swapped before?); set their .options to "
-                             "change the options")
+            raise ValueError("model's experts are SwiGLUExperts already (swapped before?); set their .backward "
+                             "(a BackwardOptions) to change the options")
         raise ValueError("model holds no experts module with fused 3-D gate_up_proj and down_proj parameters")
-    _check_expert_options(options)
+    backward = resolve_options(BackwardOptions, backward, "swap_experts", **options)
     for name, module in found:
         if not name:
             raise ValueError("model is itself an experts module; swap it in its parent (or build SwiGLUExperts)")
@@ -116,7 +118,7 @@ def swap_experts(model: nn.Module, **options) -> list[str]:
     for name, module in found:
         n_exp, two_f, dim = module.gate_up_proj.shape
         with torch.device("meta"):
-            experts = SwiGLUExperts(n_exp, dim, two_f // 2, **options)
+            experts = SwiGLUExperts(n_exp, dim, two_f // 2, backward=backward)
         experts.gate_up_proj, experts.down_proj = module.gate_up_proj, module.down_proj
         experts.train(module.training)
         model.set_submodule(name, experts)
@@ -146,8 +148,8 @@ def from_transformers(block: nn.Module, **options) -> LRMoE:
     computes (``BLOCKS``: Qwen3-MoE's softmax router; GLM-4.5's and DeepSeek-V3's sigmoid router with its selection
     bias, groups and scaled gates, and their shared expert). It holds the block's router module, as ``gate``, and
     its expert and shared-expert Parameter objects (no copy; the layer's own tensors are built on the meta device,
-    then placed on the block's), so state_dict names are the block's. ``options``: LRMoE's own (retain, selection,
-    metric, policy, min_retain, activations, generator, quota_align, backward_capacity); the routing comes from
+    then placed on the block's), so state_dict names are the block's. ``options``: LRMoE's backward options
+    (``backward=BackwardOptions(...)``, or its fields as keywords: retain, selection, ...); the routing comes from
     the block. At retain 1 the layer's outputs and gradients are the block's (up to summation order).
 
     Raises ValueError for another block class or experts that are not plain SwiGLU experts, TypeError for an
@@ -163,7 +165,7 @@ def from_transformers(block: nn.Module, **options) -> LRMoE:
     if why is not None:
         raise ValueError(f"cannot convert {name}: its experts ({type(block.experts).__name__}): {why}")
     fixed = {"dim", "hidden_dim", "num_experts", "top_k", "score_func", "norm_topk_prob", "routed_scaling_factor",
-             "n_group", "topk_group", "selection_bias", "router_dtype", "shared_hidden_dim"}
+             "n_group", "topk_group", "selection_bias", "router_dtype", "shared_hidden_dim", "routing"}
     if fixed & set(options):
         raise TypeError(f"from_transformers takes its routing from the block; got {sorted(fixed & set(options))}")
     gate, experts, shared = block.gate, block.experts, getattr(block, "shared_experts", None)

@@ -22,7 +22,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 from ep_harness import RecordAllToAll, run_ranks
 from lrmoe.functional import plan_experts, plan_quotas, route_topk, selective_swiglu_experts
 from lrmoe.nn import ExpertParallel, LRMoE
-from lrmoe.nn.expert_parallel import expert_major_order, split_sizes
+from lrmoe.functional.expert_parallel import expert_major_order
 
 D, FF, E, K = 8, 6, 8, 2
 
@@ -121,6 +121,36 @@ CONFIGS = [(1.0, "top", 0, 1), (0.75, "top", 2, 1), (0.75, "sample", 2, 1), (0.5
 @pytest.mark.parametrize("world", [2, 4])
 def test_matches_single_device_with_source_expert_quotas(world):
     run_ranks(world, _matches_reference, CONFIGS)
+
+
+def _one_rank_is_the_single_device_layer(rank, world):
+    """One EP rank is the one-device layer: the same step with the all-to-all transport (to itself) instead of
+    the identity transport. ExpertParallel(backward=...) gives the layer its options object."""
+    from lrmoe.functional import BackwardOptions
+
+    mesh = init_device_mesh("cpu", (world,))
+    for opts in (BackwardOptions(), BackwardOptions(retain=0.5, selection="top", activations="recompute")):
+        torch.manual_seed(0)
+        base = LRMoE(D, FF, E, K)
+        single = copy.deepcopy(base)
+        single.backward = opts
+        layer = parallelize_module(copy.deepcopy(base), mesh, ExpertParallel(backward=opts))
+        assert layer.backward is opts
+        results = []
+        for module in (layer, single):
+            torch.manual_seed(1)
+            x, c = torch.randn(20, D, requires_grad=True), torch.randn(20, D)
+            out = module(x)
+            (out * c).sum().backward()
+            down = module.experts.down_proj.grad
+            results.append([out, x.grad, module.gate.weight.grad, getattr(down, "_local_tensor", down)])
+        for got, want in zip(*results, strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        assert torch.equal(layer.stats().quotas[0], single.stats().quotas)
+
+
+def test_one_rank_is_the_single_device_layer():
+    run_ranks(1, _one_rank_is_the_single_device_layer)
 
 
 def test_glm_style_routing_and_shared_experts_match_single_device():
@@ -326,12 +356,8 @@ def test_configurations_and_named_mesh_dimension():
 # ------------------------------------------------------------------------------------ single-process pieces
 
 
-def test_split_sizes_and_expert_major_order():
+def test_expert_major_order():
     counts_WE = torch.tensor([[1, 0, 2, 3], [4, 1, 0, 2]])  # W = 2 ranks, E = 4, L = 2
-    send, recv = split_sizes(counts_WE, 0, 2)
-    assert send.tolist() == [1, 5] and recv.tolist() == [1, 5]
-    send, recv = split_sizes(counts_WE, 1, 2)
-    assert send.tolist() == [5, 2] and recv.tolist() == [5, 2]
     # Rank 1 receives source-major blocks (s0,e2) (s0,e3) (s1,e2) (s1,e3) of sizes 2, 3, 0, 2.
     counts_SL = counts_WE[:, 2:]
     perm = expert_major_order(counts_SL, 7)

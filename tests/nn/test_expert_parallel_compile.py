@@ -1,7 +1,7 @@
 """torch.compile(fullgraph=True) of an expert-parallel LRMoE layer (with a binding backward capacity, without and
 with hot-expert replicas) on 2 gloo CPU ranks gives the eager values.
 
-The split sizes of the all-to-alls are read on the host (``_host_splits``, a ``.tolist()``); with
+The split sizes of the all-to-alls are read on the host (``lrmoe.nn._transport.host_splits``, a ``.tolist()``); with
 ``capture_scalar_outputs`` they become unbacked SymInts, so the layer compiles as one graph with no graph break,
 and a step with other loads (other split sizes) reuses it without recompiling. The plan is one opaque op
 (``lrmoe::ep_plan``), so every rank's compiled graph computes the same plan as eager.
@@ -19,7 +19,6 @@ from ep_harness import run_ranks
 from layer_step import forward_backward
 from lrmoe.functional import place_hot_replicas
 from lrmoe.nn import ExpertParallel, LRMoE
-from lrmoe.nn.expert_parallel import _placement_key
 
 D, FF, E, K = 8, 6, 8, 2
 
@@ -114,8 +113,15 @@ def test_compiled_expert_parallel_with_capacity_equals_eager_at_retain_075():
 def test_plan_op_passes_opcheck():
     """The plan op (lrmoe::ep_plan): schema, fake implementation and dispatch agree (torch.library.opcheck)."""
     loads_WE = torch.tensor([[9, 9, 0, 0, 1, 0, 0, 1], [13, 13, 0, 0, 0, 0, 0, 0]])
-    key = _placement_key(place_hot_replicas)
     for max_replicas, capacity_factor, quota_align in ((0, None, 1), (1, 1.0, 1), (1, None, 4)):
-        torch.library.opcheck(torch.ops.lrmoe.ep_plan.default,
-                              (loads_WE, 0.75, 0.0, "waterfill", max_replicas, capacity_factor, key, quota_align))
+        torch.library.opcheck(torch.ops.lrmoe.ep_plan.default, (loads_WE, None, 0.75, 0.0, "waterfill", max_replicas,
+                                                                capacity_factor, "hot", quota_align))
+    # A placement computed outside the op (a policy that is not registered) gives the registered policy's plan.
+    replicas_WR = place_hot_replicas(loads_WE, 1)
+    torch.library.opcheck(torch.ops.lrmoe.ep_plan.default,
+                          (loads_WE, replicas_WR, 0.75, 0.0, "waterfill", 1, None, "hot", 1))
+    inside = torch.ops.lrmoe.ep_plan(loads_WE, None, 0.75, 0.0, "waterfill", 1, None, "hot", 1)
+    outside = torch.ops.lrmoe.ep_plan(loads_WE, replicas_WR, 0.75, 0.0, "waterfill", 1, None, "hot", 1)
+    for a, b in zip(inside, outside, strict=True):
+        assert torch.equal(a, b)
 

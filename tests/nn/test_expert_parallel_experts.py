@@ -12,6 +12,7 @@ GLM-4.5's block; the same module compiled with fullgraph=True; FSDP2 over it; an
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -166,10 +167,12 @@ def _compiled_and_refused(rank, world):
         layer(torch.randn(4, D))
     with pytest.raises(ValueError, match="already expert-parallel"):
         parallelize_module(block.experts, mesh, ExpertParallel())
-    block.experts.options["backward_capacity"] = 1.0  # set after parallelize_module, which refused it: still refused
+    options = block.experts.backward
+    # set after parallelize_module, which refused it: still refused
+    block.experts.backward = dataclasses.replace(options, retain=0.5, backward_capacity=1.0)
     with pytest.raises(ValueError, match="backward_capacity=1.0 is the single-device"):
         block(torch.randn(4, D))
-    del block.experts.options["backward_capacity"]
+    block.experts.backward = options
     with pytest.raises(ValueError, match="backward_capacity=1.0 is the single-device"):
         parallelize_module(SwiGLUExperts(E, D, FF, retain=0.5, backward_capacity=1.0), mesh, ExpertParallel())
     with pytest.raises(ValueError, match="num_experts=3 is not divisible"):

@@ -282,7 +282,7 @@ def test_backward_load_within_capacity_and_bytes_follow_retained_rows(world, max
 
 @pytest.mark.parametrize("capacity_factor", [None, 1.25])
 def test_plan_moved_to_the_device_in_one_copy_keeps_every_tensor(capacity_factor):
-    from lrmoe.nn.expert_parallel import _plan_to, plan_expert_parallel
+    from lrmoe.functional.expert_parallel import plan_expert_parallel, plan_to as _plan_to
 
     loads_WE = torch.tensor([[9, 0, 3, 1, 7, 2], [4, 4, 0, 8, 1, 5], [0, 6, 2, 2, 3, 9]])
     plan = plan_expert_parallel(loads_WE, 0.5, max_replicas=1, capacity_factor=capacity_factor)
@@ -309,7 +309,8 @@ _BAD_REPLICATION = [
     ({"capacity_factor": float("inf")}, ValueError, "capacity_factor"),
     ({"capacity_factor": "2"}, TypeError, "capacity_factor"),
     ({"capacity_factor": True}, TypeError, "capacity_factor"),
-    ({"placement_policy": "hot"}, TypeError, "placement_policy"),
+    ({"placement_policy": 3}, TypeError, "placement_policy"),  # neither callable nor a name
+    ({"placement_policy": "coldest"}, ValueError, "placement_policy"),  # a name not registered
 ]
 
 

@@ -1,0 +1,171 @@
+"""Tests of lrmoe/functional/options.py: the two options objects, validated once, and LRMoE's flat keywords as a
+facade over them."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import lrmoe.functional._checks as checks
+import lrmoe.functional.options as options_module
+from lrmoe.functional import BackwardOptions, RoutingOptions, selective_swiglu_experts
+from lrmoe.nn import LRMoE, SwiGLUExperts
+
+D, FF, E, K, T = 8, 6, 4, 2, 24
+
+
+@pytest.mark.parametrize("kwargs, exc, name", [
+    ({"retain": 0.0}, ValueError, "retain"),
+    ({"retain": torch.tensor(0.5)}, TypeError, "retain"),
+    ({"retain": 0.5, "min_retain": 0.6}, ValueError, "min_retain"),
+    ({"metric": "l2"}, ValueError, "metric"),
+    ({"selection": "best"}, ValueError, "selection"),
+    ({"policy": "even"}, ValueError, "policy"),
+    ({"activations": "drop"}, ValueError, "activations"),
+    ({"quota_align": 0}, ValueError, "quota_align"),
+    ({"generator": 3}, TypeError, "generator"),
+    ({"backward_capacity": 1.0}, ValueError, "backward_capacity needs retain < 1"),
+    ({"retain": 0.5, "backward_capacity": 0.5}, ValueError, "backward_capacity"),
+    ({"retain": 0.5, "backward_capacity": 1.0, "quota_align": 8}, ValueError, "quota_align"),
+])
+def test_backward_options_refuse_a_bad_field_naming_it(kwargs, exc, name):
+    with pytest.raises(exc, match=name):
+        BackwardOptions(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs, exc, name", [
+    ({"score_func": "tanh"}, ValueError, "score_func"),
+    ({"norm_topk_prob": 1}, TypeError, "norm_topk_prob"),
+    ({"selection_bias": "yes"}, TypeError, "selection_bias"),
+    ({"routed_scaling_factor": 0.0}, ValueError, "routed_scaling_factor"),
+    ({"n_group": 2}, ValueError, "n_group and topk_group"),
+    ({"router_dtype": torch.int32}, TypeError, "router_dtype"),
+])
+def test_routing_options_refuse_a_bad_field_naming_it(kwargs, exc, name):
+    with pytest.raises(exc, match=name):
+        RoutingOptions(**kwargs)
+
+
+def test_options_are_frozen_and_replace_validates_again():
+    opts = BackwardOptions(retain=0.5)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        opts.retain = 0.25
+    assert dataclasses.replace(opts, retain=0.25).retain == 0.25
+    with pytest.raises(ValueError, match="retain"):
+        dataclasses.replace(opts, retain=1.5)
+
+
+def _layer(seed=0, **kwargs):
+    torch.manual_seed(seed)
+    return LRMoE(D, FF, E, K, **kwargs)
+
+
+def _step(layer, seed=1):
+    torch.manual_seed(seed)
+    x = torch.randn(T, D, requires_grad=True)
+    c = torch.randn(T, D)
+    out = layer(x)
+    (out * c).sum().backward()
+    return [out.detach(), x.grad] + [p.grad for p in layer.parameters()]
+
+
+@pytest.mark.parametrize("flat", [
+    {"retain": 0.75},
+    {"retain": 0.5, "selection": "top", "metric": "grad_l2", "activations": "recompute"},
+    {"retain": 0.5, "min_retain": 0.1, "policy": "proportional", "quota_align": 2},
+    {"retain": 0.5, "backward_capacity": 1.25, "activations": "offload"},
+])
+def test_flat_keywords_and_the_options_object_give_equal_gradients(flat):
+    """LRMoE(retain=0.75, ...) and LRMoE(backward=BackwardOptions(retain=0.75, ...)) are one layer: the same
+    options object, and bit-identical outputs and gradients (sampling draws from the same seeded RNG)."""
+    a, b = _layer(**flat), _layer(backward=BackwardOptions(**flat))
+    assert a.backward == b.backward == BackwardOptions(**flat)
+    got, want = _step(a), _step(b)
+    assert len(got) == len(want) == 5  # out, x, gate, gate_up, down
+    for g, w in zip(got, want, strict=True):
+        assert torch.equal(g, w)
+    dense = _step(_layer())  # and the options do something: the selective gradient differs from the dense one
+    assert not torch.allclose(got[3], dense[3])
+
+
+def test_routing_keywords_and_the_routing_object_give_equal_outputs():
+    flat = {"score_func": "sigmoid", "norm_topk_prob": False, "routed_scaling_factor": 2.5, "n_group": 2,
+            "topk_group": 1, "selection_bias": True, "router_dtype": torch.float32}
+    a, b = _layer(**flat), _layer(routing=RoutingOptions(**flat))
+    assert a.routing == b.routing and a.score_func == "sigmoid" and b.routed_scaling_factor == 2.5
+    for g, w in zip(_step(a), _step(b), strict=True):
+        assert torch.equal(g, w)
+
+
+def test_the_options_object_is_validated_once_not_per_step(monkeypatch):
+    """Built once (validated there), then read: a training step runs no option check."""
+    opts = BackwardOptions(retain=0.5, selection="top")
+    calls = []
+    original = checks.check_retain
+    monkeypatch.setattr(options_module, "check_retain", lambda *a: calls.append(a) or original(*a))
+    layer = _layer(backward=opts)
+    experts = SwiGLUExperts(E, D, FF, backward=opts)
+    calls.clear()  # the modules are built (LRMoE builds its experts module, with default options, once)
+    _step(layer)
+    x = torch.randn(T, D)
+    ids = torch.stack([torch.randperm(E)[:K] for _ in range(T)])
+    experts(x, ids, torch.rand(T, K))
+    selective_swiglu_experts(x, experts.gate_up_proj, experts.down_proj, ids, torch.rand(T, K), backward=opts)
+    assert calls == []
+    BackwardOptions(retain=0.5)  # the counter counts: building one checks it
+    assert len(calls) == 1
+
+
+def test_both_forms_at_once_are_refused_and_attributes_replace_the_object():
+    with pytest.raises(TypeError, match=r"either as a BackwardOptions or as keywords, not both.*\['retain'\]"):
+        LRMoE(D, FF, E, K, retain=0.5, backward=BackwardOptions())
+    with pytest.raises(TypeError, match=r"either as a RoutingOptions or as keywords.*\['score_func'\]"):
+        LRMoE(D, FF, E, K, score_func="sigmoid", routing=RoutingOptions())
+    with pytest.raises(TypeError, match="expected a BackwardOptions"):
+        LRMoE(D, FF, E, K, backward={"retain": 0.5})
+    with pytest.raises(TypeError, match=r"unknown expert options \['retian'\]"):
+        SwiGLUExperts(E, D, FF, retian=0.5)
+    # Keywords at their defaults beside an object are no conflict.
+    layer = LRMoE(D, FF, E, K, retain=1.0, backward=BackwardOptions(retain=0.5))
+    assert layer.retain == 0.5
+    layer.retain = 0.25  # a changed, validated copy
+    assert layer.backward == BackwardOptions(retain=0.25)
+    with pytest.raises(ValueError, match="retain must be in"):
+        layer.retain = 1.5
+    assert layer.retain == 0.25
+    with pytest.raises(TypeError, match="either as a BackwardOptions or as keywords"):
+        selective_swiglu_experts(torch.randn(T, D), torch.randn(E, 2 * FF, D), torch.randn(E, D, FF),
+                                 torch.zeros(T, K, dtype=torch.long), torch.rand(T, K), retain=0.5,
+                                 backward=BackwardOptions())
+
+
+def test_swiglu_experts_takes_the_object_or_keywords_and_a_call_overrides_them():
+    torch.manual_seed(0)
+    a = SwiGLUExperts(E, D, FF, retain=0.5, selection="top")
+    b = SwiGLUExperts(E, D, FF, backward=BackwardOptions(retain=0.5, selection="top"))
+    b.load_state_dict(a.state_dict())
+    assert a.backward == b.backward
+    x, c = torch.randn(T, D), torch.randn(T, D)
+    ids = torch.stack([torch.randperm(E)[:K] for _ in range(T)])
+    gates = torch.rand(T, K)
+
+    def down_grad(experts, **call):
+        experts.zero_grad()
+        (experts(x, ids, gates, **call) * c).sum().backward()
+        return experts.down_proj.grad.clone()
+
+    assert torch.equal(down_grad(a), down_grad(b))
+    dense = down_grad(a, backward=BackwardOptions())  # a call's own object replaces the module's
+    assert torch.equal(dense, down_grad(b, retain=1.0))  # as its keywords do
+    assert not torch.allclose(dense, down_grad(a))
+    assert "retain=0.5, selection='top'" in repr(a)
+
+
+def test_a_layer_built_from_the_objects_compiles_fullgraph():
+    layer = _layer(backward=BackwardOptions(retain=0.5, selection="top"), routing=RoutingOptions(score_func="sigmoid"))
+    compiled = torch.compile(layer, fullgraph=True)
+    got, want = _step(compiled), _step(layer)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
