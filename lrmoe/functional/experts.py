@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lrmoe.functional._checks import check_backward_capacity, check_same_device, check_tensor
+from lrmoe.functional._checks import check_backward_capacity, check_int, check_same_device, check_tensor
 from lrmoe.functional.expert_step import (  # noqa: F401  (retained_dy, pad_to_blocks: the step's row helpers)
     N_BACKWARD_STATS,
     IdentityTransport,
@@ -143,8 +143,7 @@ def plan_experts(
                            policy=policy, selection=selection, generator=generator, quota_align=quota_align,
                            backward_capacity=backward_capacity)
     check_tensor("expert_ids_TK", expert_ids_TK, ndim=2, kind="int")
-    if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts < 1:
-        raise ValueError(f"num_experts must be a Python int >= 1, got {num_experts!r}")
+    num_experts = check_int("num_experts", num_experts)
     retain = opts.retain
     if source_ids_T is not None:  # the one check that depends on the call, not on the options
         check_backward_capacity(opts.backward_capacity, retain, opts.quota_align, True, opts.policy)

@@ -70,12 +70,16 @@ class BackwardOptions:
     generator: torch.Generator | None = None
 
     def __post_init__(self):
-        check_retain(self.retain, self.min_retain)
+        # Numbers are stored as the Python values the checks return (a NumPy float would specialise, or break,
+        # a compiled graph that reads it).
+        retain, min_retain = check_retain(self.retain, self.min_retain)
+        object.__setattr__(self, "retain", retain)
+        object.__setattr__(self, "min_retain", min_retain)
         check_choice("metric", self.metric, METRICS)
         check_choice("selection", self.selection, MODES)
         check_choice("policy", self.policy, POLICIES)
         check_choice("activations", self.activations, ACTIVATION_POLICIES)
-        check_int("quota_align", self.quota_align)
+        object.__setattr__(self, "quota_align", check_int("quota_align", self.quota_align))
         check_generator(self.generator)
         check_backward_capacity(self.backward_capacity, self.retain, self.quota_align, grouped_by_source=False,
                                 policy=self.policy)
@@ -110,7 +114,8 @@ class RoutingOptions:
 
     def __post_init__(self):
         check_choice("score_func", self.score_func, SCORE_FUNCS)
-        check_scaling(self.routed_scaling_factor, "routed_scaling_factor")
+        object.__setattr__(self, "routed_scaling_factor",
+                           check_scaling(self.routed_scaling_factor, "routed_scaling_factor"))
         check_float_dtype("router_dtype", self.router_dtype)
         for name in ("selection_bias", "norm_topk_prob"):
             if not isinstance(getattr(self, name), bool):

@@ -17,7 +17,13 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from lrmoe.functional._checks import check_group_routing, check_int, check_same_device, check_scaling
+from lrmoe.functional._checks import (
+    check_group_routing,
+    check_int,
+    check_same_device,
+    check_scaling,
+    check_top_k,
+)
 from lrmoe.functional.expert_step import N_BACKWARD_STATS
 from lrmoe.functional.experts import plan_experts, selective_swiglu_experts
 from lrmoe.functional.options import BackwardOptions, RoutingOptions, option_names, resolve_options, split_options
@@ -93,8 +99,8 @@ class SwiGLUExperts(nn.Module):
     def __init__(self, num_experts: int, dim: int, hidden_dim: int, *, backward: BackwardOptions | None = None,
                  **options):
         super().__init__()
-        for name, value in (("num_experts", num_experts), ("dim", dim), ("hidden_dim", hidden_dim)):
-            check_int(name, value)
+        num_experts, dim, hidden_dim = (check_int(name, value) for name, value in
+                                        (("num_experts", num_experts), ("dim", dim), ("hidden_dim", hidden_dim)))
         self.backward = resolve_options(BackwardOptions, backward, "SwiGLUExperts", **options)
         self.num_experts, self.dim, self.hidden_dim = num_experts, dim, hidden_dim
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * hidden_dim, dim))
@@ -240,10 +246,10 @@ class LRMoE(nn.Module):
         sizes = [("dim", dim), ("hidden_dim", hidden_dim), ("num_experts", num_experts)]
         if shared_hidden_dim is not None:
             sizes.append(("shared_hidden_dim", shared_hidden_dim))
-        for name, value in sizes:
-            check_int(name, value)
-        if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= num_experts:
-            raise ValueError(f"top_k must be an int in [1, num_experts={num_experts}], got {top_k!r}")
+        dim, hidden_dim, num_experts, *shared = (check_int(name, value) for name, value in sizes)
+        if shared:
+            shared_hidden_dim = shared[0]
+        top_k = check_top_k(top_k, num_experts)
         # The flat keywords are a facade over the two options objects: each is validated once, when built.
         self.backward = resolve_options(
             BackwardOptions, backward, "LRMoE", retain=retain, metric=metric, selection=selection, policy=policy,

@@ -68,9 +68,6 @@ def test_the_layer_and_the_expert_function_take_numpy_retain_in_eager_mode():
     assert out.shape == (3, 8)
 
 
-@pytest.mark.xfail(strict=True, reason="LRMoE (lrmoe/nn/lrmoe.py) stores the NumPy scalar it was given; Dynamo "
-                   "traces it as a tensor and the traced checks refuse it. The layer must keep the Python float "
-                   "that check_retain returns")
 def test_a_numpy_retain_compiles():
     torch.manual_seed(0)
     layer = LRMoE(8, 16, 4, 2, retain=np.float32(0.75))
