@@ -1,8 +1,10 @@
-"""What benchmarks/train_e2e.py and benchmarks/layer.py's ``peers`` and ``imports`` share: the MoE layer of each
-end-to-end variant (SonicMoE, transformers' Qwen3 block, LRMoE) and SonicMoE's first call, the import-order check's
-child process, and the arithmetic of training curves (time to a target loss, the loss at a clock or a step), the
-summary table and the curve plots that train_e2e writes. Imports only torch at the top: the import-order child must
-start with nothing else imported.
+"""The end-to-end comparison's shared pieces: benchmarks/train_e2e.py and benchmarks/layer.py's ``peers`` and
+``imports`` (whose bodies, peer_layers and import_orders, are here, beside the SonicMoE pieces they use; layer.py
+makes them subcommands). Each end-to-end variant's MoE layer (SonicMoE, transformers' Qwen3 block, LRMoE) and
+SonicMoE's first call; the import-order check's child process; the arithmetic of training curves (time to a target
+loss, the loss at a clock or a step), the summary table and the curve plots that train_e2e writes. Only torch is
+imported at the top (common, lrmoe and transformers inside the functions): the import-order child must start with
+nothing else imported.
 """
 
 from __future__ import annotations
@@ -81,8 +83,8 @@ def make_moe(variant: str, c, device, retain=1.0, activations="save"):
 
 
 def own_code(fn):
-    """A copy of fn with a code object of its own: Dynamo caches compiled code per code object, so each variant's
-    MoE half keeps its own graphs (no cache limit shared across variants)."""
+    """A copy of fn with a code object of its own: Dynamo caches compiled code per code object, so each copy keeps
+    its own graphs (each variant's MoE half, each benchmark row; no cache limit shared between them)."""
     return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
 
 
@@ -243,6 +245,7 @@ def peer_layers(args) -> None:
         (Path(args.out) / "layer.md").write_text(text)
     print(text, flush=True)
 
+
 # ---------------------------------------------------------------------------------------------------- curves
 
 
@@ -313,8 +316,8 @@ def table(results) -> str:
         keys = list(dict.fromkeys(k for r in splits for k in r["split_ms"]))
         lines += ["", "one step, ms (median of 3; CUDA events, summed over blocks):",
                   "| regime | variant | " + " | ".join(keys) + " |", "| --- " * (len(keys) + 2) + "|"]
-        lines += [f"| {r['regime']} | {r['variant']} | " + " | ".join(fmt(r["split_ms"].get(k), ".1f") for k in keys) + " |"
-                  for r in splits]
+        lines += [f"| {r['regime']} | {r['variant']} | "
+                  + " | ".join(fmt(r["split_ms"].get(k), ".1f") for k in keys) + " |" for r in splits]
     for regime, plan in results["plans"].items():
         lines.append(f"\n{regime}: cap {plan['cap_gib']:.2f} GiB, LRMoE plan {plan['lrmoe']}")
     return "\n".join(lines) + "\n"
