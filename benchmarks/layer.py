@@ -547,8 +547,9 @@ def parse_args(argv=None) -> argparse.Namespace:
             p.add_argument("--skew", type=float, default=0.0,
                            help="router skew of every layer (common.skew_router; 0: near-balanced loads)")
     args = parser.parse_args(argv)
-    if getattr(args, "rounds", 1) < 1 or getattr(args, "reps", 1) < 1:
-        parser.error(f"--rounds and --reps must be at least 1, got {args.rounds} and {getattr(args, 'reps', 1)}")
+    for flag in ("rounds", "reps"):
+        if getattr(args, flag, 1) < 1:
+            parser.error(f"--{flag} must be at least 1, got {getattr(args, flag)}")
     return args
 
 
