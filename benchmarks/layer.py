@@ -4,6 +4,8 @@
     python benchmarks/layer.py profile --retain 0.75 [--compiled] [--forward-only] [--timeline]
     python benchmarks/layer.py host [--tokens 256 8192] [--per-call] [--cpu-table]
     python benchmarks/layer.py offload --retain 0.75
+    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python benchmarks/layer.py peers [--tokens 8192 32768] [--out DIR]
+    python benchmarks/layer.py imports [--scenarios sonic ...] [--cold-each]
 
 ``time``: LRMoE per retain against transformers' MoE block and a plain torch._grouped_mm layer, eager and compiled,
 all in the same run. Prints medians of CUDA-event timings (triton.testing.do_bench over 200 ms, ~45 steps of 4.4
@@ -35,6 +37,10 @@ and the bare kernel[grid] launch (300 calls a round, median of 5 rounds).
 ``offload``: does activations="offload" hide its device-to-host copy behind compute? (eager) The timeline of one
 step (the DtoH copies of h, the share of their time while a kernel runs, the backward's gather of the retained rows
 from pinned memory), then medians of "save" against "offload" and the copy alone.
+
+``peers`` (e2e_common.peer_layers): SonicMoE, transformers' block and LRMoE side by side, SonicMoE run first;
+``imports`` (e2e_common.import_orders): SonicMoE's first call after each import order, each in a fresh process.
+The end-to-end training comparison of the same layers is benchmarks/train_e2e.py (docs/e2e.md).
 """
 
 from __future__ import annotations
@@ -44,7 +50,6 @@ import json
 import statistics
 import tempfile
 import time
-import types
 
 import torch
 import torch.nn.functional as F
@@ -61,6 +66,7 @@ from common import (
     timeline_stats,
     union,
 )
+from e2e_common import SCENARIOS, VARIANTS, import_orders, own_code, peer_layers
 from torch import nn
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
@@ -223,7 +229,7 @@ def _row_steps(layer: nn.Module, x: torch.Tensor, grad_out: torch.Tensor, mode: 
 
     # A copy of call's code object: Dynamo keeps its cache on the code object, and every row's closure would share
     # this one. (Not a partial or an exec'd function: torch.compile wraps either in one shared function.)
-    call = types.FunctionType(call.__code__.replace(), call.__globals__, "call", None, call.__closure__)
+    call = own_code(call)
     fn = call if mode == "eager" else torch.compile(call, fullgraph=fullgraph, mode=_COMPILE_MODES[mode])
     graphs = mode == "compiled-cg"
 
@@ -518,25 +524,40 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--cpu-table", action="store_true", help="also the ops with the most self CPU time")
     p = sub.add_parser("offload", help='activations="offload": copy overlap and time against "save"')
     p.add_argument("--retain", type=float, default=0.75)
+    p = sub.add_parser("peers", help="SonicMoE, transformers' block and LRMoE side by side (SonicMoE first)")
+    p.add_argument("--variants", nargs="+", default=["sonic", "transformers", "lrmoe-1", "lrmoe-0.75", "lrmoe-0.5"],
+                   choices=VARIANTS)
+    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds (common.interleaved)")
+    p.add_argument("--reps", type=int, default=20, help="back-to-back steps a round, their median")
+    p.add_argument("--out", help="also write the table to OUT/layer.md")
+    p = sub.add_parser("imports", help="SonicMoE's first call after each import order, each in a fresh process")
+    p.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=list(SCENARIOS))
+    p.add_argument("--limit", type=int, default=120, help="seconds before a scenario dumps its stack and exits")
+    p.add_argument("--cold-limit", type=int, default=600, help="--limit of a scenario with an empty quack cache")
+    p.add_argument("--cold-each", action="store_true", help="an empty quack cache for every scenario")
     for name, p in sub.choices.items():
+        if name == "imports":
+            continue
         p.add_argument("--shape", default="qwen3-30b-a3b", choices=sorted(SHAPES))
-        if name == "host":
-            p.add_argument("--tokens", type=int, nargs="+", default=[256, 8192])
+        if name in ("host", "peers"):
+            p.add_argument("--tokens", type=int, nargs="+", default=[256, 8192] if name == "host" else [8192, 32768])
         else:
             p.add_argument("--tokens", type=int, default=8192)
         if name in ("time", "profile"):
             p.add_argument("--skew", type=float, default=0.0,
                            help="router skew of every layer (common.skew_router; 0: near-balanced loads)")
     args = parser.parse_args(argv)
-    if getattr(args, "rounds", 1) < 1:
-        parser.error(f"--rounds must be at least 1, got {args.rounds}")
+    for flag in ("rounds", "reps"):
+        if getattr(args, flag, 1) < 1:
+            parser.error(f"--{flag} must be at least 1, got {getattr(args, flag)}")
     return args
 
 
 def main(argv=None) -> None:
     args = parse_args(argv)
     require_cuda(f"benchmarks/layer.py {args.command}")
-    {"time": time_layers, "profile": profile_layer, "host": host_cost, "offload": offload_overlap}[args.command](args)
+    {"time": time_layers, "profile": profile_layer, "host": host_cost, "offload": offload_overlap, "peers": peer_layers,
+     "imports": import_orders}[args.command](args)
 
 
 if __name__ == "__main__":

@@ -1,19 +1,18 @@
 """End-to-end MoE training on one GPU: does LRMoE reach a held-out loss sooner than the best dense MoE layers?
 
     python benchmarks/train_e2e.py train --out runs/e2e                # both regimes, two seeds, table + PNGs
-    python benchmarks/train_e2e.py layer --tokens 8192 32768           # one layer: SonicMoE, transformers, LRMoE
-    python benchmarks/train_e2e.py imports                             # SonicMoE's first call after other imports
+    python benchmarks/train_e2e.py report A/results.json B/results.json --out DIR    # runs made apart, merged
 
 train: a byte-level decoder with Qwen3-30B-A3B's layer shapes (d 2048; 32 query / 4 key-value heads of 128 with
 q/k RMSNorm, rotary, causal SDPA; RMSNorm; E 128, k 8, f 768 SwiGLU experts; tied byte embedding), bf16 weights,
 AdamW (fused, bf16 moments) with clipping, trained on the Python standard library's sources (every 10th file held
 out). Variants share the seed's initial weights (the same values in every layout), its data order and its held-out
 batches; only the MoE layer differs: transformers' Qwen3MoeSparseMoeBlock (grouped_mm experts), LRMoE at retain
-1 / 0.75 / 0.5 (default "sample" selection), SonicMoE (run first, see `imports`; `report` merges runs made
-apart). Each block's attention half and MoE half are compiled separately (one attention graph for all variants;
-SonicMoE's layer runs as its own kernels, uncompiled). Each (regime, variant,
-seed) trains for --seconds of wall-clock after a warm-up model has compiled everything; held-out loss is evaluated
-every --eval-every steps (the clock stops during evaluation).
+1 / 0.75 / 0.5 (default "sample" selection), SonicMoE (run first, see `benchmarks/layer.py imports`; `report`
+merges runs made apart). Each block's attention half and MoE half are compiled separately (one attention graph for
+all variants; SonicMoE's layer runs as its own kernels, uncompiled). Each (regime, variant, seed) trains for
+--seconds of wall-clock after a warm-up model has compiled everything; held-out loss is evaluated every
+--eval-every steps (the clock stops during evaluation).
 Regimes: unconstrained (the batch every variant fits); constrained: a per-process memory cap
 (torch.cuda.set_per_process_memory_fraction) of --cap-fraction of the transformers run's measured peak, under which
 the transformers reference checkpoints every block, while LRMoE takes retain and its activation policy from
@@ -33,31 +32,29 @@ import argparse  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
 import statistics  # noqa: E402
-import subprocess  # noqa: E402
 import sys  # noqa: E402
 import sysconfig  # noqa: E402
 import time  # noqa: E402
-import types  # noqa: E402
 import zlib  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from e2e_common import (  # noqa: E402
+    PRESETS,
+    REFERENCE,
+    START,
+    VARIANTS,
+    log,
+    make_moe,
+    own_code,
+    plot,
+    retain_of,
+    sonic_first_step,
+    summarize,
+    table,
+)
 from torch import nn  # noqa: E402
-
-PRESETS = {
-    "qwen3": dict(dim=2048, heads=32, kv_heads=4, head_dim=128, experts=128, top_k=8, hidden=768, layers=4,
-                  seq=4096, batch=8),
-    "tiny": dict(dim=64, heads=4, kv_heads=2, head_dim=16, experts=8, top_k=2, hidden=32, layers=2, seq=64, batch=4),
-}
-VARIANTS = ("transformers", "sonic", "lrmoe-1", "lrmoe-0.75", "lrmoe-0.5")
-REFERENCE = "transformers"
-_START = time.perf_counter()
-
-
-def log(*parts):
-    print(f"[{time.perf_counter() - _START:7.1f}s]", *parts, flush=True)
-
 
 # ------------------------------------------------------------------------------------------------------ data
 
@@ -117,27 +114,6 @@ def rotary(x, cos_LC, sin_LC):
     return x * cos_LC + torch.cat([-x2, x1], dim=-1) * sin_LC
 
 
-def make_moe(variant: str, c, device, retain=1.0, activations="save"):
-    if variant == "sonic":
-        import sonicmoe
-        from sonicmoe.enums import ActivationType
-
-        return sonicmoe.MoE(c["experts"], c["top_k"], c["dim"], c["hidden"], activation_function=ActivationType.SWIGLU,
-                            add_bias=False, std=0.02)
-    if variant == "transformers":
-        import transformers
-        from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
-
-        config = transformers.Qwen3MoeConfig(hidden_size=c["dim"], moe_intermediate_size=c["hidden"],
-                                             num_experts=c["experts"], num_experts_per_tok=c["top_k"],
-                                             norm_topk_prob=True)
-        config._experts_implementation = "grouped_mm" if torch.device(device).type == "cuda" else "eager"
-        return Qwen3MoeSparseMoeBlock(config)
-    from lrmoe.nn import LRMoE
-
-    return LRMoE(c["dim"], c["hidden"], c["experts"], c["top_k"], retain=retain, activations=activations)
-
-
 class Block(nn.Module):
     def __init__(self, c, moe):
         super().__init__()
@@ -157,12 +133,6 @@ def moe_half(block, x_BLD):
 def head_loss(model, h_BLD, targets_BL):
     logits = F.linear(model.norm(h_BLD), model.embed.weight).float()
     return F.cross_entropy(logits.flatten(0, 1), targets_BL.flatten())
-
-
-def own_code(fn):
-    """A copy of fn with a code object of its own: Dynamo caches compiled code per code object, so each variant's
-    MoE half keeps its own graphs (no cache limit shared across variants)."""
-    return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
 
 
 class LM(nn.Module):
@@ -384,10 +354,6 @@ def modelled_moe_bytes(c, tokens, retain=1.0, policy="save") -> int:
     return c["layers"] * (m.static + m.saved_activations) + max(m.forward_transient, m.backward_transient)
 
 
-def retain_of(variant: str) -> float:
-    return float(variant.split("-")[1]) if variant.startswith("lrmoe") else 1.0
-
-
 def free(device):
     import gc
 
@@ -398,7 +364,7 @@ def free(device):
 
 def run_variant(name, spec, c, data, args, device, shared, seeds):
     """Warm up (compile, autotune) on a throwaway model, then train each seed; failures are recorded, not raised."""
-    if time.perf_counter() - _START + 60 > args.deadline:
+    if time.perf_counter() - START + 60 > args.deadline:
         log(f"{name}: skipped (deadline)")
         return {str(seed): dict(error="skipped: --deadline") for seed in seeds}
     results = {}
@@ -406,13 +372,8 @@ def run_variant(name, spec, c, data, args, device, shared, seeds):
         t0 = time.perf_counter()
         if spec["variant"] == "sonic" and device.type == "cuda":
             # SonicMoE autotunes (and compiles) per shape at its first call: done here, before Inductor compiles
-            # anything in this process (see `imports`); training and evaluation use this shape only.
-            layer = make_moe("sonic", c, device).to(device, torch.bfloat16)
-            x = torch.randn(c["batch"], c["seq"], c["dim"], device=device, dtype=torch.bfloat16, requires_grad=True)
-            out = layer(x)[0]
-            out.backward(torch.randn_like(out))  # not .sum(): SonicMoE's GEMMs reject its stride-0 gradient
-            del layer, x
-            log(f"{name}: SonicMoE first call {time.perf_counter() - t0:.1f} s")
+            # anything in this process (see `layer.py imports`); training and evaluation use this shape only.
+            log(f"{name}: SonicMoE first call {sonic_first_step(c, c['batch'], c['seq'], device):.1f} s")
         fns = compile_fns(spec["variant"], args.compile, shared)
         model, opt = build(spec, c, 999, device, fns)
         batch = windows(data[0], torch.arange(c["batch"]) * 997, c["seq"], device)
@@ -433,7 +394,7 @@ def run_variant(name, spec, c, data, args, device, shared, seeds):
         return {str(seed): dict(error=error) for seed in seeds}
     for i, seed in enumerate(seeds):
         seed = str(seed)  # as JSON gives it back (the SonicMoE child's results)
-        if time.perf_counter() - _START + args.seconds + 15 > args.deadline:
+        if time.perf_counter() - START + args.seconds + 15 > args.deadline:
             results[seed] = dict(error="skipped: --deadline")
             log(f"{name} seed {seed}: skipped (deadline)")
             continue
@@ -529,275 +490,6 @@ def report_main(args):
     write_report(merged, Path(args.out))
 
 
-# ------------------------------------------------------------------------------------------------- summaries
-
-
-def loss_at(curve, x, axis):
-    """The held-out loss at clock (axis 1) or step (axis 0) x, linear between evaluations; None past the end."""
-    for a, b in zip(curve, curve[1:]):
-        if a[axis] <= x <= b[axis] and b[axis] > a[axis]:
-            return a[2] + (b[2] - a[2]) * (x - a[axis]) / (b[axis] - a[axis])
-    return curve[-1][2] if curve and abs(curve[-1][axis] - x) < 1e-9 else None
-
-
-def time_to(curve, target):
-    """The first wall-clock at which the held-out loss reaches target (linear between evaluations); None if never."""
-    for a, b in zip(curve, curve[1:]):
-        if b[2] <= target:
-            return a[1] + (b[1] - a[1]) * ((a[2] - target) / (a[2] - b[2]) if a[2] > target else 0.0)
-    return None
-
-
-def summarize(runs: dict) -> list[dict]:
-    rows = []
-    for key, per_seed in runs.items():
-        regime, name = key.split("/", 1)
-        ref_runs = runs.get(f"{regime}/{REFERENCE}" + ("+ckpt" if regime == "constrained" else ""), {})
-        for seed, r in per_seed.items():
-            row = dict(regime=regime, variant=name, seed=seed)
-            ref = ref_runs.get(seed, {})
-            if "curve" not in r:
-                rows.append(row | dict(error=r.get("error", "no result")))
-                continue
-            row |= dict(steps=r["steps"], seconds=r["seconds"], tokens_per_s=r["tokens_per_s"], peak_gib=r["peak_gib"],
-                        final=r["curve"][-1][2])
-            if "curve" in ref:
-                target = ref["curve"][-1][2] * 1.005
-                ttt, ref_ttt = time_to(r["curve"], target), time_to(ref["curve"], target)
-                row |= dict(target=target, time_to_target=ttt, ref_time_to_target=ref_ttt,
-                            ratio=ttt / ref_ttt if ttt is not None and ref_ttt else None,
-                            loss_at_ref_clock=loss_at(r["curve"], min(ref["seconds"], r["seconds"]), 1),
-                            loss_at_ref_steps=loss_at(r["curve"], ref["steps"], 0),
-                            ref_loss_at_own_steps=loss_at(ref["curve"], r["steps"], 0),
-                            step_time_ratio=(r["seconds"] / r["steps"]) / (ref["seconds"] / ref["steps"]))
-            if "split_ms" in r:
-                row["split_ms"] = r["split_ms"]
-            rows.append(row)
-    return rows
-
-
-def fmt(x, spec):
-    return "-" if x is None else format(x, spec)
-
-
-def table(results) -> str:
-    c, rows = results["config"], results["summary"]
-    lines = [f"config: {c}, {c['batch'] * c['seq']} tokens a step; {results['versions']}",
-             "| regime | variant | seed | steps | tokens/s | step time vs ref | peak GiB | final held-out | "
-             "time to target s | vs ref | loss at ref's clock | loss at ref's steps |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-    for r in rows:
-        if "error" in r:
-            lines.append(f"| {r['regime']} | {r['variant']} | {r['seed']} | {r['error']} |")
-            continue
-        lines.append(f"| {r['regime']} | {r['variant']} | {r['seed']} | {r['steps']} | {r['tokens_per_s']:.0f} | "
-                     f"{fmt(r.get('step_time_ratio'), '.3f')} | {r['peak_gib']:.2f} | {r['final']:.4f} | "
-                     f"{fmt(r.get('time_to_target'), '.1f')} | {fmt(r.get('ratio'), '.3f')} | "
-                     f"{fmt(r.get('loss_at_ref_clock'), '.4f')} | {fmt(r.get('loss_at_ref_steps'), '.4f')} |")
-    splits = [r for r in rows if "split_ms" in r]
-    if splits:
-        keys = list(dict.fromkeys(k for r in splits for k in r["split_ms"]))
-        lines += ["", "one step, ms (median of 3; CUDA events, summed over blocks):",
-                  "| regime | variant | " + " | ".join(keys) + " |", "| --- " * (len(keys) + 2) + "|"]
-        lines += [f"| {r['regime']} | {r['variant']} | " + " | ".join(fmt(r["split_ms"].get(k), ".1f") for k in keys) + " |"
-                  for r in splits]
-    for regime, plan in results["plans"].items():
-        lines.append(f"\n{regime}: cap {plan['cap_gib']:.2f} GiB, LRMoE plan {plan['lrmoe']}")
-    return "\n".join(lines) + "\n"
-
-
-def plot(results, out: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    for regime in ("unconstrained", "constrained"):
-        runs = {k.split("/", 1)[1]: v for k, v in results["runs"].items() if k.startswith(regime + "/")}
-        if not runs:
-            continue
-        fig, axes = plt.subplots(1, 2, figsize=(13, 4.8))
-        lows, highs = [], []
-        for i, (name, per_seed) in enumerate(runs.items()):
-            for j, (seed, r) in enumerate(per_seed.items()):
-                if "curve" not in r:
-                    continue
-                steps, clock, loss = zip(*r["curve"])
-                style = dict(color=f"C{i}", linestyle=("-", "--", ":")[j % 3], label=f"{name} seed {seed}")
-                axes[0].plot(clock, loss, **style)
-                axes[1].plot(steps, loss, **style)
-                lows.append(min(loss))
-                highs.append(loss[min(2, len(loss) - 1)])
-        for ax, xlabel in zip(axes, ("wall-clock s (training only)", "step")):
-            ax.set_xlabel(xlabel)
-            ax.set_ylabel("held-out loss (nats / byte)")
-            if lows:
-                ax.set_ylim(min(lows) - 0.02, max(highs) + 0.02)
-            ax.grid(alpha=0.3)
-        axes[0].legend(fontsize=7)
-        fig.suptitle(f"{regime}: {results['config']['layers']} layers, {results['config']['batch']} x "
-                     f"{results['config']['seq']} tokens a step")
-        fig.tight_layout()
-        fig.savefig(out / f"curves_{regime}.png", dpi=90)
-        plt.close(fig)
-
-
-# ------------------------------------------------------------------------------------------------- one layer
-
-
-def layer_main(args):
-    """fwd+bwd of one MoE layer, SonicMoE / transformers (compiled) / LRMoE (compiled) side by side in one process.
-    SonicMoE is built and run at every token count first, before lrmoe or transformers' model code is imported and
-    before anything is compiled (see `imports`). Each row: CUDA events around each of --reps steps, the median; the
-    rows timed once a round in a rotated order, the median over --rounds rounds printed, the ratio to transformers
-    taken round by round."""
-    c, device = PRESETS[args.preset], torch.device("cuda")
-    d = c["dim"]
-    rows = []  # (name, tokens, step, peak GiB)
-
-    def make_step(fn, layer, x, grad):
-        params = [p for p in layer.parameters() if p.requires_grad]
-
-        def step():
-            out = fn(x)
-            torch.autograd.grad(out[0] if isinstance(out, tuple) else out, [x, *params], grad)
-        return step
-
-    def add(name, layer, fn):
-        for T in args.tokens:
-            torch.manual_seed(0)
-            x = torch.randn(T // 4096 or 1, min(T, 4096), d, device=device, dtype=torch.bfloat16, requires_grad=True)
-            grad = torch.randn_like(x)
-            step = make_step(fn, layer, x, grad)
-            try:
-                t0 = time.perf_counter()
-                step()
-                torch.cuda.synchronize()
-                first = time.perf_counter() - t0
-                step()
-                torch.cuda.synchronize()
-                before = torch.cuda.memory_allocated()
-                torch.cuda.reset_peak_memory_stats()
-                step()
-                torch.cuda.synchronize()
-                peak = (torch.cuda.max_memory_allocated() - before) / 2**30
-                rows.append(dict(name=name, tokens=T, step=step, peak=peak, ms=[]))
-                log(f"layer {name} T={T}: first call {first:.1f} s, step peak above resident {peak:.2f} GiB")
-            except Exception as err:  # noqa: BLE001
-                log(f"layer {name} T={T}: FAILED: {type(err).__name__}: {str(err)[:300]}")
-
-    shape = dict(experts=c["experts"], top_k=c["top_k"], hidden=c["hidden"], dim=d)
-    if "sonic" in args.variants:
-        try:
-            sonic = make_moe("sonic", shape, device).to(device, torch.bfloat16)
-            add("sonicmoe", sonic, sonic)
-        except Exception as err:  # noqa: BLE001
-            log(f"SonicMoE not available: {type(err).__name__}: {err}")
-    for v in args.variants:
-        if v == "sonic":
-            continue
-        torch.manual_seed(0)
-        layer = make_moe(v.split("-")[0], shape, device, retain_of(v)).to(device, torch.bfloat16)
-        with torch.no_grad():
-            for p in layer.parameters():
-                p.normal_(0, 0.02)
-        add(v, layer, torch.compile(own_code(lambda x, layer=layer: layer(x)), dynamic=False,
-                                    fullgraph=v.startswith("lrmoe")))
-    for r in range(args.rounds):
-        order = rows[r * len(rows) // args.rounds:] + rows[:r * len(rows) // args.rounds]
-        for row in order:
-            events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-                      for _ in range(args.reps)]
-            for start, end in events:
-                start.record()
-                row["step"]()
-                end.record()
-            torch.cuda.synchronize()
-            row["ms"].append(statistics.median(s.elapsed_time(e) for s, e in events))
-    lines = [f"# one layer fwd+bwd, {shape}, bf16, {torch.cuda.get_device_name()}, torch {torch.__version__}; "
-             f"medians over {args.rounds} rounds of {args.reps} steps",
-             "| layer | tokens | fwd+bwd ms | spread | vs transformers | peak GiB above resident |",
-             "| --- | --- | --- | --- | --- | --- |"]
-    for row in rows:
-        ref = next((b for b in rows if b["name"] == "transformers" and b["tokens"] == row["tokens"]), None)
-        ratio = statistics.median(b / s for b, s in zip(ref["ms"], row["ms"])) if ref else float("nan")
-        lines.append(f"| {row['name']} | {row['tokens']} | {statistics.median(row['ms']):.3f} | "
-                     f"{max(row['ms']) - min(row['ms']):.3f} | {ratio:.2f}x | {row['peak']:.2f} |")
-    text = "\n".join(lines) + "\n"
-    if args.out:
-        Path(args.out).mkdir(parents=True, exist_ok=True)
-        (Path(args.out) / "layer.md").write_text(text)
-    print(text, flush=True)
-
-
-# ---------------------------------------------------------------------------------------------- import order
-
-SCENARIOS = {
-    "sonic": [],
-    "transformers,sonic": ["transformers"],
-    "lrmoe,sonic": ["lrmoe"],
-    "lrmoe,transformers,sonic": ["lrmoe", "transformers"],
-    "lrmoe,transformers,compiled,sonic": ["lrmoe", "transformers", "compiled"],
-}
-
-
-def scenario_main(args):
-    """One import order in this process, then SonicMoE's first fwd+bwd; a stack dump if it outlasts --limit."""
-    import faulthandler
-
-    faulthandler.dump_traceback_later(args.limit, exit=True)
-    env0 = dict(os.environ)
-    shape, device = dict(PRESETS["qwen3"]), torch.device("cuda")
-    for step in SCENARIOS[args.name]:
-        t0 = time.perf_counter()
-        if step == "lrmoe":
-            import lrmoe.nn  # noqa: F401
-        elif step == "transformers":
-            import transformers.models.qwen3_moe.modeling_qwen3_moe  # noqa: F401
-        elif step == "compiled":
-            for v in ("lrmoe-0.75", "transformers"):
-                layer = make_moe(v.split("-")[0], shape, device, retain_of(v)).to(device, torch.bfloat16)
-                x = torch.randn(2, 4096, shape["dim"], device=device, dtype=torch.bfloat16, requires_grad=True)
-                out = torch.compile(layer, dynamic=False)(x)
-                out.backward(torch.randn_like(out))
-            torch.cuda.synchronize()
-        log(f"{step}: {time.perf_counter() - t0:.1f} s")
-    changed = {k: v for k, v in os.environ.items() if env0.get(k) != v}
-    log(f"environment set since start: {changed}")
-    t0 = time.perf_counter()
-    sonic = make_moe("sonic", shape, device).to(device, torch.bfloat16)
-    x = torch.randn(2, 4096, shape["dim"], device=device, dtype=torch.bfloat16, requires_grad=True)
-    out = sonic(x)[0]
-    out.backward(torch.randn_like(out))  # not .sum(): SonicMoE's GEMMs reject its stride-0 gradient
-    torch.cuda.synchronize()
-    print(f"SONIC_FIRST_CALL_S {time.perf_counter() - t0:.1f}", flush=True)
-
-
-def imports_main(args):
-    """Every SCENARIOS entry in a subprocess of its own, one after another, under a timeout; prints each one's
-    first-call time or its stack dump. The first scenario runs with an empty quack cache (SonicMoE's autotuner
-    then compiles every config, in worker processes of its own); the others share the cache it filled, unless
-    --cold-each gives each an empty one."""
-    import tempfile
-
-    lines, shared_cache = ["| import order | quack cache | exit | wall s | SonicMoE first fwd+bwd s |",
-                           "| --- | --- | --- | --- | --- |"], tempfile.mkdtemp(prefix="quack_")
-    for i, name in enumerate(args.scenarios):
-        cold = i == 0 or args.cold_each
-        cache = tempfile.mkdtemp(prefix="quack_") if args.cold_each and i else shared_cache
-        env = dict(os.environ, QUACK_CACHE_DIR=cache, QUACK_HOME=cache, PYTHONUNBUFFERED="1")
-        limit = args.cold_limit if cold else args.limit
-        t0 = time.perf_counter()
-        done = subprocess.run(["timeout", str(limit + 20), sys.executable, __file__, "_scenario", name, "--limit",
-                               str(limit)], env=env, capture_output=True, text=True)
-        text = done.stdout + done.stderr
-        first = next((ln.split()[-1] for ln in text.splitlines() if ln.startswith("SONIC_FIRST_CALL_S")), "-")
-        lines.append(f"| {name} | {'empty' if cold else 'filled'} | {done.returncode} | "
-                     f"{time.perf_counter() - t0:.0f} | {first} |")
-        print(f"===== {name} (exit {done.returncode}) =====\n{text[-6000:]}", flush=True)
-    print("\n".join(lines), flush=True)
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -832,25 +524,6 @@ def main():
     p.add_argument("results", nargs="+")
     p.add_argument("--out", required=True)
     p.set_defaults(func=report_main)
-    p = sub.add_parser("layer")
-    p.add_argument("--preset", default="qwen3", choices=sorted(PRESETS))
-    p.add_argument("--tokens", type=int, nargs="+", default=[8192, 32768])
-    p.add_argument("--variants", nargs="+", default=["sonic", "transformers", "lrmoe-1", "lrmoe-0.75", "lrmoe-0.5"],
-                   choices=VARIANTS)
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--reps", type=int, default=20)
-    p.add_argument("--out")
-    p.set_defaults(func=layer_main)
-    p = sub.add_parser("imports")
-    p.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=list(SCENARIOS))
-    p.add_argument("--limit", type=int, default=120, help="seconds before a scenario dumps its stack and exits")
-    p.add_argument("--cold-limit", type=int, default=600, help="--limit of a scenario with an empty quack cache")
-    p.add_argument("--cold-each", action="store_true", help="an empty quack cache for every scenario")
-    p.set_defaults(func=imports_main)
-    p = sub.add_parser("_scenario")
-    p.add_argument("name", choices=list(SCENARIOS))
-    p.add_argument("--limit", type=int, default=120)
-    p.set_defaults(func=scenario_main)
     args = parser.parse_args()
     if getattr(args, "eval_every", 1) < 1 or getattr(args, "seconds", 1) <= 0:
         parser.error("--eval-every must be >= 1 and --seconds > 0")

@@ -64,7 +64,7 @@ def plan_quotas(
             frees go back, each group up to its next multiple (never past its load), to the trimmed groups with
             the largest round-off first (ties to the lower group), the last remainder to one group. A grouped GEMM
             with ``align``-row tiles (128 for torch._grouped_mm on an H200) then runs no partial tile in those
-            groups (benchmarks/grouped_mm_layouts.py: +-22 rows around 512 cost it 12-26 %). Quotas below
+            groups (benchmarks/gemm.py layouts: +-22 rows around 512 cost it 12-26 %). Quotas below
             ``align`` stay as they are: they fill one partial tile either way, and rounding them would move whole
             experts in or out of the backward. Each quota moves by less than ``align``; not with ``capacity``
             (the steps could pass a rank's capacity).

@@ -1,7 +1,7 @@
 """The multi-GPU benchmarks (benchmarks/ep_layer.py, benchmarks/ep_train.py) run end to end on 2 gloo CPU ranks.
 
 Each script is launched once with torchrun (module-scoped fixtures, ~10 s each on two cores); the tests then check
-what the table and JSON say, so a GPU run only has to change the launch line (docs/multi_gpu.md).
+what the table and JSON say, so a GPU run only has to change the launch line (docs/multi_gpu_results.md).
 """
 
 from __future__ import annotations

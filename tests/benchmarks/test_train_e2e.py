@@ -1,40 +1,24 @@
 """benchmarks/train_e2e.py on the CPU: a tiny model trains a few steps per variant in both regimes and writes its
-table, curves and results; the curve arithmetic (time to a target loss, loss at a clock or step) on curves worked
-out by hand."""
+table, curves and results; the curve arithmetic of benchmarks/e2e_common.py (time to a target loss, loss at a clock
+or step) on curves worked out by hand."""
 
 from __future__ import annotations
 
 import json
 import math
-import os
 import subprocess
 import sys
 from pathlib import Path
 
+import e2e_common
 import pytest
-from benchmark_scripts import load_script_once
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture(scope="module")
-def script():
-    return load_script_once("train_e2e")
-
-
-@pytest.fixture(scope="module")
-def run_dir(tmp_path_factory):
-    out = tmp_path_factory.mktemp("e2e")
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "train_e2e.py"), "train", "--preset", "tiny", "--device", "cpu",
-           "--no-compile", "--variants", "transformers", "lrmoe-1", "lrmoe-0.5", "--seeds", "0", "--max-steps", "6",
-           "--eval-every", "2", "--cap-gib", "0.01", "--corpus-bytes", "300000", "--out", str(out)]
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return out
-
-
-def test_writes_table_and_plots(run_dir):
+def test_tiny_run_trains_every_variant_in_both_regimes_and_writes_table_plots_results(run_script, tmp_path):
+    run_script("train_e2e.py", "train", "--preset", "tiny", "--device", "cpu", "--no-compile", "--variants",
+               "transformers", "lrmoe-1", "lrmoe-0.5", "--seeds", "0", "--max-steps", "6", "--eval-every", "2",
+               "--cap-gib", "0.01", "--corpus-bytes", "300000", "--out", "out", timeout=600)
+    run_dir = tmp_path / "out"
     table = (run_dir / "table.md").read_text()
     for name in ("| unconstrained | transformers |", "| unconstrained | lrmoe-0.5 |", "| constrained | transformers+ckpt |",
                  "| constrained | lrmoe-plan", "| constrained | lrmoe (0.5, "):
@@ -42,8 +26,6 @@ def test_writes_table_and_plots(run_dir):
     for regime in ("unconstrained", "constrained"):
         assert (run_dir / f"curves_{regime}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
-
-def test_every_run_trains_and_evaluates(run_dir):
     results = json.loads((run_dir / "results.json").read_text())
     runs = results["runs"]
     assert len(runs) == 6  # 3 unconstrained; constrained: the checkpointed reference, the plan, retain 0.5
@@ -62,21 +44,21 @@ def test_every_run_trains_and_evaluates(run_dir):
                                                                                                     "recompute")
 
 
-def test_curve_arithmetic(script):
+def test_curve_arithmetic():
     curve = [(0, 0.0, 5.0), (10, 2.0, 3.0), (20, 4.0, 2.0)]  # (step, clock s, held-out loss)
-    assert script.time_to(curve, 4.0) == pytest.approx(1.0)  # halfway down the first segment
-    assert script.time_to(curve, 2.5) == pytest.approx(3.0)
-    assert script.time_to(curve, 1.9) is None  # never reached
-    assert script.loss_at(curve, 3.0, 1) == pytest.approx(2.5)  # at 3 s
-    assert script.loss_at(curve, 5, 0) == pytest.approx(4.0)  # at step 5
-    assert script.loss_at(curve, 4.0, 1) == pytest.approx(2.0)
-    assert script.loss_at(curve, 5.0, 1) is None  # past the curve's end
+    assert e2e_common.time_to(curve, 4.0) == pytest.approx(1.0)  # halfway down the first segment
+    assert e2e_common.time_to(curve, 2.5) == pytest.approx(3.0)
+    assert e2e_common.time_to(curve, 1.9) is None  # never reached
+    assert e2e_common.loss_at(curve, 3.0, 1) == pytest.approx(2.5)  # at 3 s
+    assert e2e_common.loss_at(curve, 5, 0) == pytest.approx(4.0)  # at step 5
+    assert e2e_common.loss_at(curve, 4.0, 1) == pytest.approx(2.0)
+    assert e2e_common.loss_at(curve, 5.0, 1) is None  # past the curve's end
 
 
-def test_summary_ratios(script):
+def test_summary_ratios():
     ref = dict(steps=20, seconds=4.0, tokens_per_s=1.0, peak_gib=1.0, curve=[(0, 0.0, 5.0), (20, 4.0, 2.0)])
     fast = dict(steps=30, seconds=4.0, tokens_per_s=1.5, peak_gib=1.0, curve=[(0, 0.0, 5.0), (30, 4.0, 1.7)])
-    rows = script.summarize({"unconstrained/transformers": {"0": ref}, "unconstrained/lrmoe-0.5": {"0": fast}})
+    rows = e2e_common.summarize({"unconstrained/transformers": {"0": ref}, "unconstrained/lrmoe-0.5": {"0": fast}})
     row = next(r for r in rows if r["variant"] == "lrmoe-0.5")
     target = 2.0 * 1.005
     # the reference reaches the target at 4 * (5 - 2.01) / 3 s, the faster run at 4 * (5 - 2.01) / 3.3 s
@@ -84,3 +66,14 @@ def test_summary_ratios(script):
     assert row["time_to_target"] == pytest.approx(4.0 * (5.0 - target) / 3.3)
     assert row["step_time_ratio"] == pytest.approx(2.0 / 3.0)
     assert row["loss_at_ref_steps"] == pytest.approx(5.0 - 3.3 * 20 / 30)
+
+
+def test_import_order_child_starts_without_lrmoe_or_transformers():
+    # layer.py imports runs each scenario in a fresh interpreter that imports e2e_common first (scenario_command):
+    # importing it must not import what the scenarios put before SonicMoE.
+    code = (f"import sys; sys.path.insert(0, {str(Path(e2e_common.__file__).parent)!r}); import e2e_common; "
+            "print(sorted({m.split('.')[0] for m in sys.modules} & {'lrmoe', 'transformers', 'sonicmoe', 'common'}))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "[]"
+    assert e2e_common.scenario_command("sonic", 5)[-2:] == ["sonic", "5"]
