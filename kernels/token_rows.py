@@ -5,6 +5,7 @@ Shapes: N source rows, C columns, T tokens, K rows per token (top-k).
 
 ``gather_sum_rows_triton(src_NC, rows_TK, weights_TK | None) -> out_TC``
     out[t] = sum_k w[t, k] * src[rows[t, k]], accumulated in fp32, written in src's dtype; rows < 0 add nothing.
+    Rows and weights may be [..., K]: out is then [..., C], allocated in that shape and written in place.
 ``gather_dot_rows_triton(src_NC, rows_TK, g_TC) -> out_TK``
     out[t, k] = <g[t], src[rows[t, k]]> in fp32; 0 where rows[t, k] < 0.
 ``gather_dot_scores_triton(src_NC, rows_TK, g_TC, gates_TK, phi_sq_TK, metric) -> (out_TK, scores_TK)``
@@ -140,13 +141,21 @@ def _block_c(n_cols: int, elem_bytes: int, kp: int, tile_bytes: int) -> int:
 def gather_sum_rows_triton(src_NC: torch.Tensor, rows_TK: torch.Tensor, weights_TK: torch.Tensor | None, *,
                            block_c: int | None = None, num_warps: int | None = None) -> torch.Tensor:
     """out_TC[t] = sum_k weights[t, k] * src[rows[t, k]] (fp32 accumulation, src's dtype); rows < 0 skipped.
-    ``block_c``, ``num_warps`` override the defaults, for tuning (benchmarks/kernels.py token-rows)."""
-    _check(src_NC, rows_TK)
-    n_tok, top_k = rows_TK.shape
+    Rows (and weights) [..., K] give out [..., C]: the tokens are the leading dims, in row-major order, and out is
+    allocated in that shape, so the caller gets a tensor of its own, not a view (the kernel writes it as [T, C]:
+    it is contiguous). ``block_c``, ``num_warps`` override the defaults, for tuning (benchmarks/kernels.py
+    token-rows)."""
+    if src_NC.dim() != 2 or rows_TK.dim() < 1:
+        raise ValueError(f"src_NC must be 2-D and rows_TK [..., K], got shapes {tuple(src_NC.shape)} and "
+                         f"{tuple(rows_TK.shape)}")
+    *lead, top_k = rows_TK.shape
+    n_tok = 1
+    for size in lead:  # not numel() // K: K may be 0
+        n_tok = n_tok * size
     n_cols = src_NC.shape[1]
-    out_TC = torch.empty(n_tok, n_cols, dtype=src_NC.dtype, device=src_NC.device)
+    out = torch.empty(*lead, n_cols, dtype=src_NC.dtype, device=src_NC.device)
     if known_empty(n_tok, n_cols):
-        return out_TC
+        return out
     src_NC = src_NC if src_NC.stride(1) == 1 else src_NC.contiguous()
     rows_TK = rows_TK.contiguous()
     w_TK = rows_TK if weights_TK is None else weights_TK.contiguous()  # rows: an unused stand-in pointer
@@ -156,12 +165,12 @@ def gather_sum_rows_triton(src_NC: torch.Tensor, rows_TK: torch.Tensor, weights_
     block_c = block_c or _block_c(n_cols, src_NC.element_size(), kp, 16384)
     grid = (n_tok, triton.cdiv(n_cols, block_c))
     launch(_gather_sum_rows_kernel, grid)(
-        src_NC, rows_TK, w_TK, out_TC,
+        src_NC, rows_TK, w_TK, out,  # rows, w, out contiguous: token t's at t * K, t * C
         n_cols, top_k,
-        src_NC.stride(0), out_TC.stride(0),
+        src_NC.stride(0), n_cols,
         HAS_W=weights_TK is not None, KP=kp, BLOCK_C=block_c, num_warps=num_warps or (1 if interpreting() else 4),
     )  # fmt: skip
-    return out_TC
+    return out
 
 
 def gather_dot_rows_triton(src_NC: torch.Tensor, rows_TK: torch.Tensor, g_TC: torch.Tensor, *,

@@ -6,7 +6,10 @@ Shapes: N source rows, C columns, T tokens, K rows per token.
     out[t] = sum over k with rows[t, k] >= 0 of w[t, k] * src[rows[t, k]] (w = 1 without weights), accumulated in
     fp32 and returned in src's dtype. The MoE combine (src = expert outputs in expert order, rows = each pair's
     position there, w = gates) and the input gradient's sum over a token's kept pairs (rows = each pair's row in
-    the retained buffer, -1 for a dropped pair).
+    the retained buffer, -1 for a dropped pair). The tokens may have any leading shape: rows and weights
+    [..., K] give out [..., C], written in that shape by the op itself, so the MoE layer returns its output in
+    x's shape as a tensor of its own, not as a view of a [T, C] one (a view would lose the hooks FSDP2 puts on
+    the layer's output to an in-place op on it).
 ``lrmoe::gather_dot_rows(src_NC, rows_TK, g_TC) -> out_TK``
     out[t, k] = <g[t], src[rows[t, k]]> in fp32, 0 where rows[t, k] < 0. The router gradient <g_t, y_tk>.
 ``lrmoe::gather_dot_scores(src_NC, rows_TK, g_TC, gates_TK, phi_sq_TK, metric) -> (out_TK, scores_TK)``
@@ -33,13 +36,14 @@ __all__ = ["gather_dot_rows", "gather_dot_scores", "gather_sum_rows"]
 
 
 def _check(name: str, src_NC: torch.Tensor, rows_TK: torch.Tensor, other_TX: torch.Tensor | None, other: str,
-           cols: int | None) -> None:
+           cols: int | None, any_lead: bool = False) -> None:
+    """``any_lead``: rows may be [..., K] (at least 1-D), and ``other_TX`` must then have their shape."""
     check_float_matrix(name, "src_NC", src_NC)
-    if rows_TK.dim() != 2 or rows_TK.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"lrmoe::{name}: rows_TK must be a 2-D int32 or int64 tensor, got shape "
-                         f"{tuple(rows_TK.shape)} and dtype {rows_TK.dtype}")
+    if (rows_TK.dim() < 1 if any_lead else rows_TK.dim() != 2) or rows_TK.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"lrmoe::{name}: rows_TK must be a {'[..., K]' if any_lead else '2-D'} int32 or int64 "
+                         f"tensor, got shape {tuple(rows_TK.shape)} and dtype {rows_TK.dtype}")
     if other_TX is not None:
-        want = (rows_TK.shape[0], rows_TK.shape[1] if cols is None else cols)
+        want = tuple(rows_TK.shape) if cols is None else (rows_TK.shape[0], cols)
         if tuple(other_TX.shape) != want or not other_TX.is_floating_point():
             raise ValueError(f"lrmoe::{name}: {other} must be a float tensor of shape {want}, got "
                              f"{tuple(other_TX.shape)} and dtype {other_TX.dtype}")
@@ -51,7 +55,7 @@ def _acc_dtype(*tensors: torch.Tensor | None) -> torch.dtype:
 
 
 def _gathered(src_NC: torch.Tensor, rows_TK: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
-    """[T, K, C] rows in pair order in the accumulation dtype, zero where rows < 0."""
+    """[..., K, C] rows in pair order in the accumulation dtype, zero where rows < 0 (rows [..., K])."""
     shape = (*rows_TK.shape, src_NC.shape[1])
     if guard_or_false(src_NC.shape[0] == 0):  # no rows at all (an EP rank that kept none): every slot is padding
         return src_NC.new_zeros(shape, dtype=acc)
@@ -64,7 +68,7 @@ def gather_sum_rows_reference(src_NC, rows_TK, weights_TK=None):
     vals_TKC = _gathered(src_NC, rows_TK, acc)
     if weights_TK is not None:
         vals_TKC = vals_TKC * weights_TK.to(acc).unsqueeze(-1)
-    return vals_TKC.sum(1).to(src_NC.dtype)
+    return vals_TKC.sum(-2).to(src_NC.dtype)
 
 
 def gather_dot_rows_reference(src_NC, rows_TK, g_TC):
@@ -89,13 +93,13 @@ def _scatter_rows(rows_TK: torch.Tensor, coef_TK: torch.Tensor, vec_TC: torch.Te
 @torch.library.custom_op("lrmoe::gather_sum_rows", mutates_args=())
 def gather_sum_rows(src_NC: torch.Tensor, rows_TK: torch.Tensor, weights_TK: torch.Tensor | None = None
                     ) -> torch.Tensor:
-    _check("gather_sum_rows", src_NC, rows_TK, weights_TK, "weights_TK", None)
+    _check("gather_sum_rows", src_NC, rows_TK, weights_TK, "weights_TK", None, any_lead=True)
     return gather_sum_rows_reference(src_NC, rows_TK, weights_TK)
 
 
 @gather_sum_rows.register_kernel("cuda")
 def _gather_sum_rows_cuda(src_NC, rows_TK, weights_TK=None):
-    _check("gather_sum_rows", src_NC, rows_TK, weights_TK, "weights_TK", None)
+    _check("gather_sum_rows", src_NC, rows_TK, weights_TK, "weights_TK", None, any_lead=True)
     kernels = kernel_module("token_rows")
     if kernels is None or _acc_dtype(src_NC, weights_TK) == torch.float64:  # the kernel accumulates in fp32
         return gather_sum_rows_reference(src_NC, rows_TK, weights_TK)
@@ -104,8 +108,8 @@ def _gather_sum_rows_cuda(src_NC, rows_TK, weights_TK=None):
 
 @gather_sum_rows.register_fake
 def _(src_NC, rows_TK, weights_TK=None):
-    _check("gather_sum_rows", src_NC, rows_TK, weights_TK, "weights_TK", None)
-    return src_NC.new_empty(rows_TK.shape[0], src_NC.shape[1])
+    _check("gather_sum_rows", src_NC, rows_TK, weights_TK, "weights_TK", None, any_lead=True)
+    return src_NC.new_empty(*rows_TK.shape[:-1], src_NC.shape[1])
 
 
 def _sum_setup(ctx, inputs, output):
@@ -116,13 +120,21 @@ def _sum_setup(ctx, inputs, output):
     ctx.save_for_backward(src_NC, rows_TK, weights_TK)
 
 
+def _token_rows(t: torch.Tensor) -> torch.Tensor:
+    """[..., X] -> [T, X], T the product of the leading dims (a view where the strides allow)."""
+    return t.unsqueeze(0) if t.dim() == 1 else t.flatten(0, -2)
+
+
 def _sum_backward(ctx, grad_TC):
     src_NC, rows_TK, weights_TK = ctx.saved_tensors
+    lead_shape = rows_TK.shape
+    rows_TK, grad_TC = _token_rows(rows_TK), _token_rows(grad_TC)  # the ops below take 2-D tokens
+    weights_TK = None if weights_TK is None else _token_rows(weights_TK)
     coef_TK = torch.ones_like(rows_TK, dtype=torch.float32) if weights_TK is None else weights_TK
     grad_src = _scatter_rows(rows_TK, coef_TK, grad_TC, ctx.n_src, ctx.src_dtype) if ctx.wants[0] else None
     grad_w = None
     if ctx.wants[1]:
-        grad_w = gather_dot_rows(src_NC, rows_TK, grad_TC).to(weights_TK.dtype)
+        grad_w = gather_dot_rows(src_NC, rows_TK, grad_TC).to(weights_TK.dtype).view(lead_shape)
     return grad_src, None, grad_w
 
 

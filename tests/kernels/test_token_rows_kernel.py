@@ -1,8 +1,8 @@
 """lrmoe_kernels.token_rows: the Triton launchers equal the reference ops lrmoe::gather_sum_rows and
 lrmoe::gather_dot_rows (their CPU kernels) on tiny odd shapes: K = 1, 3 (padded to 4) and 8, skipped rows (-1),
-repeated rows, column counts that cross several blocks with a masked edge, a strided source, fp32 and bf16; the
-router gradient with the pair scores (gather_dot_scores_triton) equals gather_dot_rows and lrmoe::score_pairs'
-reference for every deterministic metric, non-finite inputs included.
+repeated rows, column counts that cross several blocks with a masked edge, a strided source, fp32 and bf16, leading
+token dims for gather_sum_rows_triton; the router gradient with the pair scores (gather_dot_scores_triton) equals
+gather_dot_rows and lrmoe::score_pairs' reference for every deterministic metric, non-finite inputs included.
 
 Without a GPU the kernels run in Triton's interpreter (tests/conftest.py switches it on) on CPU tensors."""
 
@@ -69,6 +69,21 @@ def test_no_tokens():
     src, rows, w, gt = _case(3, 0, 2, 5, torch.float32, seed=2)
     assert gather_sum_rows_triton(src, rows, w).shape == (0, 5)
     assert gather_dot_rows_triton(src, rows, gt).shape == (0, 2)
+
+
+@pytest.mark.parametrize("lead", [(2, 3), (3, 1, 2), (6,)])
+def test_gather_sum_leading_dims(lead):
+    # Rows [..., K] give out [..., C], allocated in that shape by the launcher (not a view of [T, C]).
+    src, rows, w, _ = _case(7, 6, 3, 21, torch.float32, seed=3)
+    for weights in (w, None):
+        got = gather_sum_rows_triton(src, rows.view(*lead, 3), None if weights is None else weights.view(*lead, 3))
+        assert got.shape == (*lead, 21) and got._base is None
+        torch.testing.assert_close(got.view(6, 21), gather_sum_rows_reference(src, rows, weights))
+    one = gather_sum_rows_triton(src, rows[2], w[2])  # one token, rows [K]
+    assert one.shape == (21,)
+    torch.testing.assert_close(one, gather_sum_rows_reference(src, rows[2:3], w[2:3])[0])
+    empty = gather_sum_rows_triton(src, rows[:0].view(0, 2, 3), w[:0].view(0, 2, 3))
+    assert empty.shape == (0, 2, 21)
 
 
 @given(n_src=st.integers(1, 9), n_tok=st.integers(1, 6), top_k=st.integers(1, 5), cols=st.integers(1, 20),

@@ -1,5 +1,5 @@
 """lrmoe::gather_sum_rows and lrmoe::gather_dot_rows: torch.library.opcheck, values against a loop written from
-the definition, gradients (gradcheck in fp64), and argument errors; lrmoe::gather_dot_scores (the router
+the definition, gradients (gradcheck in fp64), gather_sum_rows' leading token dims, and argument errors; lrmoe::gather_dot_scores (the router
 gradient with the pair scores) against the two ops it stands for."""
 
 from __future__ import annotations
@@ -67,6 +67,39 @@ def test_values_match_the_definition(case, dtype):
     dot = gather_dot_rows(src, rows, g)
     assert dot.dtype == (torch.float64 if dtype == torch.float64 else torch.float32) and dot.shape == rows.shape
     torch.testing.assert_close(dot.double(), _loop_dot(src, rows, g), **tol)
+
+
+# Leading token dims of gather_sum_rows: CASES[0]'s four tokens as [2, 2, K], and one token as [K].
+LEADS = [(2, 2), (1, 4), ()]
+
+
+@pytest.mark.parametrize("lead", LEADS)
+@pytest.mark.parametrize("requires_grad", [False, True])
+def test_gather_sum_rows_keeps_the_leading_dims(lead, requires_grad):
+    src, rows, w, _ = _case(*CASES[0])
+    n_tok = 1 if lead == () else 4
+    rows, w = rows[:n_tok], w[:n_tok]
+    rows_LK, w_LK = rows.reshape(*lead, 2), w.reshape(*lead, 2)
+    src.requires_grad_(requires_grad), w_LK.requires_grad_(requires_grad)
+    torch.library.opcheck(gather_sum_rows, (src, rows_LK, w_LK))
+    torch.library.opcheck(gather_sum_rows, (src, rows_LK, None))
+    got = gather_sum_rows(src, rows_LK, w_LK)
+    # Written in that shape by the op: a tensor of its own, not a view of [T, C] rows.
+    assert got.shape == (*lead, src.shape[1]) and got._base is None and got.is_contiguous()
+    torch.testing.assert_close(got.reshape(n_tok, -1), _loop_sum(src, rows, w), rtol=1e-6, atol=1e-6)
+    if requires_grad:
+        assert torch.autograd.gradcheck(lambda s, w: gather_sum_rows(s, rows_LK, w), (src, w_LK))
+        assert torch.autograd.gradcheck(lambda s: gather_sum_rows(s, rows_LK), (src,))
+
+
+def test_gather_sum_rows_leading_dims_bad_arguments_are_named():
+    src, rows, w, _ = _case(*CASES[0])
+    with pytest.raises(ValueError, match=r"weights_TK must be a float tensor of shape \(2, 2, 2\)"):
+        gather_sum_rows(src, rows.reshape(2, 2, 2), w)  # weights [T, K] for rows [2, 2, K]
+    with pytest.raises(ValueError, match=r"rows_TK must be a \[\.\.\., K\]"):
+        gather_sum_rows(src, rows[0, 0], None)  # 0-D rows
+    with pytest.raises(ValueError, match="rows_TK must be a 2-D"):
+        gather_dot_rows(src, rows.reshape(2, 2, 2), torch.randn(4, src.shape[1], dtype=src.dtype))
 
 
 def test_skipped_rows_do_not_read_their_source():
