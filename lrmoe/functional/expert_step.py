@@ -60,6 +60,9 @@ class StepConfig:
     max_rows: the selection's buffer rows: a static bound on one device, the planned exact count under expert
         parallelism.
     group_rows: C, rows per instance block of a blocked backward (torch.bmm over the instances), or None.
+    out_shape: the output's shape, [..., D] with the T tokens as its leading dims (the layer's x's), or None for
+        [T, D]. The combine writes the output in it: a tensor of its own, not a view of [T, D] rows, since an
+        in-place op on a view would drop the hooks FSDP2 puts on the layer's output.
     """
 
     dense: bool
@@ -69,6 +72,7 @@ class StepConfig:
     activations: str = "save"  # what forward keeps of h: "save", "recompute" or "offload" (see saved_h)
     max_rows: int = 0
     group_rows: int | None = None
+    out_shape: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -139,15 +143,16 @@ class _SelectiveStep(torch.autograd.Function):
         # Pair (t, k) = pair id t*K + k sits at row inv_P[t*K + k] of the dispatch-ordered buffers.
         inv_P = torch.empty_like(order_P).scatter_(0, order_P, ident_P)
         phi_sq_TK = phi_sq_P.index_select(0, inv_P).view(n_tok, top_k)
-        out_TD = combine(y_PD, inv_P.view(n_tok, top_k), gates_TK)
+        lead = (n_tok,) if cfg.out_shape is None else cfg.out_shape[:-1]  # out [*lead, D], written in that shape
+        out = combine(y_PD, inv_P.view(*lead, top_k), gates_TK.reshape(*lead, top_k))
 
         ctx.cfg, ctx.transport = cfg, transport
         ctx.has_probe = probe is not None
         ctx.save_for_backward(x_ND, gate_up_IFD, down_IDF, gates_TK, dest_P, quotas_G, uniform_G, groups_P,
                               assign_SWI, quotas_SWI, h_saved, y_PD, phi_sq_TK, order_P, inv_P, offsets_I,
                               h_of_row_N)
-        release_h(h_NF2, h_saved, out_TD, cfg.activations)
-        return out_TD
+        release_h(h_NF2, h_saved, out, cfg.activations)
+        return out
 
     @staticmethod
     @once_differentiable  # its ops have no gradients: a second order would be silently incomplete
@@ -157,7 +162,7 @@ class _SelectiveStep(torch.autograd.Function):
         cfg: StepConfig = ctx.cfg
         transport = ctx.transport
         n_tok, top_k = gates_TK.shape
-        g_TD = grad_out_TD
+        g_TD = grad_out_TD.reshape(n_tok, grad_out_TD.shape[-1])  # in cfg.out_shape
 
         # Exact router gradient dL/d alpha_u = <g_t, y_u>, local to the source.
         grad_gates_TK, scores_P = router_gradient_and_scores(
@@ -235,7 +240,8 @@ def router_gradient_and_scores(
 
 def combine(y_ND: torch.Tensor, rows_TK: torch.Tensor, gates_TK: torch.Tensor) -> torch.Tensor:
     """out_t = sum_k gates[t, k] * y[rows[t, k]] (fp32 accumulation, y's dtype; the gates rounded to y's dtype
-    first, as the product in that dtype would): the forward's combine, reading y where the experts wrote it."""
+    first, as the product in that dtype would): the forward's combine, reading y where the experts wrote it.
+    rows and gates [..., K] (the tokens with leading dims) give out [..., D]."""
     return gather_sum_rows(y_ND, rows_TK, gates_TK.to(y_ND.dtype))
 
 

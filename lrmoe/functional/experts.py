@@ -197,6 +197,7 @@ def selective_swiglu_experts(
     quota_align: int = 1,
     backward_capacity: float | None = None,
     backward: BackwardOptions | None = None,
+    out_shape: tuple[int, ...] | torch.Size | None = None,
 ) -> torch.Tensor:
     """out_TD = sum_k gates[t, k] * SwiGLU_{expert_ids[t, k]}(x_t), with the selective backward.
 
@@ -238,7 +239,12 @@ def selective_swiglu_experts(
             A padding row reads the output gradient of one real token times 0: an inf or NaN there makes the padded
             experts' weight gradients NaN (the gradients are not finite in that step anyway).
 
-    Returns: out_TD, dtype of x. This is the one-device case of the selective expert step (lrmoe.functional.
+        out_shape: the output's shape, [..., D] with T tokens in its leading dims (a layer passes its input's
+            shape, of which x_TD is the reshape), or None for [T, D]. The output is written in that shape, a tensor
+            of its own: reshaping a [T, D] one would make it a view, and an in-place op on a view drops the hooks
+            on it (FSDP2's pre-backward hook on a sharded layer's output).
+
+    Returns: out_TD (in ``out_shape``, when given), dtype of x. This is the one-device case of the selective expert step (lrmoe.functional.
     expert_step): one rank, the identity transport.
     """
     opts = resolve_options(BackwardOptions, backward, "selective_swiglu_experts", retain=retain, metric=metric,
@@ -301,9 +307,23 @@ def selective_swiglu_experts(
                                                                          for t in differentiable)):
         activations = "recompute"  # no backward will run: nothing to keep, so no copy to the host either
     cfg = StepConfig(dense=retain >= 1.0, metric=opts.metric, selection=opts.selection, generator=opts.generator,
-                     activations=activations, max_rows=max_rows, group_rows=capacity)
+                     activations=activations, max_rows=max_rows, group_rows=capacity,
+                     out_shape=None if out_shape is None else check_out_shape(out_shape, n_tok, dim))
     return selective_step(x_TD, gate_up_EFD, down_EDF, gates_TK, expert_ids_TK.reshape(-1).long(), quotas_G,
                           uniform_G, stats_probe, cfg, IdentityTransport(), groups_P=group_ids_P)
+
+
+def check_out_shape(out_shape, n_tok, dim) -> tuple[int, ...]:
+    """``out_shape`` as a tuple, checked to be [..., dim] with n_tok tokens in its leading dims."""
+    if not isinstance(out_shape, (tuple, list)) or not all(isinstance(n, (int, torch.SymInt)) for n in out_shape):
+        raise TypeError(f"out_shape must be a tuple of ints (e.g. x.shape), got {out_shape!r}")
+    n_lead = 1
+    for size in out_shape[:-1]:  # not math.prod: the sizes may be SymInts under torch.compile
+        n_lead = n_lead * size
+    if len(out_shape) == 0 or out_shape[-1] != dim or n_lead != n_tok:
+        raise ValueError(f"out_shape must be [..., D={dim}] holding the T={n_tok} tokens of x_TD in its leading "
+                         f"dims, got {tuple(out_shape)}")
+    return tuple(out_shape)
 
 
 def _flat_groups(plan: ExpertPlan, n_exp: int, expert_ids_TK: torch.Tensor):

@@ -268,12 +268,13 @@ def _plan(loads_WE: torch.Tensor, opts: BackwardOptions, rep: _Replication) -> E
 
 
 def _ep_step(module: nn.Module, experts: nn.Module, run_experts: Callable[..., torch.Tensor], x_TD: torch.Tensor,
-             expert_ids_TK: torch.Tensor, gates_TK: torch.Tensor, probe: torch.Tensor | None) -> torch.Tensor:
+             expert_ids_TK: torch.Tensor, gates_TK: torch.Tensor, probe: torch.Tensor | None,
+             out_shape: torch.Size | None = None) -> torch.Tensor:
     """Steps 2-9 of the module docstring for one forward: the load matrix, the plan, this rank's pair
     destinations and the step's records on ``module`` (its ep_* buffers, last_loads, last_quotas), then
     ``run_experts(x_TD, gates_TK, group_P, plan, probe, cfg, transport)`` (the experts' expert-parallel forward),
     with ``module.backward``'s options and ``experts``' sizes. x and the gates are already in the experts'
-    compute dtype."""
+    compute dtype. ``out_shape``: the output's shape (the layer's x's; StepConfig.out_shape), or None for [T, D]."""
     ep, rep, opts = module._ep, module._replication, module.backward
     n_exp = experts.num_experts
 
@@ -333,7 +334,8 @@ def _ep_step(module: nn.Module, experts: nn.Module, run_experts: Callable[..., t
     # instance ascending, so by destination rank: its per-rank blocks are exactly splits.bwd_send.
     cfg = StepConfig(dense=dense, metric=opts.metric, selection=opts.selection, generator=opts.generator,
                      activations=activations, max_rows=sum(splits.bwd_send),
-                     group_rows=splits.block_rows if rep.backward_blocks else None)
+                     group_rows=splits.block_rows if rep.backward_blocks else None,
+                     out_shape=None if out_shape is None else tuple(out_shape))
     return run_experts(x_TD, gates_TK, group_P, plan, probe, cfg, AllToAllTransport(ep, splits))
 
 
@@ -384,9 +386,9 @@ class _ExpertParallelMixin:
         probe = self._probe_for(x)
         dtype = compute_dtype(x)  # torch.autocast's, else x's
         with torch.autocast(x.device.type, enabled=False):  # the experts run in ``dtype`` exactly
-            out_TD = _ep_step(self, self.experts, self.experts, x_TD.to(dtype), routing.expert_ids,
-                              routing.gates.to(dtype), probe)
-        return self.add_shared(x_TD, out_TD).view(x.shape)
+            out = _ep_step(self, self.experts, self.experts, x_TD.to(dtype), routing.expert_ids,
+                           routing.gates.to(dtype), probe, x.shape)
+        return self.add_shared(x_TD, out)  # in x's shape as the experts wrote it, not a view (see LRMoE.forward)
 
     def stats(self) -> ExpertParallelStats:
         """This step's statistics as tensors (see :class:`ExpertParallelStats`)."""

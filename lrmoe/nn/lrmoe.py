@@ -313,9 +313,10 @@ class LRMoE(nn.Module):
                 self.last_quotas.copy_(plan.quotas)
         dtype = compute_dtype(x)
         with torch.autocast(x.device.type, enabled=False):  # the experts run in ``dtype`` exactly
-            out_TD = self.experts(x_TD.to(dtype), routing.expert_ids, routing.gates.to(dtype), plan=plan,
-                                  stats_probe=probe, backward=self.backward)
-        return self.add_shared(x_TD, out_TD).view(x.shape)
+            out = self.experts(x_TD.to(dtype), routing.expert_ids, routing.gates.to(dtype), plan=plan,
+                               stats_probe=probe, backward=self.backward, out_shape=x.shape)
+        # In x's shape as the experts wrote it, not a view: an in-place op on it keeps FSDP2's hooks.
+        return self.add_shared(x_TD, out)
 
     def route(self, x_TD: torch.Tensor) -> Routing:
         """[T, D] tokens -> their experts and gates: the gate's logits through route_topk with the layer's options
@@ -353,9 +354,10 @@ class LRMoE(nn.Module):
         loads_E = self.last_loads.float()
         self.gate.e_score_correction_bias.add_(torch.sign(loads_E.mean() - loads_E), alpha=rate)
 
-    def add_shared(self, x_TD: torch.Tensor, out_TD: torch.Tensor) -> torch.Tensor:
-        """The routed experts' output plus the shared experts' (if any) for every token."""
-        return out_TD if self.shared_experts is None else out_TD + self.shared_experts(x_TD)
+    def add_shared(self, x_TD: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """The routed experts' output (in x's shape) plus the shared experts' (if any) for every token: a new
+        tensor of out's shape."""
+        return out if self.shared_experts is None else out + self.shared_experts(x_TD).view(out.shape)
 
     def _probe_for(self, x: torch.Tensor, *inputs: torch.Tensor) -> torch.Tensor | None:
         """The backward-statistics probe, or None when no backward will run through this call (from x, the other
