@@ -244,8 +244,8 @@ def selective_swiglu_experts(
             of its own: reshaping a [T, D] one would make it a view, and an in-place op on a view drops the hooks
             on it (FSDP2's pre-backward hook on a sharded layer's output).
 
-    Returns: out_TD (in ``out_shape``, when given), dtype of x. This is the one-device case of the selective expert step (lrmoe.functional.
-    expert_step): one rank, the identity transport.
+    Returns: out_TD (in ``out_shape``, when given), dtype of x. This is the one-device case of the selective
+    expert step (lrmoe.functional.expert_step): one rank, the identity transport.
     """
     opts = resolve_options(BackwardOptions, backward, "selective_swiglu_experts", retain=retain, metric=metric,
                            selection=selection, policy=policy, min_retain=min_retain, generator=generator,
@@ -308,12 +308,12 @@ def selective_swiglu_experts(
         activations = "recompute"  # no backward will run: nothing to keep, so no copy to the host either
     cfg = StepConfig(dense=retain >= 1.0, metric=opts.metric, selection=opts.selection, generator=opts.generator,
                      activations=activations, max_rows=max_rows, group_rows=capacity,
-                     out_shape=None if out_shape is None else check_out_shape(out_shape, n_tok, dim))
+                     out_shape=None if out_shape is None else _check_out_shape(out_shape, n_tok, dim))
     return selective_step(x_TD, gate_up_EFD, down_EDF, gates_TK, expert_ids_TK.reshape(-1).long(), quotas_G,
                           uniform_G, stats_probe, cfg, IdentityTransport(), groups_P=group_ids_P)
 
 
-def check_out_shape(out_shape, n_tok, dim) -> tuple[int, ...]:
+def _check_out_shape(out_shape, n_tok, dim) -> tuple[int, ...]:
     """``out_shape`` as a tuple, checked to be [..., dim] with n_tok tokens in its leading dims."""
     if not isinstance(out_shape, (tuple, list)) or not all(isinstance(n, (int, torch.SymInt)) for n in out_shape):
         raise TypeError(f"out_shape must be a tuple of ints (e.g. x.shape), got {out_shape!r}")

@@ -1,6 +1,6 @@
 """lrmoe::gather_sum_rows and lrmoe::gather_dot_rows: torch.library.opcheck, values against a loop written from
-the definition, gradients (gradcheck in fp64), gather_sum_rows' leading token dims, and argument errors; lrmoe::gather_dot_scores (the router
-gradient with the pair scores) against the two ops it stands for."""
+the definition, gradients (gradcheck in fp64), gather_sum_rows' leading token dims, and argument errors;
+lrmoe::gather_dot_scores (the router gradient with the pair scores) against the two ops it stands for."""
 
 from __future__ import annotations
 
