@@ -1,23 +1,27 @@
-"""Counter-based uniforms: the sampling draws of a layer as a pure function of (seed, step, stream, index).
+"""Keyed uniforms: the sampling draws of a step as a pure function of that step's routing.
 
-Shapes: N draws.
+Shapes: T tokens, K top-k, N draws.
 
-A layer that draws its sampling uniforms from the global RNG cannot resume exactly from a checkpoint unless every
-rank also saves and restores that RNG's state. Drawing them instead from a hash of a seed and a step counter, two
-integer tensors that live in the layer's state (so checkpoints carry them), makes a resumed run draw what the
-continued run would have drawn, on every rank and under torch.compile (plain integer tensor arithmetic: no
-generator object, no host synchronisation, the values never specialise a compiled graph).
+Selection "sample" needs one uniform per pair group per step. Drawn from the global RNG, a run resumed from a
+checkpoint would draw other values than the continued run (unless every rank also saved and restored its RNG
+state), and a torch.Generator cannot enter a torch.compile graph. Drawn instead from a hash of the step's own
+routing (every pair's gate and expert), the uniforms are a function of the model and the batch: a resumed run, an
+activation-checkpoint recompute and a compiled graph draw exactly what the continued, plain or eager run draws,
+with no state to save, no generator and no host synchronisation. Different layers, steps and expert-parallel
+ranks route differently, so their keys differ; ``stream`` separates draws that share one routing.
 
-The hash is Chris Wellons' "lowbias32" integer finaliser applied in a chain over 32-bit words. Every product is
-formed in int64 from a 32-bit value and a 16-bit half of the constant, so no intermediate overflows int64 (signed
-overflow is undefined in C++, where the CPU kernels run), and the result is the same on every device.
+The hash is Chris Wellons' "lowbias32" integer finaliser, chained over 32-bit words. Every product is formed in
+int64 from a 32-bit value and a 16-bit half of the constant, so no intermediate overflows (signed overflow is
+undefined in C++, where the CPU kernels run), and every device computes the same bits. Gates enter as integers,
+``floor(gate * 2**24)``: exact for the fp32 values the routers produce, so the key does not depend on the order of
+a floating-point reduction.
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["counter_uniform"]
+__all__ = ["keyed_uniform", "routing_key", "sampling_uniforms"]
 
 _MASK32 = 0xFFFFFFFF
 _MUL1 = 0x7FEB352D
@@ -32,7 +36,7 @@ def _mul32(x: torch.Tensor, const: int) -> torch.Tensor:
 
 
 def _hash32(x: torch.Tensor) -> torch.Tensor:
-    """lowbias32 on int64 tensors holding 32-bit values (logical shifts: the values are non-negative)."""
+    """lowbias32 on int64 tensors holding values in [0, 2**32) (the shifts are then logical)."""
     x = x ^ (x >> 16)
     x = _mul32(x, _MUL1)
     x = x ^ (x >> 15)
@@ -40,30 +44,46 @@ def _hash32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def counter_uniform(seed: torch.Tensor, step: torch.Tensor, n: int, *, stream: int = 0) -> torch.Tensor:
-    """[n] fp32 uniforms in [0, 1), a pure function of (seed, step, stream, index).
+def routing_key(gates_TK: torch.Tensor, expert_ids_TK: torch.Tensor) -> torch.Tensor:
+    """0-d int64 in [0, 2**32): a hash of every pair's gate (to 2**-24) and expert, and of its position."""
+    if gates_TK.shape != expert_ids_TK.shape:
+        raise ValueError(f"gates_TK and expert_ids_TK must have one shape, got {tuple(gates_TK.shape)} and "
+                         f"{tuple(expert_ids_TK.shape)}")
+    gate_P = (gates_TK.detach().reshape(-1).double() * (1 << 24)).floor().long() & _MASK32
+    expert_P = expert_ids_TK.reshape(-1).long() & _MASK32
+    index_P = torch.arange(gate_P.shape[0], device=gate_P.device, dtype=torch.int64)
+    # An integer sum of per-pair hashes: exact, and the same whatever order a kernel adds in.
+    pair_P = _hash32(_hash32(gate_P ^ _hash32(index_P)) ^ expert_P)
+    return _hash32(pair_P.sum() & _MASK32)
+
+
+def keyed_uniform(key: torch.Tensor, n: int, *, stream: int = 0) -> torch.Tensor:
+    """[n] fp32 uniforms in [0, 1) with 24 random bits, a pure function of (key, stream, index), on key's device.
 
     Args:
-        seed: 0-d int64 tensor (any value; both 32-bit halves are used).
-        step: 0-d int64 tensor, a counter the caller advances once per draw (its low 32 bits are used: a stream
-            repeats after 2**32 steps).
-        n: number of draws (a Python int: the output's static size).
-        stream: a Python int separating independent draws of one step (e.g. an expert-parallel rank).
-
-    The draws have 24 random bits (every fp32 in [0, 1) with that spacing), on the device of ``seed``.
+        key: 0-d int64 tensor (``routing_key``; any int64 value).
+        n: number of draws (a Python int: the output's static size). Draw i does not depend on n.
+        stream: a Python int >= 0 separating independent draws of one key (an expert-parallel rank).
     """
     if not isinstance(n, int) or isinstance(n, bool) or n < 0:
         raise ValueError(f"n must be a non-negative Python int, got {n!r}")
     if not isinstance(stream, int) or isinstance(stream, bool) or stream < 0:
         raise ValueError(f"stream must be a non-negative Python int, got {stream!r}")
-    for name, t in (("seed", seed), ("step", step)):
-        if not isinstance(t, torch.Tensor) or t.dim() != 0 or t.dtype != torch.int64:
-            raise TypeError(f"{name} must be a 0-d int64 tensor, got "
-                            f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}"
-                            f"{' ' + str(t.dtype) if isinstance(t, torch.Tensor) else ''}")
-    seed_lo = seed & _MASK32
-    seed_hi = (seed >> 32) & _MASK32
-    key = _hash32(seed_lo ^ _hash32(seed_hi ^ _hash32((step & _MASK32) ^ _hash32(seed.new_tensor(stream & _MASK32)))))
-    index_N = torch.arange(n, device=seed.device, dtype=torch.int64)
-    h_N = _hash32(_hash32(index_N ^ key) ^ _hash32(key ^ 0x9E3779B9))
+    if not isinstance(key, torch.Tensor) or key.dim() != 0 or key.dtype != torch.int64:
+        raise TypeError(f"key must be a 0-d int64 tensor, got "
+                        f"{tuple(key.shape) if isinstance(key, torch.Tensor) else type(key).__name__}"
+                        f"{' ' + str(key.dtype) if isinstance(key, torch.Tensor) else ''}")
+    salt = _hash32(key.new_tensor(stream & _MASK32) ^ 0x9E3779B9)
+    k = _hash32((key & _MASK32) ^ _hash32((key >> 32) & _MASK32) ^ salt)
+    index_N = torch.arange(n, device=key.device, dtype=torch.int64)
+    h_N = _hash32(_hash32(index_N ^ k) ^ _hash32(k ^ 0x85EBCA6B))
     return (h_N >> 8).float() * (1.0 / (1 << 24))
+
+
+def sampling_uniforms(gates_TK: torch.Tensor, expert_ids_TK: torch.Tensor, n: int, *, stream: int = 0,
+                      generator: torch.Generator | None = None) -> torch.Tensor:
+    """[n] fp32 sampling uniforms for one step: ``torch.rand`` from ``generator`` when one is given, else
+    ``keyed_uniform(routing_key(gates_TK, expert_ids_TK), n, stream=stream)``."""
+    if generator is not None:
+        return torch.rand(n, generator=generator, device=gates_TK.device)
+    return keyed_uniform(routing_key(gates_TK, expert_ids_TK), n, stream=stream)

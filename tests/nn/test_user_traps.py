@@ -1,17 +1,11 @@
-"""Paths that used to give a silently wrong or incomplete answer (second-order gradients, FSDP2 with an in-place
-op on the output, eval mode, a retain that keeps nothing) or a confusing error (a generator under torch.compile).
-Each test failed before its fix."""
+"""Paths that used to give a silently wrong or incomplete answer (second-order gradients, eval mode, a retain that
+keeps nothing) or a confusing error (a generator under torch.compile). Each test failed before its fix."""
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
 
-from ep_harness import run_ranks
 from lrmoe.functional import selective_swiglu_experts
 from lrmoe.nn import LRMoE, SwiGLUExperts
 
@@ -98,7 +92,7 @@ def test_retain_that_keeps_no_pair_is_refused():
     with pytest.raises(ValueError, match="retain"):
         m(torch.randn(4, D))
     # a min_retain floor keeps pairs, so the same retain is fine with it
-    m = LRMoE(D, FF, E, K, retain=1e-9, min_retain=0.5)
+    m = LRMoE(D, FF, E, K, retain=1e-9, min_retain=1e-9)  # ceil(min_retain * load) = 1 per expert
     m(torch.randn(4, D)).sum().backward()
     assert m.experts.down_proj.grad.abs().sum() > 0
 
@@ -112,29 +106,3 @@ def test_generator_under_compile_is_refused_with_advice():
     with pytest.raises(Exception, match="generator=None"):
         torch.compile(m, fullgraph=True)(torch.randn(4, D))
     m(torch.randn(4, D)).sum().backward()  # eager keeps supporting it
-
-
-# ---------------------------------------------------------------------------------------------- FSDP2 + in-place
-
-
-def _fsdp_inplace(rank, world, shape):
-    mesh = init_device_mesh("cpu", (world,))
-    torch.manual_seed(0)
-    ref = LRMoE(D, FF, E, K, retain=1.0)
-    layer = fully_shard(copy.deepcopy(ref), mesh=mesh)
-    xs = [torch.randn(*shape, D, generator=torch.Generator().manual_seed(10 + r)) for r in range(world)]
-    cs = [torch.randn(*shape, D, generator=torch.Generator().manual_seed(20 + r)) for r in range(world)]
-    y = layer(xs[rank])
-    assert y._base is None, "the layer's output is a view: FSDP2's pre-backward hook would be lost to an in-place op"
-    y += 1.0
-    (y * cs[rank]).sum().backward()
-    for r in range(world):  # reference: every rank's loss on the unsharded layer; FSDP2 averages over ranks
-        ((ref(xs[r]) + 1.0) * cs[r]).sum().backward()
-    for (name, p), q in zip(layer.named_parameters(), ref.parameters()):
-        torch.testing.assert_close(p.grad.full_tensor(), q.grad / world, rtol=1e-5, atol=1e-6,
-                                   msg=lambda m, name=name: f"{name}: {m}")
-
-
-@pytest.mark.parametrize("shape", [(6,), (2, 3)])
-def test_fsdp2_inplace_on_output_keeps_gradients_reduced(shape):
-    run_ranks(2, _fsdp_inplace, shape)
