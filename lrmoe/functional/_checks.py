@@ -173,6 +173,38 @@ def check_generator(generator: object) -> None:
         raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
 
 
+def check_generator_not_traced(generator: object) -> None:
+    """A torch.Generator cannot enter a torch.compile graph (Dynamo cannot pass one to an op): refuse it while
+    tracing, saying what works instead, rather than Dynamo's "Failed to convert args/kwargs to proxy"."""
+    if generator is not None and torch.compiler.is_compiling():
+        raise ValueError(
+            "generator= cannot be used under torch.compile: Dynamo cannot pass a torch.Generator into a graph. "
+            "Leave generator=None: LRMoE and SwiGLUExperts then draw their sampling uniforms from their own "
+            "counter-based stream (the experts' sampling_seed and sampling_step buffers), which compiles and "
+            "resumes exactly from a checkpoint; a functional caller can pass a plan with its own uniforms "
+            "(plan_experts(..., draw_uniform=False), then dataclasses.replace(plan, uniform=...))"
+        )
+
+
+def check_keeps_pairs(retain: float, min_retain: float, n_pairs: int, where: str) -> None:
+    """Refuse a retain whose budget floor(retain * P) rounds to zero rows while there are pairs to keep and no
+    min_retain floor: every expert gradient would be zero, silently. ``n_pairs`` is static (T * K, or an upper
+    bound of the step's pairs); a comparison, so a SymInt under torch.compile(dynamic=True) only adds a guard."""
+    if retain < 1.0 and min_retain == 0.0 and n_pairs > 0 and retain * n_pairs < 1:
+        raise ValueError(
+            f"{where}: retain={retain} keeps floor(retain * P) = 0 of the step's P = {n_pairs} routed pairs, so "
+            f"every expert's weight gradient would be zero; use retain >= 1 / P = {1 / n_pairs:.3g}, or a "
+            "min_retain floor"
+        )
+
+
+def check_step_options(opts, n_pairs: int, where: str) -> None:
+    """What a step's backward options (a BackwardOptions) cannot do in this call: a generator under
+    torch.compile, a retain that keeps no pair of the step's ``n_pairs``."""
+    check_generator_not_traced(opts.generator)
+    check_keeps_pairs(opts.retain, opts.min_retain, n_pairs, where)
+
+
 def check_scaling(scaling: float, name: str = "scaling") -> float:
     """A finite real number > 0 named ``name``: ``route_topk``'s ``scaling``, ``LRMoE``'s ``routed_scaling_factor``
     and ``update_selection_bias``' ``rate``; returned as a Python float (a SymFloat as it is). Comparisons, not

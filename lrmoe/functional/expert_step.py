@@ -27,7 +27,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch.autograd.function import once_differentiable
 from torch.fx.experimental.symbolic_shapes import guard_or_false
 
 from lrmoe.functional.routing import expert_loads
@@ -155,8 +154,21 @@ class _SelectiveStep(torch.autograd.Function):
         return out
 
     @staticmethod
-    @once_differentiable  # its ops have no gradients: a second order would be silently incomplete
     def backward(ctx, grad_out_TD):
+        # A backward that builds a graph (create_graph=True: grad mode is on in it) would differentiate through
+        # ops without gradients of their own, so the second order would be silently incomplete: refuse it.
+        # (once_differentiable raises only when the incoming gradient itself requires grad.) Compiled graphs
+        # never run double backward (AOTAutograd refuses it), so the check is eager only.
+        if torch.is_grad_enabled() and not torch.compiler.is_compiling():
+            raise RuntimeError(
+                "lrmoe's selective expert step has no second-order gradient: a graph through it was "
+                "differentiated with create_graph=True (torch.autograd.grad(..., create_graph=True), double "
+                "backward, gradient penalties); differentiate without create_graph, or keep such a term off "
+                "the MoE layer")
+        return _SelectiveStep._backward(ctx, grad_out_TD)
+
+    @staticmethod
+    def _backward(ctx, grad_out_TD):
         (x_ND, gate_up_IFD, down_IDF, gates_TK, dest_P, quotas_G, uniform_G, groups_P, assign_SWI, quotas_SWI,
          h_saved, y_PD, phi_sq_TK, order_P, inv_P, offsets_I, h_of_row_N) = ctx.saved_tensors
         cfg: StepConfig = ctx.cfg

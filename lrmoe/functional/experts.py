@@ -24,7 +24,14 @@ from dataclasses import dataclass
 
 import torch
 
-from lrmoe.functional._checks import check_backward_capacity, check_int, check_same_device, check_tensor
+from lrmoe.functional._checks import (
+    check_backward_capacity,
+    check_generator_not_traced,
+    check_int,
+    check_same_device,
+    check_step_options,
+    check_tensor,
+)
 from lrmoe.functional.expert_step import (  # noqa: F401  (retained_dy, pad_to_blocks: the step's row helpers)
     N_BACKWARD_STATS,
     IdentityTransport,
@@ -35,6 +42,7 @@ from lrmoe.functional.expert_step import (  # noqa: F401  (retained_dy, pad_to_b
 )
 from lrmoe.functional.options import BackwardOptions, resolve_options
 from lrmoe.functional.quotas import plan_quotas
+from lrmoe.functional.rng import sampling_uniforms
 from lrmoe.functional.routing import expert_loads
 
 __all__ = ["ExpertPlan", "backward_capacity_rows", "plan_experts", "retained_rows_bound", "selective_swiglu_experts"]
@@ -116,6 +124,7 @@ def plan_experts(
     quota_align: int = 1,
     backward_capacity: float | None = None,
     backward: BackwardOptions | None = None,
+    gates_TK: torch.Tensor | None = None,
 ) -> ExpertPlan:
     """Loads, quotas and sampling uniforms for one single-device MoE layer step.
 
@@ -123,8 +132,11 @@ def plan_experts(
     fields retain, min_retain, policy, selection, generator, quota_align and backward_capacity as keywords (not
     both).
 
-    ``draw_uniform=False`` skips the sampling draw (no backward will run, e.g. evaluation), so a forward-only
-    call leaves the RNG stream untouched.
+    The sampling uniforms (selection "sample", retain < 1): from ``generator`` when one is given; else, with
+    ``gates_TK`` (the pairs' [T, K] gates), a hash of the step's routing (``lrmoe.functional.rng``: the same
+    draws for the same model and batch, so a resumed run, a recompute and a compiled graph draw what the plain
+    run draws; this is what the layers do); else from the global RNG. ``draw_uniform=False`` skips the draw (no
+    backward will run, e.g. evaluation).
 
     ``source_ids_T`` ([T] integer in [0, num_sources), not checked: that would need a sync) groups the pairs by
     (source, expert) instead of by expert: loads and quotas become [S, E] (``plan_quotas`` of the [S, E] loads,
@@ -145,6 +157,7 @@ def plan_experts(
     check_tensor("expert_ids_TK", expert_ids_TK, ndim=2, kind="int")
     num_experts = check_int("num_experts", num_experts)
     retain = opts.retain
+    check_step_options(opts, expert_ids_TK.shape[0] * expert_ids_TK.shape[1], "plan_experts")
     if source_ids_T is not None:  # the one check that depends on the call, not on the options
         check_backward_capacity(opts.backward_capacity, retain, opts.quota_align, True, opts.policy)
     uniform = None
@@ -172,7 +185,10 @@ def plan_experts(
         quotas = plan_quotas(loads, retain, min_retain=opts.min_retain, policy=opts.policy,
                              capacity=torch.full_like(loads, cap))
     if draw_uniform and opts.selection == "sample" and retain < 1.0:
-        uniform = torch.rand(loads.shape, generator=opts.generator, device=expert_ids_TK.device)
+        if gates_TK is None or opts.generator is not None:
+            uniform = torch.rand(loads.shape, generator=opts.generator, device=expert_ids_TK.device)
+        else:
+            uniform = sampling_uniforms(gates_TK, expert_ids_TK, loads.numel()).view(loads.shape)
     return ExpertPlan(loads=loads, quotas=quotas, uniform=uniform, group_ids=group_ids_TK, retain=retain)
 
 
@@ -216,9 +232,9 @@ def selective_swiglu_experts(
             (source, expert) (``plan.group_ids`` set) makes every (source, expert) group keep its own quota.
             Pass the ``retain`` the plan was made for: a plan recording another (``plan.retain``) is refused.
         source_ids_T, num_sources: when planning here, group the pairs by (source, expert) (see plan_experts).
-        generator: RNG for sampling uniforms and the "random" metric (global RNG when None). Planning here with
-            selection "sample" at retain < 1 draws the uniforms even when no backward will run (no_grad, as dropout
-            draws); a plan from ``plan_experts(..., draw_uniform=False)`` leaves the RNG untouched.
+        generator: RNG for sampling uniforms and the "random" metric. None: planning here draws the uniforms
+            from a hash of the routing (``plan_experts`` with ``gates_TK``), and "random" scores from the global
+            RNG. Not under torch.compile.
         stats_probe: optional [3] fp32 leaf requiring grad; backward adds (fraction of score mass kept,
             retained pairs, 1) to its ``.grad``, which is how backward statistics leave without a sync.
         activations: what forward keeps for backward. "save": the gate/up projection h of every pair
@@ -251,6 +267,7 @@ def selective_swiglu_experts(
                            selection=selection, policy=policy, min_retain=min_retain, generator=generator,
                            activations=activations, quota_align=quota_align, backward_capacity=backward_capacity)
     retain = opts.retain
+    check_generator_not_traced(opts.generator)
     check_tensor("x_TD", x_TD, ndim=2, kind="float")
     check_tensor("gate_up_EFD", gate_up_EFD, ndim=3, kind="float")
     check_tensor("down_EDF", down_EDF, ndim=3, kind="float")
@@ -289,7 +306,8 @@ def selective_swiglu_experts(
         )
     hand_built = plan is not None and plan.retain is None
     if plan is None:
-        plan = plan_experts(expert_ids_TK, n_exp, source_ids_T=source_ids_T, num_sources=num_sources, backward=opts)
+        plan = plan_experts(expert_ids_TK, n_exp, source_ids_T=source_ids_T, num_sources=num_sources, backward=opts,
+                            gates_TK=gates_TK)
     quotas_G, uniform_G, group_ids_P = _flat_groups(plan, n_exp, expert_ids_TK)
     n_tok, top_k = expert_ids_TK.shape
     n_pairs = n_tok * top_k

@@ -54,7 +54,13 @@ class BackwardOptions:
         retain, factor)`` pairs and the backward runs on E zero-padded blocks of C rows with batched GEMMs. Needs
         retain < 1, policy "waterfill" and quota_align 1; one device only (expert parallelism has
         ``ExpertParallel(capacity_factor=...)``).
-    generator: RNG for the sampling uniforms and the "random" metric; the global RNG when None.
+    generator: RNG for the sampling uniforms and the "random" metric. None (default): the modules (LRMoE,
+        SwiGLUExperts, their expert-parallel forms) draw the uniforms from their own counter-based stream, kept in
+        their state so that a checkpoint resumes exactly and torch.compile traces it; the functional calls draw
+        from the global RNG. A generator cannot be used under torch.compile.
+    selective_in_eval: the modules' backward in eval() mode. False (default): exact, as if retain were 1, as
+        eval() switches off dropout (input gradients for saliency or probing are then exact); True: the same
+        selective backward as in training. Functional calls have no mode and ignore it.
 
     Every field is checked in ``__post_init__``: a bad value raises TypeError or ValueError naming it.
     """
@@ -68,6 +74,7 @@ class BackwardOptions:
     quota_align: int = 1
     backward_capacity: float | None = None
     generator: torch.Generator | None = None
+    selective_in_eval: bool = False
 
     def __post_init__(self):
         # Numbers are stored as the Python values the checks return (a NumPy float would specialise, or break,
@@ -81,13 +88,27 @@ class BackwardOptions:
         check_choice("activations", self.activations, ACTIVATION_POLICIES)
         object.__setattr__(self, "quota_align", check_int("quota_align", self.quota_align))
         check_generator(self.generator)
+        if not isinstance(self.selective_in_eval, bool):
+            raise TypeError(f"selective_in_eval must be a bool, got {type(self.selective_in_eval).__name__}")
         check_backward_capacity(self.backward_capacity, self.retain, self.quota_align, grouped_by_source=False,
                                 policy=self.policy)
+
+    def for_mode(self, training: bool) -> BackwardOptions:
+        """The options a module runs with in training (``training=True``) or eval mode: in eval mode, unless
+        ``selective_in_eval``, the exact backward (retain 1, every pair kept)."""
+        if training or self.selective_in_eval or self.dense:
+            return self
+        return _exact(self)
 
     @property
     def dense(self) -> bool:
         """Whether backward keeps every pair (retain 1): no scores, no selection."""
         return self.retain >= 1.0
+
+
+def _exact(opts: BackwardOptions) -> BackwardOptions:
+    return BackwardOptions(metric=opts.metric, selection=opts.selection, policy=opts.policy,
+                           activations=opts.activations, generator=opts.generator)
 
 
 @dataclass(frozen=True)

@@ -43,7 +43,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from lrmoe.functional._checks import check_replica_slots, check_same_device, check_same_size, check_tensor
+from lrmoe.functional._checks import (check_replica_slots, check_same_device, check_same_size, check_step_options,
+                                     check_tensor)
 from lrmoe.functional.expert_parallel import (  # noqa: F401  (backward_capacity: re-exported)
     PLACEMENT_POLICIES,
     ExpertParallelPlan,
@@ -61,6 +62,7 @@ from lrmoe.functional.expert_parallel import (  # noqa: F401  (backward_capacity
 from lrmoe.functional.expert_step import StepConfig, selective_step
 from lrmoe.functional.options import BackwardOptions
 from lrmoe.functional.replicas import place_hot_replicas
+from lrmoe.functional.rng import sampling_uniforms
 from lrmoe.functional.routing import expert_loads
 from lrmoe.nn._transport import (
     EXTRA_BYTES,
@@ -270,14 +272,14 @@ def _plan(loads_WE: torch.Tensor, opts: BackwardOptions, rep: _Replication) -> E
 def _ep_step(module: nn.Module, experts: nn.Module, run_experts: Callable[..., torch.Tensor], x_TD: torch.Tensor,
              expert_ids_TK: torch.Tensor, gates_TK: torch.Tensor, probe: torch.Tensor | None,
              out_shape: torch.Size | None = None) -> torch.Tensor:
-    """Steps 2-9 of the module docstring for one forward: the load matrix, the plan, this rank's pair
-    destinations and the step's records on ``module`` (its ep_* buffers, last_loads, last_quotas), then
-    ``run_experts(x_TD, gates_TK, group_P, plan, probe, cfg, transport)`` (the experts' expert-parallel forward),
-    with ``module.backward``'s options and ``experts``' sizes. x and the gates are already in the experts'
-    compute dtype. ``out_shape``: the output's shape (the layer's x's; StepConfig.out_shape), or None for [T, D]."""
-    ep, rep, opts = module._ep, module._replication, module.backward
-    n_exp = experts.num_experts
-
+    """Steps 2-9 of the module docstring for one forward: the load matrix, the plan, this rank's pair destinations
+    and the step's records on ``module`` (ep_* buffers, last_loads, last_quotas), then ``run_experts(x_TD, gates_TK,
+    group_P, plan, probe, cfg, transport)`` with ``module.backward``'s options (exact in eval mode, capacity too,
+    unless selective_in_eval) and ``experts``' sizes; x and the gates in the experts' compute dtype; the output in
+    ``out_shape`` (StepConfig.out_shape; None: [T, D])."""
+    ep, opts, n_exp = module._ep, module.backward.for_mode(module.training), experts.num_experts
+    rep = module._replication if opts is module.backward else replace(module._replication, capacity_factor=None)
+    check_step_options(opts, ep.size * expert_ids_TK.numel(), "ExpertParallel")  # W*T*K: the step's pairs, or so
     # The tiny [W, E] load matrix, all-gathered (no host sync), then the same plan on every rank.
     loads_WE = all_gather_loads(expert_loads(expert_ids_TK, n_exp), ep)
     n_local = n_exp // ep.size
@@ -293,9 +295,8 @@ def _ep_step(module: nn.Module, experts: nn.Module, run_experts: Callable[..., t
     n_inst = plan.instances.shape[1]
     dense = opts.retain >= 1.0 and rep.capacity_factor is None
     if module._draws_uniform(probe) and opts.selection == "sample" and not dense:
-        # This rank's uniforms, one draw of [G] (one per instance; G = E without replicas) from the layer's
-        # generator (the global RNG when None).
-        uniform_G = torch.rand(ep.size * n_inst, generator=opts.generator, device=x_TD.device)
+        uniform_G = sampling_uniforms(gates_TK, expert_ids_TK, ep.size * n_inst, stream=ep.rank,  # one per instance
+                                      generator=opts.generator)  # the generator's, or a hash of this rank's routing
         plan = replace(plan, uniform=uniform_G)
 
     # Which instance runs each of this rank's pairs: g = w * I + i.
@@ -333,9 +334,8 @@ def _ep_step(module: nn.Module, experts: nn.Module, run_experts: Callable[..., t
     # The selection keeps exactly sum(quotas[rank]) rows (every group keeps min(quota, load) = quota), grouped by
     # instance ascending, so by destination rank: its per-rank blocks are exactly splits.bwd_send.
     cfg = StepConfig(dense=dense, metric=opts.metric, selection=opts.selection, generator=opts.generator,
-                     activations=activations, max_rows=sum(splits.bwd_send),
-                     group_rows=splits.block_rows if rep.backward_blocks else None,
-                     out_shape=None if out_shape is None else tuple(out_shape))
+                     activations=activations, max_rows=sum(splits.bwd_send), out_shape=out_shape and tuple(out_shape),
+                     group_rows=splits.block_rows if rep.backward_blocks else None)
     return run_experts(x_TD, gates_TK, group_P, plan, probe, cfg, AllToAllTransport(ep, splits))
 
 
@@ -382,9 +382,7 @@ class _ExpertParallelMixin:
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check_input(x)
         x_TD = x.reshape(-1, self.dim)
-        routing = self.route(x_TD)
-        probe = self._probe_for(x)
-        dtype = compute_dtype(x)  # torch.autocast's, else x's
+        routing, probe, dtype = self.route(x_TD), self._probe_for(x), compute_dtype(x)  # autocast's dtype, else x's
         with torch.autocast(x.device.type, enabled=False):  # the experts run in ``dtype`` exactly
             out = _ep_step(self, self.experts, self.experts, x_TD.to(dtype), routing.expert_ids,
                            routing.gates.to(dtype), probe, x.shape)

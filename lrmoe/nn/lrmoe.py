@@ -132,10 +132,12 @@ class SwiGLUExperts(nn.Module):
             opts = replace(self.backward if given is None else given, **flat)
         else:
             opts = self.backward if given is None else resolve_options(BackwardOptions, given, "SwiGLUExperts call")
+        if given is None and not flat:  # the module's own options: exact in eval mode (BackwardOptions.for_mode)
+            opts = opts.for_mode(self.training)
         runs_backward = torch.is_grad_enabled() and (x_TD.requires_grad or gates_TK.requires_grad
                                                      or gate_up.requires_grad or down.requires_grad)
         if call.get("plan") is None and not (runs_backward or self.training):
-            # Evaluation leaves the RNG untouched, as LRMoE does (_draws_uniform): no sampling uniforms.
+            # Evaluation draws no sampling uniforms, as LRMoE does (_draws_uniform).
             call["plan"] = plan_experts(expert_ids_TK, self.num_experts, draw_uniform=False, backward=opts,
                                         source_ids_T=call.get("source_ids_T"), num_sources=call.get("num_sources", 1))
         dtype = compute_dtype(x_TD)  # torch.autocast's (transformers' experts compute in it there), else x's
@@ -149,6 +151,7 @@ class SwiGLUExperts(nn.Module):
         # nn.Linear's default: uniform(+-1/sqrt(fan_in)) per expert matrix.
         nn.init.uniform_(self.gate_up_proj, -1 / math.sqrt(self.dim), 1 / math.sqrt(self.dim))
         nn.init.uniform_(self.down_proj, -1 / math.sqrt(self.hidden_dim), 1 / math.sqrt(self.hidden_dim))
+
 
 
 class SwiGLUMLP(nn.Module):
@@ -187,7 +190,12 @@ class LRMoE(nn.Module):
             is added to the routed experts' for every token (GLM-4.5, DeepSeek-V3: moe_intermediate_size *
             n_shared_experts). Its backward is the ordinary dense one; under expert parallelism it stays
             replicated like the router.
-        generator: RNG for sampling; the global RNG when None, so a seeded run is reproducible.
+        generator: RNG for sampling. None (default): the uniforms are a hash of the step's routing
+            (lrmoe.functional.rng), so a run resumed from a checkpoint draws what the continued run draws, an
+            activation-checkpoint recompute what its forward drew, and torch.compile traces it. A generator's
+            state is not part of the model's, and a generator cannot be compiled.
+        selective_in_eval: in eval() mode the backward is exact (every pair kept, as at retain 1), as eval()
+            switches off dropout; True keeps the selective backward there too.
         activations: "save" (forward keeps every pair's gate/up projection), "recompute" (backward recomputes
             it for the retained rows only; less memory, one more grouped GEMM over the retained rows) or "offload"
             (forward copies it to pinned host memory on a side stream, backward reads back the retained rows
@@ -205,7 +213,7 @@ class LRMoE(nn.Module):
             capacity_factor).
 
         backward: the options above of the selective backward (retain, min_retain, metric, selection, policy,
-            activations, quota_align, backward_capacity, generator) as one
+            activations, quota_align, backward_capacity, generator, selective_in_eval) as one
             :class:`~lrmoe.functional.BackwardOptions`, instead of the keywords (not both).
         routing: the routing options above (score_func, norm_topk_prob, routed_scaling_factor, n_group,
             topk_group, selection_bias, router_dtype) as one :class:`~lrmoe.functional.RoutingOptions`, likewise.
@@ -233,6 +241,7 @@ class LRMoE(nn.Module):
         activations: str = "save",
         quota_align: int = 1,
         backward_capacity: float | None = None,
+        selective_in_eval: bool = False,
         routed_scaling_factor: float = 1.0,
         n_group: int | None = None,
         topk_group: int | None = None,
@@ -254,6 +263,7 @@ class LRMoE(nn.Module):
         self.backward = resolve_options(
             BackwardOptions, backward, "LRMoE", retain=retain, metric=metric, selection=selection, policy=policy,
             min_retain=min_retain, generator=generator, activations=activations, quota_align=quota_align,
+            selective_in_eval=selective_in_eval,
             backward_capacity=backward_capacity)
         self.routing = resolve_options(
             RoutingOptions, routing, "LRMoE", score_func=score_func, norm_topk_prob=norm_topk_prob,
@@ -301,20 +311,30 @@ class LRMoE(nn.Module):
                           down_proj=self.experts.down_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """[..., dim] tokens -> [..., dim]: route every token to its top_k experts, run them (every pair, exactly),
+        and return the gated sum, plus the shared expert's output when there is one.
+
+        The output is a fresh tensor in x's shape (not a view), in x's dtype, or torch.autocast's under autocast.
+        Its backward is the selective one in training mode (``retain``, ``selection``, ...; the router's gradient
+        exact) and exact in eval() mode unless ``selective_in_eval``. No host synchronisation, no graph break
+        under torch.compile(fullgraph=True). A graph through it cannot be differentiated twice
+        (create_graph=True raises). The step's plan is kept for ``stats()`` and ``update_selection_bias``."""
         self._check_input(x)
         x_TD = x.reshape(-1, self.dim)
         routing = self.route(x_TD)
         probe = self._probe_for(x)
+        opts = self.backward.for_mode(self.training)
+        dtype = compute_dtype(x)
+        gates_TK = routing.gates.to(dtype)
         plan = plan_experts(routing.expert_ids, self.num_experts, draw_uniform=self._draws_uniform(probe),
-                            backward=self.backward)
+                            backward=opts, gates_TK=gates_TK)
         if not recomputing():
             with torch.no_grad():
                 self.last_loads.copy_(plan.loads)
                 self.last_quotas.copy_(plan.quotas)
-        dtype = compute_dtype(x)
         with torch.autocast(x.device.type, enabled=False):  # the experts run in ``dtype`` exactly
-            out = self.experts(x_TD.to(dtype), routing.expert_ids, routing.gates.to(dtype), plan=plan,
-                               stats_probe=probe, backward=self.backward, out_shape=x.shape)
+            out = self.experts(x_TD.to(dtype), routing.expert_ids, gates_TK, plan=plan, stats_probe=probe,
+                               backward=opts, out_shape=x.shape)
         # In x's shape as the experts wrote it, not a view: an in-place op on it keeps FSDP2's hooks.
         return self.add_shared(x_TD, out)
 

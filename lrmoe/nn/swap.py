@@ -201,8 +201,8 @@ def from_transformers(block: nn.Module, **options) -> LRMoE:
 def replace_moe_blocks(model: nn.Module, **options) -> list[str]:
     """Replace every transformers MoE block of ``model`` (``BLOCKS``) by ``from_transformers(block, **options)``:
     the same weights and router (the same modules and Parameter objects in the block's order, so state_dict names,
-    loaded checkpoints, an optimizer's state and ``output_router_logits`` stay valid), LRMoE's selective backward, statistics and expert parallelism. Call
-    it before sharding.
+    loaded checkpoints, an optimizer's state and ``output_router_logits`` stay valid), LRMoE's selective backward,
+    statistics and expert parallelism. Call it before sharding.
 
     Returns the replaced blocks' names. Raises ValueError when ``model`` holds none, and as ``from_transformers``
     does; all before any change.

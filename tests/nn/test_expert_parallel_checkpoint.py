@@ -5,12 +5,18 @@ The contract: a parallelised MoELM (experts sharded by ``ExpertParallel``) plus 
 from a different seed, continues exactly as the run that saved it: the third step's loss and gradients are those
 of the original run (model state), and the weights after the third update and the fourth step's loss are too
 (optimiser state: AdamW's moments and step counts). Every rank writes and reads only its own expert shard.
+
+Under the default selection "sample", eagerly and compiled, the resumed run matches the continued one bit for bit:
+the sampling draws are a hash of each step's routing (lrmoe.functional.rng), so nothing beyond the model and
+optimiser state is needed (the recipe of docs/expert_parallel.md saves no RNG state).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -26,7 +32,7 @@ from lrmoe.nn import ExpertParallel
 
 CFG = ModelConfig(
     vocab_size=64, dim=16, n_layers=2, n_heads=2, max_seq_len=16, num_experts=4, top_k=2, expert_hidden_dim=16,
-    retain=0.75, selection="top",  # "top": the selection draws nothing, so a step is a function of the weights
+    retain=0.75, selection="top",  # "top" by default; the test runs "sample" (the default of LRMoE) too
 )
 BATCH, SEQ = 4, 12
 EXPERT_PARAMS = ("experts.gate_up_proj", "experts.down_proj")
@@ -35,12 +41,16 @@ EXPERT_PARAMS = ("experts.gate_up_proj", "experts.down_proj")
 # -------------------------------------------------------------------------------------------- training step
 
 
-def build(seed, world):
-    """The model of examples/train_ep.py: same seed on every rank, experts sharded over a 1-D EP mesh, AdamW."""
+def build(seed, world, selection="top", compiled=False):
+    """The model of examples/train_ep.py: same seed on every rank, experts sharded over a 1-D EP mesh, AdamW;
+    ``compiled``: every block compiled in place (torchtitan's per-block compile)."""
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
     torch.manual_seed(seed)
-    model = MoELM(CFG)
+    model = MoELM(dataclasses.replace(CFG, selection=selection))
     parallelize_module(model, mesh, {f"blocks.{i}.moe": ExpertParallel() for i in range(CFG.n_layers)})
+    if compiled:
+        for block in model.blocks:
+            block.compile()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
     return model, optimizer
 
@@ -100,8 +110,8 @@ def assert_expert_shards(model, optimizer, rank, world):
 # ------------------------------------------------------------------------------------------------ the phases
 
 
-def _save_phase(rank, world, ckpt, results):
-    model, optimizer = build(seed=0, world=world)
+def _save_phase(rank, world, ckpt, results, selection="top", compiled=False):
+    model, optimizer = build(seed=0, world=world, selection=selection, compiled=compiled)
     for step in (1, 2):
         train_step(model, optimizer, rank, world, step)
     model_sd, optim_sd = get_state_dict(model, optimizer)
@@ -118,9 +128,10 @@ def _save_phase(rank, world, ckpt, results):
                os.path.join(results, f"rank{rank}.pt"))
 
 
-def _load_phase(rank, world, ckpt, results):
+def _load_phase(rank, world, ckpt, results, selection="top", compiled=False):
     want = torch.load(os.path.join(results, f"rank{rank}.pt"))
-    model, optimizer = build(seed=1, world=world)  # another initialisation: only the checkpoint can make it match
+    # Another initialisation (and another global RNG state): only the checkpoint can make it match.
+    model, optimizer = build(seed=1, world=world, selection=selection, compiled=compiled)
     with torch.no_grad():
         _, before = mean_loss(model, rank, world, 3)
     assert not torch.allclose(before, want["loss3"], rtol=1e-3, atol=0), "the fresh model already matches"
@@ -137,7 +148,9 @@ def _load_phase(rank, world, ckpt, results):
     steps = {float(s["step"]) for s in optimizer.state.values()}
     assert steps == {2.0}, f"rank {rank}: AdamW step counts {steps}"
 
-    tol = dict(rtol=1e-6, atol=1e-7, msg=lambda m: f"rank {rank}: {m}")
+    # "top" within rounding; "sample" bit for bit (its draws as well as its arithmetic are the continued run's).
+    exact = selection == "sample"
+    tol = dict(rtol=0 if exact else 1e-6, atol=0 if exact else 1e-7, msg=lambda m: f"rank {rank}: {m}")
     loss3, grads3 = train_step(model, optimizer, rank, world, 3)
     torch.testing.assert_close(loss3, want["loss3"], **tol)  # the model state
     assert grads3.keys() == want["grads3"].keys()
@@ -149,10 +162,11 @@ def _load_phase(rank, world, ckpt, results):
     torch.testing.assert_close(loss4, want["loss4"], **tol)
 
 
-def test_dcp_checkpoint_resumes_in_a_fresh_process_group(tmp_path):
+@pytest.mark.parametrize("selection, compiled", [("top", False), ("sample", False), ("sample", True)])
+def test_dcp_checkpoint_resumes_in_a_fresh_process_group(tmp_path, selection, compiled):
     ckpt, results = tmp_path / "ckpt", tmp_path / "results"
     results.mkdir()
-    run_ranks(2, _save_phase, str(ckpt), str(results))
+    run_ranks(2, _save_phase, str(ckpt), str(results), selection, compiled)
     # Each rank wrote its own file (its expert shards); the metadata names every fqn once.
     assert (ckpt / ".metadata").is_file() and len(list(ckpt.glob("*.distcp"))) == 2
-    run_ranks(2, _load_phase, str(ckpt), str(results))
+    run_ranks(2, _load_phase, str(ckpt), str(results), selection, compiled)

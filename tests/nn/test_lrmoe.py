@@ -168,7 +168,9 @@ def test_sample_selection_is_unbiased():
     acc = {n: torch.zeros_like(p) for n, p in dense_gp.items()}
     acc_sq = {n: torch.zeros_like(p) for n, p in dense_gp.items()}
     acc_x = torch.zeros_like(dense_gx)
-    torch.manual_seed(123)
+    # The default draws are a hash of the routing: the same for the same weights and batch. Unbiasedness is a
+    # property over the draws, so take them from a generator here (a training run's routing changes every step).
+    layer.generator = torch.Generator().manual_seed(123)
     for _ in range(n_draws):
         out, gx, gp = grads(layer, x, layer, c)
         acc_x += gx
@@ -339,21 +341,22 @@ def test_stats_probe_moves_with_the_module():
     assert moved._stats_probe.is_leaf and moved._stats_probe.dtype == torch.float32
 
 
-def test_sample_is_reproducible_with_seed_and_generator():
+def test_sample_draws_are_a_function_of_the_model_and_batch_unless_a_generator_is_given():
     layer, x, c = make(retain=0.5, selection="sample")
-    torch.manual_seed(7)
     _, _, a = grads(layer, x, layer, c)
-    torch.manual_seed(7)
+    torch.manual_seed(99)  # the global RNG plays no part
     _, _, b = grads(layer, x, layer, c)
-    _, _, other = grads(layer, x, layer, c)
     assert torch.equal(a["experts.down_proj"], b["experts.down_proj"])
-    assert not torch.equal(a["experts.down_proj"], other["experts.down_proj"])
+    _, _, other = grads(layer, x + 1e-3 * torch.randn_like(x), layer, c)  # another batch routes (and draws) anew
+    assert not torch.allclose(a["experts.down_proj"], other["experts.down_proj"], rtol=1e-2, atol=1e-3)
 
     layer.generator = torch.Generator().manual_seed(3)
     _, _, g1 = grads(layer, x, layer, c)
+    _, _, g2 = grads(layer, x, layer, c)  # the generator has moved on
     layer.generator = torch.Generator().manual_seed(3)
-    _, _, g2 = grads(layer, x, layer, c)
-    assert torch.equal(g1["experts.down_proj"], g2["experts.down_proj"])
+    _, _, g3 = grads(layer, x, layer, c)
+    assert torch.equal(g1["experts.down_proj"], g3["experts.down_proj"])
+    assert not torch.equal(g1["experts.down_proj"], g2["experts.down_proj"])
 
 
 @pytest.mark.parametrize(
@@ -468,21 +471,24 @@ def test_a_hand_built_plan_keeping_every_pair_gives_the_dense_gradients():
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
 
 
-def test_eval_forward_without_grad_leaves_rng_untouched():
+def test_the_layer_leaves_the_global_rng_untouched_and_draws_from_a_generator_only_when_training():
     layer, x, _ = make(retain=0.5, selection="sample")
-    layer.eval()
-    torch.manual_seed(5)
-    with torch.no_grad():
-        layer(x)
-    after_eval = torch.rand(3)
-    torch.manual_seed(5)
-    assert torch.equal(torch.rand(3), after_eval)
-    for train, needs_grad in ((True, False), (False, True)):  # training mode draws as dropout does; so does grad
+    for train, needs_grad in ((False, False), (True, False), (False, True), (True, True)):
         layer.train(train)
         torch.manual_seed(5)
         with torch.set_grad_enabled(needs_grad):
             layer(x.detach().requires_grad_(needs_grad))
-        assert not torch.equal(torch.rand(3), after_eval), (train, needs_grad)
+        after = torch.rand(3)
+        torch.manual_seed(5)
+        assert torch.equal(torch.rand(3), after), (train, needs_grad)
+    # With a generator: training mode draws (as dropout does, with or without grad); eval() does not, with grad
+    # too: its backward is exact (selective_in_eval=False)
+    for train, needs_grad, draws in ((False, False, False), (True, False, True), (False, True, False)):
+        layer.train(train)
+        layer.generator = torch.Generator().manual_seed(5)
+        with torch.set_grad_enabled(needs_grad):
+            layer(x.detach().requires_grad_(needs_grad))
+        assert torch.equal(layer.generator.get_state(), torch.Generator().manual_seed(5).get_state()) != draws
 
 
 @pytest.mark.parametrize("retain, activations, backward_capacity",
@@ -511,9 +517,8 @@ def test_second_order_gradients_raise_instead_of_being_incomplete():
     # silently wrong parameter gradients (a review measured errors of ~1 at retain 1), so it must raise.
     layer = LRMoE(D, FF, E, K).double()
     x = torch.randn(T, D, dtype=torch.float64, requires_grad=True)
-    (gx,) = torch.autograd.grad(layer(x).sin().sum(), x, create_graph=True)
-    with pytest.raises(RuntimeError, match="differentiate twice"):
-        gx.square().sum().backward()
+    with pytest.raises(RuntimeError, match="create_graph=True"):
+        torch.autograd.grad(layer(x).sin().sum(), x, create_graph=True)
 
 
 @pytest.mark.parametrize("use_reentrant", [False, True])

@@ -4,6 +4,7 @@ a whole Qwen3-MoE causal LM, against the unswapped model with the same weights."
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 
 import pytest
 import torch
@@ -170,8 +171,12 @@ def test_evaluation_leaves_the_rng_untouched():
         for training, draws in ((False, False), (True, True)):
             experts.train(training)
             state = torch.get_rng_state()
+            experts.backward = replace(experts.backward, generator=torch.Generator().manual_seed(0))
             out = experts(x, ids, gates)
-            assert torch.equal(torch.get_rng_state(), state) != draws, f"training={training}"
+            assert torch.equal(torch.get_rng_state(), state), "the default draws never touch the global RNG"
+            moved = not torch.equal(experts.backward.generator.get_state(),
+                                    torch.Generator().manual_seed(0).get_state())
+            assert moved == draws, f"training={training}"
             torch.testing.assert_close(out, want, rtol=1e-6, atol=1e-6)
 
 

@@ -1,0 +1,89 @@
+"""Keyed uniforms: the sampling draws of a step as a pure function of that step's routing.
+
+Shapes: T tokens, K top-k, N draws.
+
+Selection "sample" needs one uniform per pair group per step. Drawn from the global RNG, a run resumed from a
+checkpoint would draw other values than the continued run (unless every rank also saved and restored its RNG
+state), and a torch.Generator cannot enter a torch.compile graph. Drawn instead from a hash of the step's own
+routing (every pair's gate and expert), the uniforms are a function of the model and the batch: a resumed run, an
+activation-checkpoint recompute and a compiled graph draw exactly what the continued, plain or eager run draws,
+with no state to save, no generator and no host synchronisation. Different layers, steps and expert-parallel
+ranks route differently, so their keys differ; ``stream`` separates draws that share one routing.
+
+The hash is Chris Wellons' "lowbias32" integer finaliser, chained over 32-bit words. Every product is formed in
+int64 from a 32-bit value and a 16-bit half of the constant, so no intermediate overflows (signed overflow is
+undefined in C++, where the CPU kernels run), and every device computes the same bits. Gates enter as integers,
+``floor(gate * 2**24)``: exact for the fp32 values the routers produce, so the key does not depend on the order of
+a floating-point reduction.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["keyed_uniform", "routing_key", "sampling_uniforms"]
+
+_MASK32 = 0xFFFFFFFF
+_MUL1 = 0x7FEB352D
+_MUL2 = 0x846CA68B
+
+
+def _mul32(x: torch.Tensor, const: int) -> torch.Tensor:
+    """(x * const) mod 2**32 for x in [0, 2**32), without an int64 overflow: the constant in two 16-bit halves."""
+    lo = x * (const & 0xFFFF)
+    hi = ((x * (const >> 16)) & 0xFFFF) << 16
+    return (lo + hi) & _MASK32
+
+
+def _hash32(x: torch.Tensor) -> torch.Tensor:
+    """lowbias32 on int64 tensors holding values in [0, 2**32) (the shifts are then logical)."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, _MUL1)
+    x = x ^ (x >> 15)
+    x = _mul32(x, _MUL2)
+    return x ^ (x >> 16)
+
+
+def routing_key(gates_TK: torch.Tensor, expert_ids_TK: torch.Tensor) -> torch.Tensor:
+    """0-d int64 in [0, 2**32): a hash of every pair's gate (to 2**-24) and expert, and of its position."""
+    if gates_TK.shape != expert_ids_TK.shape:
+        raise ValueError(f"gates_TK and expert_ids_TK must have one shape, got {tuple(gates_TK.shape)} and "
+                         f"{tuple(expert_ids_TK.shape)}")
+    gate_P = (gates_TK.detach().reshape(-1).double() * (1 << 24)).floor().long() & _MASK32
+    expert_P = expert_ids_TK.reshape(-1).long() & _MASK32
+    index_P = torch.arange(gate_P.shape[0], device=gate_P.device, dtype=torch.int64)
+    # An integer sum of per-pair hashes: exact, and the same whatever order a kernel adds in.
+    pair_P = _hash32(_hash32(gate_P ^ _hash32(index_P)) ^ expert_P)
+    return _hash32(pair_P.sum() & _MASK32)
+
+
+def keyed_uniform(key: torch.Tensor, n: int, *, stream: int = 0) -> torch.Tensor:
+    """[n] fp32 uniforms in [0, 1) with 24 random bits, a pure function of (key, stream, index), on key's device.
+
+    Args:
+        key: 0-d int64 tensor (``routing_key``; any int64 value).
+        n: number of draws (a Python int: the output's static size). Draw i does not depend on n.
+        stream: a Python int >= 0 separating independent draws of one key (an expert-parallel rank).
+    """
+    if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+        raise ValueError(f"n must be a non-negative Python int, got {n!r}")
+    if not isinstance(stream, int) or isinstance(stream, bool) or stream < 0:
+        raise ValueError(f"stream must be a non-negative Python int, got {stream!r}")
+    if not isinstance(key, torch.Tensor) or key.dim() != 0 or key.dtype != torch.int64:
+        raise TypeError(f"key must be a 0-d int64 tensor, got "
+                        f"{tuple(key.shape) if isinstance(key, torch.Tensor) else type(key).__name__}"
+                        f"{' ' + str(key.dtype) if isinstance(key, torch.Tensor) else ''}")
+    salt = _hash32(key.new_tensor(stream & _MASK32) ^ 0x9E3779B9)
+    k = _hash32((key & _MASK32) ^ _hash32((key >> 32) & _MASK32) ^ salt)
+    index_N = torch.arange(n, device=key.device, dtype=torch.int64)
+    h_N = _hash32(_hash32(index_N ^ k) ^ _hash32(k ^ 0x85EBCA6B))
+    return (h_N >> 8).float() * (1.0 / (1 << 24))
+
+
+def sampling_uniforms(gates_TK: torch.Tensor, expert_ids_TK: torch.Tensor, n: int, *, stream: int = 0,
+                      generator: torch.Generator | None = None) -> torch.Tensor:
+    """[n] fp32 sampling uniforms for one step: ``torch.rand`` from ``generator`` when one is given, else
+    ``keyed_uniform(routing_key(gates_TK, expert_ids_TK), n, stream=stream)``."""
+    if generator is not None:
+        return torch.rand(n, generator=generator, device=gates_TK.device)
+    return keyed_uniform(routing_key(gates_TK, expert_ids_TK), n, stream=stream)

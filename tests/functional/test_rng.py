@@ -1,0 +1,97 @@
+"""lrmoe/functional/rng.py: keyed uniforms, a pure function of the step's routing."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from lrmoe.functional.rng import keyed_uniform, routing_key, sampling_uniforms
+
+
+def _k(v):
+    return torch.tensor(v, dtype=torch.int64)
+
+
+def _routing(seed, t=64, e=16, k=4):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
+    return torch.rand(t, k, generator=g), ids
+
+
+def test_pure_function_of_key_and_stream():
+    a = keyed_uniform(_k(123), 1000, stream=2)
+    assert torch.equal(a, keyed_uniform(_k(123), 1000, stream=2))
+    for other in (keyed_uniform(_k(124), 1000, stream=2), keyed_uniform(_k(123), 1000, stream=3),
+                  keyed_uniform(_k(123 + (1 << 32)), 1000, stream=2)):
+        assert (other == a).float().mean() < 0.01  # independent draws share about none of their 24-bit values
+
+
+def test_prefix_stable_in_n():
+    assert torch.equal(keyed_uniform(_k(5), 10), keyed_uniform(_k(5), 100)[:10])
+
+
+def test_range_and_uniformity():
+    u = keyed_uniform(_k(-987654321), 200_000)
+    assert u.dtype == torch.float32 and u.shape == (200_000,)
+    assert float(u.min()) >= 0.0 and float(u.max()) < 1.0
+    # chi-square over 50 bins: 49 degrees of freedom (mean 49, sd ~9.9)
+    counts = torch.histc(u, bins=50, min=0.0, max=1.0)
+    expected = u.numel() / 50
+    assert float(((counts - expected) ** 2 / expected).sum()) < 120
+    assert abs(float(torch.corrcoef(torch.stack([u[:-1], u[1:]]))[0, 1])) < 0.01
+
+
+def test_routing_key_changes_with_any_gate_expert_or_position():
+    gates, ids = _routing(0)
+    key = routing_key(gates, ids)
+    assert key.dtype == torch.int64 and key.dim() == 0 and 0 <= int(key) < 2**32
+    assert torch.equal(routing_key(gates.clone(), ids.clone()), key)
+    nudged = gates.clone()
+    nudged[10, 2] += 2**-20
+    swapped = ids.clone()
+    swapped[3, [0, 1]] = swapped[3, [1, 0]]
+    for g, i in ((nudged, ids), (gates, swapped), (gates.flip(0), ids.flip(0))):
+        assert not torch.equal(routing_key(g, i), key)
+    # bf16 gates (the layer's compute dtype) key too, and to the same value as their fp32 copy
+    assert torch.equal(routing_key(gates.bfloat16(), ids), routing_key(gates.bfloat16().float(), ids))
+
+
+def test_draws_per_group_are_uniform_across_routings():
+    # what systematic sampling sees: one draw per group per step; over many steps each group's draws are U(0, 1)
+    draws = torch.stack([sampling_uniforms(*_routing(s), 8) for s in range(3000)])
+    assert torch.allclose(draws.mean(0), torch.full((8,), 0.5), atol=4 * math.sqrt(1 / 12 / 3000))
+    assert torch.allclose(draws.var(0), torch.full((8,), 1 / 12), atol=0.01)
+
+
+def test_a_generator_draws_instead():
+    gates, ids = _routing(1)
+    a = sampling_uniforms(gates, ids, 6, generator=torch.Generator().manual_seed(4))
+    assert torch.equal(a, torch.rand(6, generator=torch.Generator().manual_seed(4)))
+    assert torch.equal(sampling_uniforms(gates, ids, 6, stream=1), keyed_uniform(routing_key(gates, ids), 6, stream=1))
+
+
+@pytest.mark.parametrize("bad", [{"n": -1}, {"n": 2.0}, {"stream": -1}, {"stream": True}])
+def test_bad_sizes(bad):
+    kwargs = {"n": 4, "stream": 0} | bad
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        keyed_uniform(_k(1), **kwargs)
+
+
+def test_bad_key_and_routing():
+    with pytest.raises(TypeError, match="key"):
+        keyed_uniform(torch.tensor([1, 2]), 4)
+    with pytest.raises(TypeError, match="key"):
+        keyed_uniform(torch.tensor(1.0), 4)
+    with pytest.raises(ValueError, match="gates_TK and expert_ids_TK"):
+        routing_key(torch.rand(4, 2), torch.zeros(4, 3, dtype=torch.long))
+
+
+def test_compiles_without_graph_breaks_or_recompiles_and_matches_eager():
+    torch._dynamo.reset()
+    f = torch.compile(lambda g, i: sampling_uniforms(g, i, 16, stream=1), fullgraph=True)
+    for s in range(3):  # new routings reuse the graph: their values are tensor data
+        gates, ids = _routing(s)
+        assert torch.equal(f(gates, ids), sampling_uniforms(gates, ids, 16, stream=1))
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
