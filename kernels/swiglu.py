@@ -10,8 +10,8 @@ Shapes: N rows of h, R rows out, F the expert hidden dim (h is [N, 2F], gate hal
     Rows outside [0, N) are not read: their outputs are zero (as for zero h).
 ``swiglu_sqnorm_triton(h_N2F) -> (phi_NF, phi_sq_N)``
     phi as above for every row of h, and phi_sq_n = sum over f of phi_nf^2 in fp32 from the rounded phi: the
-    layers' forward SwiGLU and the ||phi||^2 the "lrm" score needs, from one read of h (PyTorch writes a SiLU
-    temporary and phi, and lrmoe::row_sqnorm reads phi again).
+    layers' forward SwiGLU and the ||phi||^2 the "lrm" score needs, from one read of h (PyTorch would write a SiLU
+    temporary and phi, and read phi again for the norms).
 
 Why one kernel: the layer's backward needs phi (the down projection's weight-gradient operand) and dh (the gate/up
 projection's output gradient) of the same retained rows, both from h. Compiled, Inductor produced them in two

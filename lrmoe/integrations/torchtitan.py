@@ -47,12 +47,13 @@ from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher, L
 from torchtitan.protocols.model import ModelConfigConverter
 
 from lrmoe.functional import ExpertPlan, expert_loads, plan_quotas, selective_swiglu_experts
+from lrmoe.functional.options import BackwardOptions, option_names
 
-__all__ = ["EXPERT_OPTIONS", "SelectiveBackwardConverter", "backward_stats", "convert_moe", "is_converted"]
+__all__ = ["SelectiveBackwardConverter", "backward_stats", "convert_moe", "is_converted"]
 
-# selective_swiglu_experts' keyword arguments that convert_moe fixes for every call of the converted experts.
-EXPERT_OPTIONS = ("retain", "metric", "selection", "policy", "min_retain", "generator", "activations", "quota_align",
-                  "backward_capacity")
+# The options convert_moe fixes for every call of the converted experts: BackwardOptions' fields, less
+# selective_in_eval (a mode of lrmoe's own modules; these experts are torchtitan's).
+_CALL_OPTIONS = tuple(name for name in option_names(BackwardOptions) if name != "selective_in_eval")
 
 # The dispatchers whose rows reach the experts one per routed pair (R = sum of the counts, nothing padded), which
 # is what the selective backward's quotas count. TorchAOTokenDispatcher pads every expert's rows, and the DeepEP,
@@ -80,8 +81,8 @@ def convert_moe(model: nn.Module, *, retain: float, compute_dtype: torch.dtype |
             torchtitan's expert parallelism over that many ranks does (each rank plans its own experts' quotas
             from the rows it received). 1 (default) on every rank; set it on a single device to reproduce a
             W-rank run's plan there. Must divide the number of experts.
-        **options: selective_swiglu_experts' keyword arguments for every call (``EXPERT_OPTIONS``): metric,
-            selection, policy, min_retain, generator, activations, quota_align, backward_capacity.
+        **options: selective_swiglu_experts' keyword arguments for every call (``BackwardOptions``' fields):
+            metric, selection, policy, min_retain, generator, activations, quota_align, backward_capacity.
 
     Returns: the names of the converted experts modules (``layers.0.moe.routed_experts.inner_experts``, ...).
 
@@ -161,10 +162,10 @@ class SelectiveBackwardConverter(ModelConfigConverter):
 
 def _checked_options(retain: float, compute_dtype: torch.dtype | None, quota_blocks: int, options: dict) -> dict:
     """selective_swiglu_experts' options with ``retain``, checked (module-independent arguments of convert_moe)."""
-    unknown = sorted(set(options) - set(EXPERT_OPTIONS))
+    unknown = sorted(set(options) - set(_CALL_OPTIONS))
     if unknown:
         raise TypeError(f"unknown options {unknown}; convert_moe takes retain, compute_dtype, quota_blocks and "
-                        f"selective_swiglu_experts' {', '.join(o for o in EXPERT_OPTIONS if o != 'retain')}")
+                        f"selective_swiglu_experts' {', '.join(o for o in _CALL_OPTIONS if o != 'retain')}")
     if compute_dtype is not None and not (isinstance(compute_dtype, torch.dtype) and compute_dtype.is_floating_point):
         raise TypeError(f"compute_dtype must be a floating-point torch.dtype or None, got {compute_dtype!r}")
     if isinstance(quota_blocks, bool) or not isinstance(quota_blocks, int) or quota_blocks < 1:
