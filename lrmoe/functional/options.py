@@ -54,10 +54,10 @@ class BackwardOptions:
         retain, factor)`` pairs and the backward runs on E zero-padded blocks of C rows with batched GEMMs. Needs
         retain < 1, policy "waterfill" and quota_align 1; one device only (expert parallelism has
         ``ExpertParallel(capacity_factor=...)``).
-    generator: RNG for the sampling uniforms and the "random" metric. None (default): the modules (LRMoE,
-        SwiGLUExperts, their expert-parallel forms) draw the uniforms from their own counter-based stream, kept in
-        their state so that a checkpoint resumes exactly and torch.compile traces it; the functional calls draw
-        from the global RNG. A generator cannot be used under torch.compile.
+    generator: RNG for the sampling uniforms and the "random" metric. None (default): the uniforms are a hash of
+        the step's routing (lrmoe.functional.rng), a function of the model and the batch, so a checkpoint resumes
+        exactly and torch.compile traces it ("random" scores then come from the global RNG). A generator cannot be
+        used under torch.compile.
     selective_in_eval: the modules' backward in eval() mode. False (default): exact, as if retain were 1, as
         eval() switches off dropout (input gradients for saliency or probing are then exact); True: the same
         selective backward as in training. Functional calls have no mode and ignore it.
