@@ -119,12 +119,13 @@ def _saved_bytes(layer: LRMoE, x: torch.Tensor) -> int:
 
 
 # Every shape, dtype, selection and policy with the default router; the other routers on two shapes, in bf16.
-SAVED_CASES = [
+# (A shape whose T * K pairs keep floor(0.5 * T * K) = 0 at retain 0.5 is refused, tests/nn/test_user_traps.py.)
+SAVED_CASES = [case for case in [
     *itertools.product(SHAPES, [torch.float32, torch.bfloat16, torch.float64],
                        [(1.0, "sample"), (0.5, "sample"), (0.5, "top")], [(True, "softmax")]),
     *itertools.product(SHAPES[1:3], [torch.bfloat16], [(1.0, "sample"), (0.5, "sample"), (0.5, "top")],
                        [(False, "softmax"), (True, "sigmoid")]),
-]
+] if case[2][0] * case[0][0] * case[0][4] >= 1]
 
 
 @pytest.mark.parametrize("shape,dtype,retain_selection,norm_score_func", SAVED_CASES)

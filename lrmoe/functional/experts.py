@@ -124,7 +124,6 @@ def plan_experts(
     quota_align: int = 1,
     backward_capacity: float | None = None,
     backward: BackwardOptions | None = None,
-    gates_TK: torch.Tensor | None = None,
 ) -> ExpertPlan:
     """Loads, quotas and sampling uniforms for one single-device MoE layer step.
 
@@ -132,10 +131,9 @@ def plan_experts(
     fields retain, min_retain, policy, selection, generator, quota_align and backward_capacity as keywords (not
     both).
 
-    The sampling uniforms (selection "sample", retain < 1): from ``generator`` when one is given; else, with
-    ``gates_TK`` (the pairs' [T, K] gates), a hash of the step's routing (``lrmoe.functional.rng``: the same
-    draws for the same model and batch, so a resumed run, a recompute and a compiled graph draw what the plain
-    run draws; this is what the layers do); else from the global RNG. ``draw_uniform=False`` skips the draw (no
+    The sampling uniforms (selection "sample", retain < 1): from ``generator`` when one is given, else a hash of
+    the step's routing (``lrmoe.functional.rng``: the same draws for the same model and batch, so a resumed run, a
+    recompute and a compiled graph draw what the plain run draws). ``draw_uniform=False`` skips the draw (no
     backward will run, e.g. evaluation).
 
     ``source_ids_T`` ([T] integer in [0, num_sources), not checked: that would need a sync) groups the pairs by
@@ -185,10 +183,7 @@ def plan_experts(
         quotas = plan_quotas(loads, retain, min_retain=opts.min_retain, policy=opts.policy,
                              capacity=torch.full_like(loads, cap))
     if draw_uniform and opts.selection == "sample" and retain < 1.0:
-        if gates_TK is None or opts.generator is not None:
-            uniform = torch.rand(loads.shape, generator=opts.generator, device=expert_ids_TK.device)
-        else:
-            uniform = sampling_uniforms(gates_TK, expert_ids_TK, loads.numel()).view(loads.shape)
+        uniform = sampling_uniforms(expert_ids_TK, loads.numel(), generator=opts.generator).view(loads.shape)
     return ExpertPlan(loads=loads, quotas=quotas, uniform=uniform, group_ids=group_ids_TK, retain=retain)
 
 
@@ -232,9 +227,8 @@ def selective_swiglu_experts(
             (source, expert) (``plan.group_ids`` set) makes every (source, expert) group keep its own quota.
             Pass the ``retain`` the plan was made for: a plan recording another (``plan.retain``) is refused.
         source_ids_T, num_sources: when planning here, group the pairs by (source, expert) (see plan_experts).
-        generator: RNG for sampling uniforms and the "random" metric. None: planning here draws the uniforms
-            from a hash of the routing (``plan_experts`` with ``gates_TK``), and "random" scores from the global
-            RNG. Not under torch.compile.
+        generator: RNG for sampling uniforms and the "random" metric. None: the uniforms are a hash of the
+            routing (``plan_experts``), and "random" scores come from the global RNG. Not under torch.compile.
         stats_probe: optional [3] fp32 leaf requiring grad; backward adds (fraction of score mass kept,
             retained pairs, 1) to its ``.grad``, which is how backward statistics leave without a sync.
         activations: what forward keeps for backward. "save": the gate/up projection h of every pair
@@ -306,8 +300,7 @@ def selective_swiglu_experts(
         )
     hand_built = plan is not None and plan.retain is None
     if plan is None:
-        plan = plan_experts(expert_ids_TK, n_exp, source_ids_T=source_ids_T, num_sources=num_sources, backward=opts,
-                            gates_TK=gates_TK)
+        plan = plan_experts(expert_ids_TK, n_exp, source_ids_T=source_ids_T, num_sources=num_sources, backward=opts)
     quotas_G, uniform_G, group_ids_P = _flat_groups(plan, n_exp, expert_ids_TK)
     n_tok, top_k = expert_ids_TK.shape
     n_pairs = n_tok * top_k

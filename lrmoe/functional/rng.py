@@ -5,16 +5,16 @@ Shapes: T tokens, K top-k, N draws.
 Selection "sample" needs one uniform per pair group per step. Drawn from the global RNG, a run resumed from a
 checkpoint would draw other values than the continued run (unless every rank also saved and restored its RNG
 state), and a torch.Generator cannot enter a torch.compile graph. Drawn instead from a hash of the step's own
-routing (every pair's gate and expert), the uniforms are a function of the model and the batch: a resumed run, an
-activation-checkpoint recompute and a compiled graph draw exactly what the continued, plain or eager run draws,
-with no state to save, no generator and no host synchronisation. Different layers, steps and expert-parallel
-ranks route differently, so their keys differ; ``stream`` separates draws that share one routing.
+routing (every pair's expert, by position), the uniforms are a function of the model and the batch: a resumed
+run, an activation-checkpoint recompute and a compiled graph draw exactly what the continued, plain or eager run
+draws, with no state to save, no generator and no host synchronisation. Different layers, steps and
+expert-parallel ranks route differently, so their keys differ; ``stream`` separates draws that share one routing.
+The key reads the integer expert ids, not the gates: a compiled router's gates may differ from the eager ones in
+the last bit, and the draws must not.
 
 The hash is Chris Wellons' "lowbias32" integer finaliser, chained over 32-bit words. Every product is formed in
 int64 from a 32-bit value and a 16-bit half of the constant, so no intermediate overflows (signed overflow is
-undefined in C++, where the CPU kernels run), and every device computes the same bits. Gates enter as integers,
-``floor(gate * 2**24)``: exact for the fp32 values the routers produce, so the key does not depend on the order of
-a floating-point reduction.
+undefined in C++, where the CPU kernels run), and every device computes the same bits.
 """
 
 from __future__ import annotations
@@ -44,17 +44,12 @@ def _hash32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def routing_key(gates_TK: torch.Tensor, expert_ids_TK: torch.Tensor) -> torch.Tensor:
-    """0-d int64 in [0, 2**32): a hash of every pair's gate (to 2**-24) and expert, and of its position."""
-    if gates_TK.shape != expert_ids_TK.shape:
-        raise ValueError(f"gates_TK and expert_ids_TK must have one shape, got {tuple(gates_TK.shape)} and "
-                         f"{tuple(expert_ids_TK.shape)}")
-    gate_P = (gates_TK.detach().reshape(-1).double() * (1 << 24)).floor().long() & _MASK32
+def routing_key(expert_ids_TK: torch.Tensor) -> torch.Tensor:
+    """0-d int64 in [0, 2**32): a hash of every pair's expert and position (an integer sum of per-pair hashes:
+    exact, whatever order a kernel adds in)."""
     expert_P = expert_ids_TK.reshape(-1).long() & _MASK32
-    index_P = torch.arange(gate_P.shape[0], device=gate_P.device, dtype=torch.int64)
-    # An integer sum of per-pair hashes: exact, and the same whatever order a kernel adds in.
-    pair_P = _hash32(_hash32(gate_P ^ _hash32(index_P)) ^ expert_P)
-    return _hash32(pair_P.sum() & _MASK32)
+    index_P = torch.arange(expert_P.shape[0], device=expert_P.device, dtype=torch.int64)
+    return _hash32(_hash32(_hash32(index_P) ^ expert_P).sum() & _MASK32)
 
 
 def keyed_uniform(key: torch.Tensor, n: int, *, stream: int = 0) -> torch.Tensor:
@@ -80,10 +75,10 @@ def keyed_uniform(key: torch.Tensor, n: int, *, stream: int = 0) -> torch.Tensor
     return (h_N >> 8).float() * (1.0 / (1 << 24))
 
 
-def sampling_uniforms(gates_TK: torch.Tensor, expert_ids_TK: torch.Tensor, n: int, *, stream: int = 0,
+def sampling_uniforms(expert_ids_TK: torch.Tensor, n: int, *, stream: int = 0,
                       generator: torch.Generator | None = None) -> torch.Tensor:
     """[n] fp32 sampling uniforms for one step: ``torch.rand`` from ``generator`` when one is given, else
-    ``keyed_uniform(routing_key(gates_TK, expert_ids_TK), n, stream=stream)``."""
+    ``keyed_uniform(routing_key(expert_ids_TK), n, stream=stream)``."""
     if generator is not None:
-        return torch.rand(n, generator=generator, device=gates_TK.device)
-    return keyed_uniform(routing_key(gates_TK, expert_ids_TK), n, stream=stream)
+        return torch.rand(n, generator=generator, device=expert_ids_TK.device)
+    return keyed_uniform(routing_key(expert_ids_TK), n, stream=stream)

@@ -295,8 +295,8 @@ def _ep_step(module: nn.Module, experts: nn.Module, run_experts: Callable[..., t
     n_inst = plan.instances.shape[1]
     dense = opts.retain >= 1.0 and rep.capacity_factor is None
     if module._draws_uniform(probe) and opts.selection == "sample" and not dense:
-        uniform_G = sampling_uniforms(gates_TK, expert_ids_TK, ep.size * n_inst, stream=ep.rank,  # one per instance
-                                      generator=opts.generator)  # the generator's, or a hash of this rank's routing
+        uniform_G = sampling_uniforms(expert_ids_TK, ep.size * n_inst, stream=ep.rank,  # one per instance: the
+                                      generator=opts.generator)  # generator's, or a hash of this rank's routing
         plan = replace(plan, uniform=uniform_G)
 
     # Which instance runs each of this rank's pairs: g = w * I + i.

@@ -327,7 +327,7 @@ class LRMoE(nn.Module):
         dtype = compute_dtype(x)
         gates_TK = routing.gates.to(dtype)
         plan = plan_experts(routing.expert_ids, self.num_experts, draw_uniform=self._draws_uniform(probe),
-                            backward=opts, gates_TK=gates_TK)
+                            backward=opts)
         if not recomputing():
             with torch.no_grad():
                 self.last_loads.copy_(plan.loads)

@@ -8,7 +8,7 @@ import math
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from lrmoe.functional.experts import (
@@ -65,6 +65,7 @@ def test_blocked_backward_equals_the_grouped_one_with_the_clamped_plan(selection
        seed=st.integers(0, 2**16))
 def test_plan_keeps_at_most_c_per_expert_and_hands_the_rest_on(T, E, K, retain, factor, skew, min_retain, seed):
     K = min(K, E)
+    assume(min_retain > 0 or retain * T * K >= 1)  # a budget of 0 pairs is refused (tests/nn/test_user_traps.py)
     _, _, _, ids, _ = _problem(T, 4, 4, E, K, skew, seed)
     plain = plan_experts(ids, E, retain=retain, min_retain=min_retain, selection="top")
     plan = plan_experts(ids, E, retain=retain, min_retain=min_retain, selection="top", backward_capacity=factor)
@@ -196,6 +197,7 @@ def test_blocked_backward_property(T, E, K, retain, factor, skew, selection, see
     # Any routing, retain and factor: the blocked backward gives the grouped backward's gradients for the plan
     # clamped to C (empty experts, experts below C, clamped ones, C = T).
     K = min(K, E)
+    assume(retain * T * K >= 1)  # a budget of 0 pairs is refused (tests/nn/test_user_traps.py)
     D, F = 8, 6
     x, w_gu, w_d, ids, gates = _problem(T, D, F, E, K, skew, seed)
     g = torch.randn(T, D, dtype=x.dtype, generator=torch.Generator().manual_seed(seed + 1))

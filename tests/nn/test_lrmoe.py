@@ -347,8 +347,7 @@ def test_sample_draws_are_a_function_of_the_model_and_batch_unless_a_generator_i
     torch.manual_seed(99)  # the global RNG plays no part
     _, _, b = grads(layer, x, layer, c)
     assert torch.equal(a["experts.down_proj"], b["experts.down_proj"])
-    _, _, other = grads(layer, x + 1e-3 * torch.randn_like(x), layer, c)  # another batch routes (and draws) anew
-    assert not torch.allclose(a["experts.down_proj"], other["experts.down_proj"], rtol=1e-2, atol=1e-3)
+    # (another routing draws anew: tests/functional/test_rng.py)
 
     layer.generator = torch.Generator().manual_seed(3)
     _, _, g1 = grads(layer, x, layer, c)
