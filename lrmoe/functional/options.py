@@ -98,17 +98,13 @@ class BackwardOptions:
         ``selective_in_eval``, the exact backward (retain 1, every pair kept)."""
         if training or self.selective_in_eval or self.dense:
             return self
-        return _exact(self)
+        # Only the fields that make a backward selective change: the rest (metric, activations, ...) stay.
+        return dataclasses.replace(self, retain=1.0, min_retain=0.0, quota_align=1, backward_capacity=None)
 
     @property
     def dense(self) -> bool:
         """Whether backward keeps every pair (retain 1): no scores, no selection."""
         return self.retain >= 1.0
-
-
-def _exact(opts: BackwardOptions) -> BackwardOptions:
-    return BackwardOptions(metric=opts.metric, selection=opts.selection, policy=opts.policy,
-                           activations=opts.activations, generator=opts.generator)
 
 
 @dataclass(frozen=True)
