@@ -109,10 +109,9 @@ def scenario_command(name: str, limit: int) -> list[str]:
 
 def run_scenario(name: str, limit: int) -> None:
     """One import order (SCENARIOS[name]) in this process, then SonicMoE's first fwd+bwd, printed as
-    SONIC_FIRST_CALL_S; a stack dump and exit if it outlasts ``limit`` seconds."""
+    SONIC_FIRST_CALL_S; a stack dump and exit if that call outlasts ``limit`` seconds."""
     import faulthandler
 
-    faulthandler.dump_traceback_later(limit, exit=True)
     env0 = dict(os.environ)
     shape, device = dict(PRESETS["qwen3"]), torch.device("cuda")
     for step in SCENARIOS[name]:
@@ -131,30 +130,39 @@ def run_scenario(name: str, limit: int) -> None:
         log(f"{step}: {time.perf_counter() - t0:.1f} s")
     changed = {k: v for k, v in os.environ.items() if env0.get(k) != v}
     log(f"environment set since start: {changed}")
+    faulthandler.dump_traceback_later(limit, exit=True)
     print(f"SONIC_FIRST_CALL_S {sonic_first_step(shape, 2, 4096, device):.1f}", flush=True)
 
 
 def import_orders(args) -> None:
     """benchmarks/layer.py imports: every SCENARIOS entry in a fresh interpreter of its own (scenario_command), one
-    after another, under a timeout; prints each one's SonicMoE first-call time or its stack dump. The first scenario
-    runs with an empty quack cache (SonicMoE's autotuner then compiles every config, in worker
-    processes of its own); the others share the cache it filled, unless --cold-each gives each an empty one."""
-    lines, shared_cache = ["| import order | quack cache | exit | wall s | SonicMoE first fwd+bwd s |",
-                           "| --- | --- | --- | --- | --- |"], tempfile.mkdtemp(prefix="quack_")
+    after another, under a timeout; prints each one's SonicMoE first-call time or its stack dump. The scenarios share
+    one quack cache (--cache-dir, kept; a new empty folder by default), which the first fills (on an empty cache
+    SonicMoE's autotuner compiles every GEMM config, in worker processes of its own), unless --cold-each gives each
+    later one an empty cache of its own. --log-dir keeps each scenario's whole output (QUACK_PRINT_AUTOTUNING=1 makes quack print how long
+    each GEMM's pre-compilation and autotuning took)."""
+    lines = ["| import order | quack cache | exit | wall s | SonicMoE first fwd+bwd s |",
+             "| --- | --- | --- | --- | --- |"]
+    shared_cache = args.cache_dir or tempfile.mkdtemp(prefix="quack_")
+    Path(shared_cache).mkdir(parents=True, exist_ok=True)
     for i, name in enumerate(args.scenarios):
-        cold = i == 0 or args.cold_each
         cache = tempfile.mkdtemp(prefix="quack_") if args.cold_each and i else shared_cache
+        cold = not any(Path(cache).iterdir())
         env = dict(os.environ, QUACK_CACHE_DIR=cache, QUACK_HOME=cache, PYTHONUNBUFFERED="1")
         env.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # as train_e2e.py runs SonicMoE
         limit = args.cold_limit if cold else args.limit
         t0 = time.perf_counter()
-        done = subprocess.run(["timeout", str(limit + 20), *scenario_command(name, limit)], env=env,
+        done = subprocess.run(["timeout", str(limit + 120), *scenario_command(name, limit)], env=env,
                               capture_output=True, text=True)
         text = done.stdout + done.stderr
+        subprocess.run(["pkill", "-f", "quack._compile_worker"])  # a timed-out child leaves its compile workers
         first = next((ln.split()[-1] for ln in text.splitlines() if ln.startswith("SONIC_FIRST_CALL_S")), "-")
         lines.append(f"| {name} | {'empty' if cold else 'filled'} | {done.returncode} | "
                      f"{time.perf_counter() - t0:.0f} | {first} |")
         print(f"===== {name} (exit {done.returncode}) =====\n{text[-6000:]}", flush=True)
+        if args.log_dir:
+            Path(args.log_dir).mkdir(parents=True, exist_ok=True)
+            (Path(args.log_dir) / f"imports_{name.replace(',', '_')}.txt").write_text(text)
     print("\n".join(lines), flush=True)
 
 

@@ -535,6 +535,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--limit", type=int, default=120, help="seconds before a scenario dumps its stack and exits")
     p.add_argument("--cold-limit", type=int, default=600, help="--limit of a scenario with an empty quack cache")
     p.add_argument("--cold-each", action="store_true", help="an empty quack cache for every scenario")
+    p.add_argument("--cache-dir", help="the quack cache the scenarios share (default: a new temporary folder)")
+    p.add_argument("--log-dir", help="write each scenario's whole output to LOG_DIR/imports_<order>.txt")
     for name, p in sub.choices.items():
         if name == "imports":
             continue
