@@ -12,9 +12,13 @@ expert-parallel ranks route differently, so their keys differ; ``stream`` separa
 The key reads the integer expert ids, not the gates: a compiled router's gates may differ from the eager ones in
 the last bit, and the draws must not.
 
-The hash is Chris Wellons' "lowbias32" integer finaliser, chained over 32-bit words. Every product is formed in
-int64 from a 32-bit value and a 16-bit half of the constant, so no intermediate overflows (signed overflow is
-undefined in C++, where the CPU kernels run), and every device computes the same bits.
+The mixer is Chris Wellons' "lowbias32" integer finaliser. A routing's key is the sum of one round of it over
+every pair's (position, expert) word; draw i of a key is one round over i times an odd multiplier taken from the
+key, plus the key. One round per element, not a chain: under torch.compile Inductor inlines each round into
+its consumer, and a value read twice per round (as every xorshift-multiply round reads it) doubles the expression
+at each round, so two chained rounds already cost seconds of compile time and four cost minutes. Every product is
+formed in int64 from factors small enough not to overflow (signed overflow is undefined in C++, where the CPU
+kernels run), so every device computes the same bits.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ __all__ = ["keyed_uniform", "routing_key", "sampling_uniforms"]
 _MASK32 = 0xFFFFFFFF
 _MUL1 = 0x7FEB352D
 _MUL2 = 0x846CA68B
+_GOLDEN = 0x9E3779B9  # odd: a multiplier that spreads consecutive positions over the 32-bit words
 
 
 def _mul32(x: torch.Tensor, const: int) -> torch.Tensor:
@@ -36,7 +41,7 @@ def _mul32(x: torch.Tensor, const: int) -> torch.Tensor:
 
 
 def _hash32(x: torch.Tensor) -> torch.Tensor:
-    """lowbias32 on int64 tensors holding values in [0, 2**32) (the shifts are then logical)."""
+    """One lowbias32 round on int64 tensors holding values in [0, 2**32) (the shifts are then logical)."""
     x = x ^ (x >> 16)
     x = _mul32(x, _MUL1)
     x = x ^ (x >> 15)
@@ -44,34 +49,45 @@ def _hash32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
+def _hash32_int(v: int) -> int:
+    """_hash32 of a Python int in [0, 2**32): stream salts, folded into the graph as constants."""
+    v ^= v >> 16
+    v = (v * _MUL1) & _MASK32
+    v ^= v >> 15
+    v = (v * _MUL2) & _MASK32
+    return v ^ (v >> 16)
+
+
 def routing_key(expert_ids_TK: torch.Tensor) -> torch.Tensor:
-    """0-d int64 in [0, 2**32): a hash of every pair's expert and position (an integer sum of per-pair hashes:
-    exact, whatever order a kernel adds in)."""
+    """0-d int64 in [0, 2**32): the sum mod 2**32 of one hash round per pair over the word (position * golden +
+    expert) (an integer sum: exact, whatever order a kernel adds in; any changed pair changes its term)."""
     expert_P = expert_ids_TK.reshape(-1).long() & _MASK32
-    index_P = torch.arange(expert_P.shape[0], device=expert_P.device, dtype=torch.int64)
-    return _hash32(_hash32(_hash32(index_P) ^ expert_P).sum() & _MASK32)
+    index_P = torch.arange(expert_P.shape[0], device=expert_P.device, dtype=torch.int64)  # < 2**31 pairs
+    word_P = (((index_P * _GOLDEN) & _MASK32) + expert_P) & _MASK32
+    return _hash32(word_P).sum() & _MASK32
 
 
 def keyed_uniform(key: torch.Tensor, n: int, *, stream: int = 0) -> torch.Tensor:
     """[n] fp32 uniforms in [0, 1) with 24 random bits, a pure function of (key, stream, index), on key's device.
 
     Args:
-        key: 0-d int64 tensor (``routing_key``; any int64 value).
-        n: number of draws (a Python int: the output's static size). Draw i does not depend on n.
+        key: 0-d int64 tensor: ``routing_key``'s, or any int64 that is itself a hash (the key is not mixed
+            again: draws of neighbouring plain integers such as 0, 1, 2 correlate slightly, |r| ~ 0.02).
+        n: number of draws (a Python int below 2**31: the output's static size). Draw i does not depend on n.
         stream: a Python int >= 0 separating independent draws of one key (an expert-parallel rank).
     """
-    if not isinstance(n, int) or isinstance(n, bool) or n < 0:
-        raise ValueError(f"n must be a non-negative Python int, got {n!r}")
+    if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n < 2**31:
+        raise ValueError(f"n must be a Python int in [0, 2**31), got {n!r}")
     if not isinstance(stream, int) or isinstance(stream, bool) or stream < 0:
         raise ValueError(f"stream must be a non-negative Python int, got {stream!r}")
     if not isinstance(key, torch.Tensor) or key.dim() != 0 or key.dtype != torch.int64:
         raise TypeError(f"key must be a 0-d int64 tensor, got "
                         f"{tuple(key.shape) if isinstance(key, torch.Tensor) else type(key).__name__}"
                         f"{' ' + str(key.dtype) if isinstance(key, torch.Tensor) else ''}")
-    salt = _hash32(key.new_tensor(stream & _MASK32) ^ 0x9E3779B9)
-    k = _hash32((key & _MASK32) ^ _hash32((key >> 32) & _MASK32) ^ salt)
+    salt = _hash32_int(_hash32_int(stream & _MASK32) ^ (stream >> 32 & _MASK32) ^ 0x85EBCA6B)
+    k = (key & _MASK32) ^ _mul32((key >> 32) & _MASK32, _GOLDEN) ^ salt
     index_N = torch.arange(n, device=key.device, dtype=torch.int64)
-    h_N = _hash32(_hash32(index_N ^ k) ^ _hash32(k ^ 0x85EBCA6B))
+    h_N = _hash32((((index_N * (k | 1)) & _MASK32) + k) & _MASK32)  # index < 2**31, multiplier < 2**32: no overflow
     return (h_N >> 8).float() * (1.0 / (1 << 24))
 
 

@@ -61,6 +61,9 @@ def test_draws_per_group_are_uniform_across_routings():
     draws = torch.stack([sampling_uniforms(_routing(s)[1], 8) for s in range(3000)])
     assert torch.allclose(draws.mean(0), torch.full((8,), 0.5), atol=4 * math.sqrt(1 / 12 / 3000))
     assert torch.allclose(draws.var(0), torch.full((8,), 1 / 12), atol=0.01)
+    # and the groups' draws are uncorrelated (28 pairs, each |r| ~ N(0, 0.018): 0.08 is 4.4 standard errors)
+    off_diagonal = torch.corrcoef(draws.T) - torch.eye(8)
+    assert float(off_diagonal.abs().max()) < 0.08
 
 
 def test_a_generator_draws_instead():
@@ -70,7 +73,7 @@ def test_a_generator_draws_instead():
     assert torch.equal(sampling_uniforms(ids, 6, stream=1), keyed_uniform(routing_key(ids), 6, stream=1))
 
 
-@pytest.mark.parametrize("bad", [{"n": -1}, {"n": 2.0}, {"stream": -1}, {"stream": True}])
+@pytest.mark.parametrize("bad", [{"n": -1}, {"n": 2.0}, {"n": 2**31}, {"stream": -1}, {"stream": True}])
 def test_bad_sizes(bad):
     kwargs = {"n": 4, "stream": 0} | bad
     with pytest.raises(ValueError, match=next(iter(bad))):
