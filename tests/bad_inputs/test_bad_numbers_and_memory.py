@@ -68,10 +68,17 @@ def test_the_layer_and_the_expert_function_take_numpy_retain_in_eager_mode():
     assert out.shape == (3, 8)
 
 
-def test_a_numpy_retain_compiles():
+def test_a_numpy_retain_compiles_and_plans_as_its_float():
+    # Dynamo and AOTAutograd trace it whole; the numpy scalar plans the same quotas as the Python float.
     torch.manual_seed(0)
-    layer = LRMoE(8, 16, 4, 2, retain=np.float32(0.75))
-    torch.compile(layer, fullgraph=True)(torch.randn(10, 8)).sum().backward()
+    layer = LRMoE(8, 16, 4, 2, retain=np.float32(0.75), selection="top")
+    twin = LRMoE(8, 16, 4, 2, retain=0.75, selection="top")
+    twin.load_state_dict(layer.state_dict())
+    x = torch.randn(10, 8)
+    torch.compile(layer, fullgraph=True, backend="aot_eager")(x).sum().backward()
+    twin(x).sum().backward()
+    assert torch.equal(layer.stats().quotas, twin.stats().quotas)
+    torch.testing.assert_close(layer.experts.down_proj.grad, twin.experts.down_proj.grad)
 
 
 @pytest.mark.parametrize("call, exc, match", [

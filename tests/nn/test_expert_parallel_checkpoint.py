@@ -8,7 +8,10 @@ of the original run (model state), and the weights after the third update and th
 
 Under the default selection "sample", eagerly and compiled, the resumed run matches the continued one bit for bit:
 the sampling draws are a hash of each step's routing (lrmoe.functional.rng), so nothing beyond the model and
-optimiser state is needed (the recipe of docs/expert_parallel.md saves no RNG state).
+optimiser state is needed (the recipe of docs/expert_parallel.md saves no RNG state). The compiled case traces
+every block with Dynamo and AOTAutograd (backend "aot_eager"): a draw taken from any RNG state inside the graphs
+would differ after the resume. Inductor's code for the draws equals eager bit for bit
+(tests/functional/test_rng.py); generating it for four processes here would cost a minute of CI.
 """
 
 from __future__ import annotations
@@ -43,14 +46,14 @@ EXPERT_PARAMS = ("experts.gate_up_proj", "experts.down_proj")
 
 def build(seed, world, selection="top", compiled=False):
     """The model of examples/train_ep.py: same seed on every rank, experts sharded over a 1-D EP mesh, AdamW;
-    ``compiled``: every block compiled in place (torchtitan's per-block compile)."""
+    ``compiled``: every block compiled in place (torchtitan's per-block compile; aot_eager, see the module doc)."""
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
     torch.manual_seed(seed)
     model = MoELM(dataclasses.replace(CFG, selection=selection))
     parallelize_module(model, mesh, {f"blocks.{i}.moe": ExpertParallel() for i in range(CFG.n_layers)})
     if compiled:
         for block in model.blocks:
-            block.compile()
+            block.compile(backend="aot_eager")
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
     return model, optimizer
 
