@@ -154,7 +154,7 @@ def measure(layer: LRMoE, cfg: Config, args, ranks: Ranks) -> dict:
     # configuration: the layers of earlier ones would count towards the recompile limit.
     if args.compile:
         torch._dynamo.reset()
-    step = torch.compile(layer, fullgraph=True) if args.compile else layer
+    step = torch.compile(layer, fullgraph=True, backend=args.compile) if args.compile else layer
 
     def clear() -> None:
         x_TD.grad = None
@@ -284,7 +284,7 @@ def print_table(rows: list[dict], meta: dict) -> None:
     print(f"# {meta['shape_name']} {meta['shape']}, tokens/rank={meta['tokens']}, W={meta['world']} "
           f"({meta['backend']}, {meta['device_name']}), {meta['dtype']}, torch {meta['torch']}, skew={meta['skew']}, "
           f"rank skew={meta['rank_skew']}, "
-          f"selection={meta['selection']}{', compiled' if meta['compiled'] else ''}")
+          f"selection={meta['selection']}{', compiled: ' + meta['compiled'] if meta['compiled'] else ''}")
     print(f"# times: ms, {meta['timing']}; fwd, fwd+bwd: median of {meta['steps']} steps, slowest rank; split: "
           f"{meta['split_time']}, median of {meta['profile_steps']} profiled steps, mean over ranks. a2a: all-to-all, "
           "f/b forward/backward, disp dispatch, comb combine (backward: input-gradient return), repl replica weights "
@@ -349,9 +349,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--top-ops", type=int, default=0,
                    help="also list the N ops with the most host time and kernels with the most device time in the "
                         "profiled steps, per configuration (rank 0)")
-    p.add_argument("--compile", action="store_true",
-                   help="time torch.compile(layer, fullgraph=True); expert ops inlined into the compiled code on "
-                        "CUDA do not show as ops, so the split's expert column is not meaningful then")
+    p.add_argument("--compile", nargs="?", const="inductor", default=None, metavar="BACKEND",
+                   help="time torch.compile(layer, fullgraph=True, backend=BACKEND) (default inductor; the CPU tests "
+                        "trace with aot_eager); expert ops inlined into the compiled code on CUDA do not show as "
+                        "ops, so the split's expert column is not meaningful then")
     p.add_argument("--list", action="store_true",
                    help="print the configurations it would time (JSON, one per line) and exit: no process group")
     args = p.parse_args(argv)

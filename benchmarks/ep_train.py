@@ -64,7 +64,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--selection", choices=("sample", "top"), default="sample")
     p.add_argument("--max-replicas", type=int, default=0, help="replica slots per rank (every run, dense too)")
     p.add_argument("--capacity-factor", type=float, default=1.25, help="LRMoE runs' backward capacity (0: none)")
-    p.add_argument("--compile", action="store_true", help="train torch.compile(model) (no MoE-layer time then)")
+    p.add_argument("--compile", nargs="?", const="inductor", default=None, metavar="BACKEND",
+                   help="train torch.compile(model, backend=BACKEND) (default inductor; no MoE-layer time then)")
     p.add_argument("--plan-on", choices=("device", "host"), default="host",
                    help="where each layer step's plan runs (ExpertParallel(plan_on=...)), every run")
     p.add_argument("--target-loss", type=float, default=None)
@@ -156,7 +157,7 @@ def train_run(retain: float, target: float | None, args, corpus, heldout, device
     # --compile: the whole model through torch.compile (graph breaks allowed outside the MoE layers, which compile
     # whole); module hooks cannot time layers inside compiled code, so no MoE-layer time then (NaN).
     timer = NoTimer() if args.compile else MoETimer(layers, cuda)
-    run_model = torch.compile(model) if args.compile else model
+    run_model = torch.compile(model, backend=args.compile) if args.compile else model
     batches = torch.Generator().manual_seed(args.seed + 1 + rank)  # every rank its own batches, same in every run
     torch.manual_seed(args.seed + 1000 + rank)  # and its own sampling uniforms
 

@@ -60,7 +60,7 @@ def ep_layer(tmp_path_factory):
 def ep_layer_compiled(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("ep_layer_compiled")
     torchrun(tmp, "ep_layer.py", "--device", "cpu", "--shape", "tiny", "--tokens", "64", "--steps", "2",
-             "--warmup", "1", "--compile", "--retain", "0.5", "--max-replicas", "0", "--profile-steps", "0",
+             "--warmup", "1", "--compile", "aot_eager", "--retain", "0.5", "--max-replicas", "0", "--profile-steps", "0",
              "--plan-on", "device",
              "--json", str(tmp / "layer.json"))
     return json.loads((tmp / "layer.json").read_text())
@@ -78,7 +78,7 @@ def ep_train(tmp_path_factory):
 def ep_train_compiled(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("ep_train_compiled")
     torchrun(tmp, "ep_train.py", "--tiny", "--device", "cpu", "--runs", "1", "--steps", "8", "--eval-every", "4",
-             "--compile", "--json", str(tmp / "train.json"))
+             "--compile", "aot_eager", "--json", str(tmp / "train.json"))
     return json.loads((tmp / "train.json").read_text())
 
 
@@ -140,7 +140,7 @@ def test_ep_layer_compiled_moves_what_eager_moves(ep_layer, ep_layer_compiled):
     """--compile times torch.compile(layer, fullgraph=True), here with the plan on the device: the same tokens and
     router, so the same pairs kept and the same bytes in every all-to-all as the eager rows with the plan on the
     host (the default); --profile-steps 0 leaves the split out (NaN)."""
-    assert ep_layer_compiled["meta"]["compiled"] and not ep_layer[1]["meta"]["compiled"]
+    assert ep_layer_compiled["meta"]["compiled"] == "aot_eager" and ep_layer[1]["meta"]["compiled"] is None
     eager = _by_name(ep_layer[1])
     names = [row["name"] for row in ep_layer_compiled["rows"]]
     assert names == ["dense R=0", "lrmoe r=0.5 R=0 c=1.25"]
@@ -229,7 +229,7 @@ def test_ep_train_compiled_trains_like_eager(ep_train, ep_train_compiled):
     MoE-layer time is not measured then (NaN)."""
     eager = next(r for r in ep_train[1]["runs"] if r["dense"])
     (compiled,) = ep_train_compiled["runs"]
-    assert ep_train_compiled["meta"]["compiled"] and compiled["dense"]
+    assert ep_train_compiled["meta"]["compiled"] == "aot_eager" and compiled["dense"]
     assert [h["step"] for h in compiled["history"]] == [h["step"] for h in eager["history"]] == [0, 4, 8]
     for got, want in zip(compiled["history"], eager["history"], strict=True):
         assert got["loss"] == pytest.approx(want["loss"], rel=1e-4)

@@ -251,10 +251,12 @@ def _two_layers_with_fsdp_experts(world, expert_parallel, max_replicas=0):
 
 def _compiled_with_fsdp_experts(rank, world, expert_parallel):
     # FSDP's hooks on layer.experts are skipped by dynamo (torch._dynamo.config.skip_fsdp_hooks): one graph break
-    # around the experts call, so fullgraph=False; the compiled layer must still equal the eager one.
+    # around the experts call, so fullgraph=False; the compiled layer must still equal the eager one. Traced by
+    # Dynamo and AOTAutograd (aot_eager): the graphs around FSDP's hooks are what this checks; Inductor's code for
+    # the layer is tests/nn/test_compile.py's and test_expert_parallel_compile.py's.
     torch._dynamo.config.capture_scalar_outputs = True
     layers = _two_layers_with_fsdp_experts(world, expert_parallel)
-    eager, compiled = layers[0], torch.compile(layers[1])
+    eager, compiled = layers[0], torch.compile(layers[1], backend="aot_eager")
     torch.manual_seed(10 + rank)
     for step in range(2):
         x, c = torch.randn(T, D), torch.randn(T, D)
