@@ -139,8 +139,8 @@ def import_orders(args) -> None:
     after another, under a timeout; prints each one's SonicMoE first-call time or its stack dump. The scenarios share
     one quack cache (--cache-dir, kept; a new empty folder by default), which the first fills (on an empty cache
     SonicMoE's autotuner compiles every GEMM config, in worker processes of its own), unless --cold-each gives each
-    later one an empty cache of its own. --log-dir keeps each scenario's whole output (QUACK_PRINT_AUTOTUNING=1 makes quack print how long
-    each GEMM's pre-compilation and autotuning took)."""
+    later one an empty cache of its own. --log-dir keeps each scenario's whole output (QUACK_PRINT_AUTOTUNING=1
+    makes quack print how long each GEMM's pre-compilation and autotuning took)."""
     lines = ["| import order | quack cache | exit | wall s | SonicMoE first fwd+bwd s |",
              "| --- | --- | --- | --- | --- |"]
     shared_cache = args.cache_dir or tempfile.mkdtemp(prefix="quack_")

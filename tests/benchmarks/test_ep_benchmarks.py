@@ -60,8 +60,8 @@ def ep_layer(tmp_path_factory):
 def ep_layer_compiled(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("ep_layer_compiled")
     torchrun(tmp, "ep_layer.py", "--device", "cpu", "--shape", "tiny", "--tokens", "64", "--steps", "2",
-             "--warmup", "1", "--compile", "aot_eager", "--retain", "0.5", "--max-replicas", "0", "--profile-steps", "0",
-             "--plan-on", "device",
+             "--warmup", "1", "--compile", "aot_eager", "--retain", "0.5", "--max-replicas", "0",
+             "--profile-steps", "0", "--plan-on", "device",
              "--json", str(tmp / "layer.json"))
     return json.loads((tmp / "layer.json").read_text())
 
