@@ -33,29 +33,21 @@ _MUL2 = 0x846CA68B
 _GOLDEN = 0x9E3779B9  # odd: a multiplier that spreads consecutive positions over the 32-bit words
 
 
-def _mul32(x: torch.Tensor, const: int) -> torch.Tensor:
+def _mul32(x: torch.Tensor | int, const: int) -> torch.Tensor | int:
     """(x * const) mod 2**32 for x in [0, 2**32), without an int64 overflow: the constant in two 16-bit halves."""
     lo = x * (const & 0xFFFF)
     hi = ((x * (const >> 16)) & 0xFFFF) << 16
     return (lo + hi) & _MASK32
 
 
-def _hash32(x: torch.Tensor) -> torch.Tensor:
-    """One lowbias32 round on int64 tensors holding values in [0, 2**32) (the shifts are then logical)."""
+def _hash32(x: torch.Tensor | int) -> torch.Tensor | int:
+    """One lowbias32 round on int64 tensors holding values in [0, 2**32) (the shifts are then logical), or on a
+    Python int in that range (stream salts, folded into the graph as constants)."""
     x = x ^ (x >> 16)
     x = _mul32(x, _MUL1)
     x = x ^ (x >> 15)
     x = _mul32(x, _MUL2)
     return x ^ (x >> 16)
-
-
-def _hash32_int(v: int) -> int:
-    """_hash32 of a Python int in [0, 2**32): stream salts, folded into the graph as constants."""
-    v ^= v >> 16
-    v = (v * _MUL1) & _MASK32
-    v ^= v >> 15
-    v = (v * _MUL2) & _MASK32
-    return v ^ (v >> 16)
 
 
 def routing_key(expert_ids_TK: torch.Tensor) -> torch.Tensor:
@@ -84,7 +76,7 @@ def keyed_uniform(key: torch.Tensor, n: int, *, stream: int = 0) -> torch.Tensor
         raise TypeError(f"key must be a 0-d int64 tensor, got "
                         f"{tuple(key.shape) if isinstance(key, torch.Tensor) else type(key).__name__}"
                         f"{' ' + str(key.dtype) if isinstance(key, torch.Tensor) else ''}")
-    salt = _hash32_int(_hash32_int(stream & _MASK32) ^ (stream >> 32 & _MASK32) ^ 0x85EBCA6B)
+    salt = _hash32(_hash32(stream & _MASK32) ^ (stream >> 32 & _MASK32) ^ 0x85EBCA6B)
     k = (key & _MASK32) ^ _mul32((key >> 32) & _MASK32, _GOLDEN) ^ salt
     index_N = torch.arange(n, device=key.device, dtype=torch.int64)
     h_N = _hash32((((index_N * (k | 1)) & _MASK32) + k) & _MASK32)  # index < 2**31, multiplier < 2**32: no overflow

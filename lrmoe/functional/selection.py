@@ -148,7 +148,9 @@ def select_within_quota(
 
 
 def _check_selection_inputs(group_ids_P, n_groups, uniform_G, group_order_P, max_group_size, group_ends_G):
-    """Checking mode (lrmoe.checks): the contracts of select_within_quota's docstring that need the values."""
+    """Checking mode (lrmoe.checks): the contracts of select_within_quota's docstring that need the values. These
+    reads (.item(), .tolist(), .all()) sync with the device by design: they run only under ``checking()``, which is
+    off by default and never true while a compiler traces, so no compiled graph and no default step sees them."""
     check_in_range("group_ids_P", group_ids_P, 0, n_groups, "the group of each pair, G = len(quotas_G)")
     if uniform_G is not None and uniform_G.device.type != "meta" and not ((uniform_G >= 0) & (uniform_G < 1)).all():
         raise ValueError(f"uniform_G must be in [0, 1) (one uniform draw per group), got values from "
