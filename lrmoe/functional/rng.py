@@ -30,7 +30,7 @@ __all__ = ["keyed_uniform", "routing_key", "sampling_uniforms"]
 _MASK32 = 0xFFFFFFFF
 _MUL1 = 0x7FEB352D
 _MUL2 = 0x846CA68B
-_GOLDEN = 0x9E3779B9  # odd: a multiplier that spreads consecutive positions over the 32-bit words
+_GOLDEN = 0x9E3779B9  # odd: a multiplier that spreads consecutive expert ids over the 32-bit words
 
 
 def _mul32(x: torch.Tensor | int, const: int) -> torch.Tensor | int:
@@ -51,12 +51,13 @@ def _hash32(x: torch.Tensor | int) -> torch.Tensor | int:
 
 
 def routing_key(expert_ids_TK: torch.Tensor) -> torch.Tensor:
-    """0-d int64 in [0, 2**32): the sum mod 2**32 of one hash round per pair over the word (position * golden +
-    expert) (an integer sum: exact, whatever order a kernel adds in; any changed pair changes its term)."""
+    """0-d int64 in [0, 2**32): the sum mod 2**32 of one hash round per pair over the word (position xor expert *
+    golden) (an integer sum: exact, whatever order a kernel adds in; any changed pair changes its term)."""
     expert_P = expert_ids_TK.reshape(-1).long() & _MASK32
     index_P = torch.arange(expert_P.shape[0], device=expert_P.device, dtype=torch.int64)  # < 2**31 pairs
-    word_P = (((index_P * _GOLDEN) & _MASK32) + expert_P) & _MASK32
-    return _hash32(word_P).sum() & _MASK32
+    # The position enters through xor only: Inductor folds arithmetic on an arange into its index expressions,
+    # which Triton evaluates in int32 (a constant of 2**31 or more there fails to compile).
+    return _hash32(index_P ^ _mul32(expert_P, _GOLDEN)).sum() & _MASK32
 
 
 def keyed_uniform(key: torch.Tensor, n: int, *, stream: int = 0) -> torch.Tensor:

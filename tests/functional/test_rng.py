@@ -100,5 +100,17 @@ def test_compiles_without_graph_breaks_or_recompiles_and_matches_eager():
         _, ids = _routing(s)
         assert torch.equal(f(ids), sampling_uniforms(ids, 16, stream=1))
     assert len(graphs) == 1
-    inductor = torch.compile(lambda i: sampling_uniforms(i, 16, stream=1), fullgraph=True)
-    assert torch.equal(inductor(ids), sampling_uniforms(ids, 16, stream=1))
+
+
+# On a GPU, Inductor turns arithmetic on an arange into index expressions that Triton evaluates in int32: a key
+# that multiplied the pair position by a 32-bit constant failed to compile there ("Scalar 2654435769 is out of
+# range for type int32"), and a product over 2**31 would wrap. 40,000 tokens x 8 = 320,000 pairs: position x
+# 2**15 already passes 2**31.
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device"))])
+def test_inductor_draws_equal_eager_at_more_pairs_than_int32_products_allow(device):
+    torch._dynamo.reset()
+    ids = torch.randint(0, 128, (40_000, 8), generator=torch.Generator().manual_seed(0)).to(device)
+    inductor = torch.compile(lambda i: sampling_uniforms(i, 128, stream=1), fullgraph=True)
+    assert torch.equal(inductor(ids), sampling_uniforms(ids, 128, stream=1))
+    assert torch.equal(torch.compile(routing_key, fullgraph=True)(ids), routing_key(ids))
