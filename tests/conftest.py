@@ -43,3 +43,25 @@ settings.register_profile(
     suppress_health_check=[HealthCheck.too_slow],
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+# pytest-xdist's --dist loadfile hands whole files to its workers in collection order (with
+# --no-loadscope-reorder; by default it hands out the files with the most tests first, which leaves files made of one
+# long test for the end, where one worker runs them alone). The files below take the longest on two CPU cores (a
+# minute or more each, mostly compiling): they go first, so the many short files fill in around them.
+SLOW_FIRST = (
+    "kernels/test_sm90_compile.py",
+    "nn/test_expert_parallel_compile.py",
+    "nn/test_compile.py",
+    "nn/test_expert_parallel_checkpoint.py",
+    "benchmarks/test_ep_benchmarks.py",
+    "test_cuda_paths_on_cpu.py",
+    "nn/test_expert_parallel_fsdp.py",
+    "demo/test_study.py",
+    "benchmarks/test_train_e2e.py",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    here = os.path.dirname(os.path.abspath(__file__))
+    rank = {name: i for i, name in enumerate(SLOW_FIRST)}
+    items.sort(key=lambda item: rank.get(os.path.relpath(str(item.path), here).replace(os.sep, "/"), len(rank)))

@@ -34,7 +34,8 @@ def test_compiled_equals_eager_at_retain_075(selection, activations, quota_align
     assert int(stats.retained_pairs) == int(0.75 * 4 * 16 * 2)
 
 
-@pytest.mark.parametrize("backward_capacity, metric", [(None, "lrm"), (1.5, "lrm"), (None, "random")])
+# A binding capacity and "random" scores share one compile (each compile of the layer costs CI seconds).
+@pytest.mark.parametrize("backward_capacity, metric", [(None, "lrm"), (1.5, "random")])
 def test_dynamic_token_counts_share_one_graph_and_match_eager(backward_capacity, metric, fwd_bwd):
     # torch.compile(dynamic=True): the token count is symbolic, so the row buffers (and C) are sized from it in
     # the graph; three token counts, one graph, eager's values ("random" scores: eager's RNG, fallback_random).

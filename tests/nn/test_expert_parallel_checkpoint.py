@@ -52,10 +52,14 @@ def build(seed, world, selection="top", compiled=False):
     model = MoELM(dataclasses.replace(CFG, selection=selection))
     parallelize_module(model, mesh, {f"blocks.{i}.moe": ExpertParallel() for i in range(CFG.n_layers)})
     if compiled:
-        for block in model.blocks:
-            block.compile(backend="aot_eager")
+        compile_blocks(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
     return model, optimizer
+
+
+def compile_blocks(model):
+    for block in model.blocks:
+        block.compile(backend="aot_eager")
 
 
 def batch(rank, step):
@@ -134,10 +138,12 @@ def _save_phase(rank, world, ckpt, results, selection="top", compiled=False):
 def _load_phase(rank, world, ckpt, results, selection="top", compiled=False):
     want = torch.load(os.path.join(results, f"rank{rank}.pt"))
     # Another initialisation (and another global RNG state): only the checkpoint can make it match.
-    model, optimizer = build(seed=1, world=world, selection=selection, compiled=compiled)
-    with torch.no_grad():
+    model, optimizer = build(seed=1, world=world, selection=selection)
+    with torch.no_grad():  # eager, before the blocks are compiled: a no-grad graph would be one more trace
         _, before = mean_loss(model, rank, world, 3)
     assert not torch.allclose(before, want["loss3"], rtol=1e-3, atol=0), "the fresh model already matches"
+    if compiled:
+        compile_blocks(model)
     assert not optimizer.state
 
     model_sd, optim_sd = get_state_dict(model, optimizer)  # initialises AdamW's state (lr 0 step), to load into
