@@ -327,6 +327,20 @@ def outermost(events: list) -> list:
     return kept
 
 
+def top_kernels(averages, steps: int, top: int) -> tuple[float, list[str]]:
+    """torch.profiler key averages over ``steps`` steps: (the GPU's kernel ms per step, a header and a line for each
+    of the ``top`` kernels by self device time: share, ms per step, calls per step, name)."""
+    from torch.autograd import DeviceType
+
+    events = [e for e in averages if e.device_type == DeviceType.CUDA and e.self_device_time_total > 0]
+    total = sum(e.self_device_time_total for e in events)
+    lines = [f"{'share':>6} {'ms/step':>8} {'calls/step':>10}  kernel"]
+    for e in sorted(events, key=lambda e: -e.self_device_time_total)[:top]:
+        lines.append(f"{e.self_device_time_total / total:>6.1%} {e.self_device_time_total / steps / 1e3:>8.3f} "
+                     f"{e.count / steps:>10.1f}  {e.key[:110]}")
+    return total / steps / 1e3, lines
+
+
 def split_from_profile(events: list, device_time: bool, bwd_indices: bool) -> list[dict[str, float]]:
     """Per profiled expert-parallel step, milliseconds per SPLIT_KEYS from torch.profiler events (see
     benchmarks/ep_layer.py); ``bwd_indices``: whether the backward dispatch sends row indices beside its rows (not

@@ -258,21 +258,15 @@ def peer_layers(args) -> None:
 
 def kernel_table(step, steps: int, top: int, title: str) -> str:
     """torch.profiler over ``steps`` calls of step: the GPU time per step and its ``top`` kernels by self time."""
-    from torch.autograd import DeviceType
+    from common import top_kernels
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             step()
         torch.cuda.synchronize()
-    events = [e for e in prof.key_averages() if e.device_type == DeviceType.CUDA and e.self_device_time_total > 0]
-    total = sum(e.self_device_time_total for e in events)
-    lines = [f"## {title}: {total / steps / 1e3:.3f} ms GPU time per step",
-             f"{'share':>6} {'ms/step':>8} {'calls':>6}  kernel"]
-    for e in sorted(events, key=lambda e: -e.self_device_time_total)[:top]:
-        lines.append(f"{e.self_device_time_total / total:>6.1%} {e.self_device_time_total / steps / 1e3:>8.3f} "
-                     f"{e.count / steps:>6.1f}  {e.key[:120]}")
-    return "\n".join(lines) + "\n"
+    gpu_ms, lines = top_kernels(prof.key_averages(), steps, top)
+    return "\n".join([f"## {title}: {gpu_ms:.3f} ms GPU time per step", *lines]) + "\n"
 
 
 # ---------------------------------------------------------------------------------------------------- curves

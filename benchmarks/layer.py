@@ -64,6 +64,7 @@ from common import (
     require_cuda,
     skew_router,
     timeline_stats,
+    top_kernels,
     union,
 )
 from e2e_common import SCENARIOS, VARIANTS, import_orders, own_code, peer_layers
@@ -287,15 +288,11 @@ def profile_layer(args) -> None:
             step()
         torch.cuda.synchronize()
     averages = prof.key_averages()
-    events = [e for e in averages if e.device_type == DeviceType.CUDA and e.self_device_time_total > 0]  # kernels
-    total = sum(e.self_device_time_total for e in events)
+    gpu_ms, lines = top_kernels(averages, args.steps, args.rows)
     mode = ("compiled" if args.compiled else "eager") + (", forward only" if args.forward_only else "")
     print(f"# {args.shape}, tokens={args.tokens}, retain={args.retain:g}, skew={args.skew:g}, {mode}: "
-          f"{total / args.steps / 1e3:.3f} ms GPU time per step, {wall_ms:.3f} ms wall per step (unprofiled)")
-    print(f"{'share':>6} {'ms/step':>8} {'calls/step':>10}  kernel")
-    for e in sorted(events, key=lambda e: -e.self_device_time_total)[: args.rows]:
-        print(f"{e.self_device_time_total / total:>6.1%} {e.self_device_time_total / args.steps / 1e3:>8.3f} "
-              f"{e.count / args.steps:>10.1f}  {e.key[:110]}")
+          f"{gpu_ms:.3f} ms GPU time per step, {wall_ms:.3f} ms wall per step (unprofiled)")
+    print("\n".join(lines))
     if args.timeline:
         print_timeline(prof, args.steps)
     # Where the host waits or launches: CUDA runtime calls (a synchronising one is a host sync) and the host ops
