@@ -2,7 +2,6 @@
 the backward's GEMMs on side streams, and the matrix rate under sustained load.
 
     python benchmarks/gemm.py grouped [--problems qwen3-up qwen3-down glm-up glm-down] [--rows 65536] [--configs]
-    python benchmarks/gemm.py swiglu [--problems qwen3-gateup glm-gateup] [--rows 65536 262144] [--configs]
     python benchmarks/gemm.py layouts [--model qwen3-30b-a3b] [--rows-per-group 512 384 256]
     python benchmarks/gemm.py streams [--shape qwen3-30b-a3b] [--retain 1 0.75 0.5]
     python benchmarks/gemm.py sustained [--seconds 6] [--window 0.5]
@@ -16,14 +15,6 @@ outer(a[i], b[rows[i]])): the Triton kernel (a through a ragged TMA descriptor; 
 of Qwen3-30B-A3B ("qwen3") and GLM-4.5-Air ("glm"). Group sizes (--groups, common.router_group_sizes): "bal",
 "jitter" (a router with random logits) or "skew". --configs also times each launch config of the autotuner's
 lists. Rows are interleaved over --rounds rounds; the median of their medians.
-
-``swiglu``: the layers' forward up to the down projection (h = gate/up GEMM of the gathered rows, phi = SwiGLU(h)
-and ||phi||^2): (a) the one Triton kernel lrmoe::gather_mm_swiglu runs where torch._grouped_mm does not apply,
-against (b) lrmoe::gather_grouped_mm then lrmoe::swiglu_sqnorm (bf16: a Triton row gather, torch._grouped_mm and
-the SwiGLU kernel, what lrmoe::gather_mm_swiglu runs for aligned bf16; fp16: the gather-fused Triton GEMM and
-the SwiGLU kernel), (c) the same on pre-gathered rows, and (d) torch._grouped_mm alone on pre-gathered rows (bf16:
-the GEMM's floor). --dtype float16 compares (a) and (b) where the fused kernel is the layers' path.
-"vs (b)" is (b)'s time over the row's; rel err of h and ||phi||^2 against (b). Problems: the "-gateup" ones.
 
 ``layouts``: per GEMM of the layers' six (forward gate/up and down, their input and weight gradients) and group
 size, torch._grouped_mm with B in either layout (and for the weight gradient with A^T a view or contiguous, and the
@@ -173,65 +164,6 @@ def grouped(args) -> None:
                     print(f"{ms[k]:>8.3f} {tflops:>8.1f} {ratio:>7.2f} {err:>8.1e}")
 
 
-
-
-# ------------------------------------------------------------------------------------------------------ swiglu
-
-
-def swiglu(args) -> None:
-    import triton
-    from triton.testing import do_bench
-
-    from lrmoe.ops import gather_grouped_mm, swiglu_sqnorm
-    from lrmoe.ops._kernels import kernel_module
-
-    gg = kernel_module("grouped_gemm")  # lrmoe_kernels, installed or the source tree's kernels/
-    _swiglu_gpu_configs, gather_mm_swiglu_triton = gg._swiglu_gpu_configs, gg.gather_mm_swiglu_triton
-
-    extra = [triton.Config(dict(BLOCK_M=m, BLOCK_N=n, BLOCK_K=k), num_warps=w, num_stages=st)
-             for m, n, k, w, st in args.extra_configs] if args.configs else []
-
-    print(f"# E={EXPERTS}, {args.dtype}, {torch.cuda.get_device_name()}, torch {torch.__version__}")
-    print(f"{'shape':>13} {'rows':>7} {'groups':>10} {'variant':>34} {'ms':>8} {'TFLOP/s':>8} {'vs (b)':>7} "
-          f"{'err h':>8} {'err sq':>8}")
-    for name in args.problems:
-        I, O = PROBLEMS[name]
-        for rows in args.rows:
-            for groups in args.groups:
-                (x_NI, weight_EOI, _, rows_R, offsets_E), sizes_E = make_inputs(rows, I, O, groups)
-                x_NI, weight_EOI = x_NI.to(args.dtype), weight_EOI.to(args.dtype)
-                x_RI = x_NI.index_select(0, rows_R)
-                w_t = weight_EOI.transpose(-2, -1)
-
-                def unfused(x, r):
-                    h = gather_grouped_mm(x, weight_EOI, r, offsets_E)
-                    return (h, *swiglu_sqnorm(h))
-
-                fns = {
-                    "(a) fused Triton kernel": lambda: gather_mm_swiglu_triton(x_NI, weight_EOI, rows_R, offsets_E),
-                    "(b) gather, _grouped_mm, sqnorm": lambda: unfused(x_NI, rows_R),
-                    "(c) pre-gathered: _grouped_mm, sqnorm": lambda: unfused(x_RI, None),
-                    "(d) _grouped_mm pre-gathered": lambda: (torch._grouped_mm(x_RI, w_t, offs=offsets_E),),
-                }
-                if args.dtype != torch.bfloat16:  # torch._grouped_mm takes bf16 only
-                    del fns["(d) _grouped_mm pre-gathered"]
-                if args.configs:
-                    for label, cfg in config_rows(_swiglu_gpu_configs() + extra):
-                        fns[label] = lambda cfg=cfg: gather_mm_swiglu_triton(x_NI, weight_EOI, rows_R, offsets_E,
-                                                                             cfg)
-                want = fns["(b) gather, _grouped_mm, sqnorm"]()
-                times = interleaved(list(fns), lambda k: do_bench(fns[k], warmup=25, rep=args.rep,
-                                                                  return_mode="median"), args.rounds)
-                ms = {k: statistics.median(t) for k, t in times.items()}
-                flop = 2 * rows * O * I
-                end = int(sizes_E.sum())
-                for k, fn in fns.items():
-                    out = fn()
-                    err_h = rel_err(out[0][:end], want[0][:end])
-                    err_sq = rel_err(out[2], want[2]) if len(out) == 3 else float("nan")
-                    print(f"{name:>13} {rows:>7} {groups + ' ' + str(int(sizes_E.max())):>10} {k:>34} "
-                          f"{ms[k]:>8.3f} {flop / ms[k] / 1e9:>8.1f} {ms['(b) gather, _grouped_mm, sqnorm'] / ms[k]:>7.2f} "
-                          f"{err_h:>8.1e} {err_sq:>8.1e}")
 
 
 # ----------------------------------------------------------------------------------------------------- layouts
@@ -430,16 +362,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--rep", type=int, default=100, help="do_bench rep (ms)")
     p.add_argument("--configs", action="store_true", help="also time each launch config of the autotuner")
     p.add_argument("--groups", nargs="+", default=["bal", "skew"], choices=GROUPS, help="group sizes")
-    p = sub.add_parser("swiglu", help="the fused gate/up GEMM + SwiGLU + norms against the unfused ops")
-    p.add_argument("--problems", nargs="+", default=["qwen3-gateup"], choices=[k for k in PROBLEMS if "gateup" in k])
-    p.add_argument("--rows", type=int, nargs="+", default=[65536, 262144])
-    p.add_argument("--rep", type=int, default=100, help="do_bench rep (ms)")
-    p.add_argument("--configs", action="store_true", help="also time each launch config of the autotuner")
-    p.add_argument("--groups", nargs="+", default=["jitter"], choices=GROUPS, help="group sizes")
-    p.add_argument("--dtype", type=lambda s: getattr(torch, s), default=torch.bfloat16,
-                   choices=[torch.bfloat16, torch.float16], help="bfloat16 or float16")
-    p.add_argument("--extra-configs", type=lambda s: tuple(int(v) for v in s.split("x")), nargs="*",
-                   default=[], metavar="MxNxKxWARPSxSTAGES", help="with --configs: more configs to time")
     p = sub.add_parser("layouts", help="torch._grouped_mm by operand layout, against bmm and a dense mm")
     p.add_argument("--model", choices=sorted(SHAPES), default="qwen3-30b-a3b")
     p.add_argument("--rows-per-group", type=int, nargs="+", default=[512, 384, 256])
@@ -452,7 +374,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--window", type=float, default=0.5, help="seconds of GPU time per printed window")
     p.add_argument("--idle", type=float, default=5.0, help="seconds of idle before each problem")
     p.add_argument("--batch", type=int, default=10, help="calls per timed batch")
-    for name in ("grouped", "swiglu", "layouts", "streams"):
+    for name in ("grouped", "layouts", "streams"):
         sub.choices[name].add_argument("--rounds", type=int, default=3, help="interleaved rounds (common.interleaved)")
     return parser.parse_args(argv)
 
@@ -460,7 +382,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> None:
     args = parse_args(argv)
     require_cuda(f"benchmarks/gemm.py {args.command}")
-    {"grouped": grouped, "swiglu": swiglu, "layouts": layouts, "streams": streams, "sustained": sustained_rate}[args.command](args)
+    {"grouped": grouped, "layouts": layouts, "streams": streams, "sustained": sustained_rate}[args.command](args)
 
 
 if __name__ == "__main__":

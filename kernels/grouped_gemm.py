@@ -46,7 +46,6 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .launch import interpreting, known_empty, launch, tracing
-from .swiglu import _phi
 
 try:  # Triton >= 3.5: TMA over a slice of rows, zero past its end (the weight gradient's groups)
     from triton.tools.ragged_tma import create_ragged_descriptor, load_ragged
@@ -55,7 +54,6 @@ except ImportError:  # pragma: no cover - older Triton: grouped_outer reads a_RO
 
 __all__ = [
     "gather_grouped_mm_triton",
-    "gather_mm_swiglu_triton",
     "grouped_outer_triton",
     "zero_rows_past_last_offset_",
 ]
@@ -365,149 +363,6 @@ def gather_grouped_mm_triton(
         G_POW2=triton.next_power_of_2(E + 1), **_dot_flags(x_NI.dtype), **fixed, B_DESC=mode,
     )  # fmt: skip
     return y_RO
-
-
-# ------------------------------------------------------------------------------------------- gather_mm_swiglu
-
-
-def _swiglu_gpu_configs() -> list[triton.Config]:
-    """Candidate blocks for gather_mm_swiglu on Hopper. Each program holds two BLOCK_M x BLOCK_N accumulators (the
-    gate and the up columns of one BLOCK_N slice of F), so 128 x 128 here is gather_grouped_mm's 128 x 256 tile:
-    the same shared memory per stage and accumulator registers. BLOCK_N is at least SQ_BLOCK_N (the width of the
-    norm partials' buffer)."""
-    return [
-        triton.Config(dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64), num_warps=8, num_stages=3),
-        triton.Config(dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64), num_warps=8, num_stages=4),
-        triton.Config(dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=64), num_warps=8, num_stages=4),
-        _SMALL_CONFIG,
-    ]
-
-
-def _sq_block_n() -> int:
-    """The narrowest BLOCK_N of any config gather_mm_swiglu may run: its norm partials' buffer has one column per
-    BLOCK_N slice of F at that width, zeros where a wider config writes fewer."""
-    return _interpreter_config()["BLOCK_N"] if interpreting() else 64
-
-
-def _prune_swiglu(configs, named_args, **kwargs):
-    return _prune_small(configs, dict(named_args, O=named_args["F"]), **kwargs)
-
-
-@triton.heuristics(dict(EVEN_K=lambda args: args["I"] % args["BLOCK_K"] == 0))
-@triton.jit
-def _gather_mm_swiglu_kernel(
-    x_ptr, w, rows_ptr, offsets_ptr, h_ptr, phi_ptr, sq_ptr,
-    R, F, I, E, dtype_bytes,
-    stride_xn, stride_xi, stride_we, stride_wo, stride_wi, stride_hr, stride_hf, stride_pr, stride_pf, stride_sr,
-    G_POW2: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-    UPCAST: tl.constexpr, ACC_FP64: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-    B_DESC: tl.constexpr = 0,
-):  # fmt: skip
-    """One program per (row tile, BLOCK_N slice of F), tiled as _gather_grouped_mm_kernel over F columns: the
-    gate columns [n0, n0 + BLOCK_N) of h and the up columns F + [n0, n0 + BLOCK_N) come from two accumulators
-    over the same gathered A tile, and the epilogue writes both halves of h, phi, and the slice's partial
-    ||phi||^2 (column pid_n of sq). B_DESC 0: ``w`` is the weight's pointer; 1: a TMA descriptor over [E, 2F, I]
-    (I contiguous), blocks [1, BLOCK_N, BLOCK_K]. A gate block past F reads up rows: those columns are computed
-    and never stored or summed."""
-    group, offs_m, m_mask, offs_n = _tile(offsets_ptr, R, E, F, G_POW2, BLOCK_M, BLOCK_N)
-    pid_n = tl.program_id(0) % tl.cdiv(F, BLOCK_N)
-    r64 = offs_m[:, None].to(tl.int64)
-    n_mask = offs_n[None, :] < F
-    mask = m_mask[:, None] & n_mask
-    gate_ptrs = h_ptr + r64 * stride_hr + offs_n[None, :] * stride_hf
-    phi_ptrs = phi_ptr + r64 * stride_pr + offs_n[None, :] * stride_pf
-    sq_ptrs = sq_ptr + offs_m.to(tl.int64) * stride_sr + pid_n
-    h_dtype = h_ptr.dtype.element_ty
-
-    if group == E:  # the tail past the last group: zero h, phi and ||phi||^2 (the unfused ops' values there)
-        zeros = tl.zeros((BLOCK_M, BLOCK_N), dtype=h_dtype)
-        tl.store(gate_ptrs, zeros, mask=mask)
-        tl.store(gate_ptrs + F * stride_hf, zeros, mask=mask)
-        tl.store(phi_ptrs, zeros, mask=mask)
-        tl.store(sq_ptrs, tl.zeros((BLOCK_M,), dtype=tl.float32), mask=m_mask)
-    elif group < E:
-        if B_DESC == 0:
-            a_ptrs, bg_ptrs, offs_k = _gather_operands(x_ptr, w, rows_ptr, group, offs_m, m_mask, offs_n, F,
-                                                       stride_xn, stride_xi, stride_we, stride_wo, stride_wi,
-                                                       BLOCK_K)
-            bu_ptrs = bg_ptrs + F * stride_wo
-        else:
-            a_ptrs, offs_k = _gather_a(x_ptr, rows_ptr, offs_m, m_mask, stride_xn, stride_xi, BLOCK_K)
-        n0 = pid_n * BLOCK_N
-        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float64 if ACC_FP64 else tl.float32)
-        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float64 if ACC_FP64 else tl.float32)
-        for k in range(0, tl.cdiv(I, BLOCK_K)):
-            if EVEN_K:
-                a = tl.load(a_ptrs)
-            else:
-                a = tl.load(a_ptrs, mask=(offs_k < I - k * BLOCK_K)[None, :], other=0.0)
-            if B_DESC == 1:
-                bg = tl.trans(w.load([group, n0, k * BLOCK_K]).reshape(BLOCK_N, BLOCK_K))
-                bu = tl.trans(w.load([group, F + n0, k * BLOCK_K]).reshape(BLOCK_N, BLOCK_K))
-            elif EVEN_K:
-                bg = tl.load(bg_ptrs)
-                bu = tl.load(bu_ptrs)
-            else:
-                bg = tl.load(bg_ptrs, mask=(offs_k < I - k * BLOCK_K)[:, None], other=0.0)
-                bu = tl.load(bu_ptrs, mask=(offs_k < I - k * BLOCK_K)[:, None], other=0.0)
-            if UPCAST:
-                a = a.to(tl.float32)
-                bg = bg.to(tl.float32)
-                bu = bu.to(tl.float32)
-            acc_g = tl.dot(a, bg, acc_g, input_precision=INPUT_PRECISION, out_dtype=acc_g.dtype)
-            acc_u = tl.dot(a, bu, acc_u, input_precision=INPUT_PRECISION, out_dtype=acc_u.dtype)
-            a_ptrs += BLOCK_K * stride_xi
-            if B_DESC == 0:
-                bg_ptrs += BLOCK_K * stride_wi
-                bu_ptrs += BLOCK_K * stride_wi
-        gate_h = acc_g.to(h_dtype)
-        up_h = acc_u.to(h_dtype)
-        tl.store(gate_ptrs, gate_h, mask=mask)
-        tl.store(gate_ptrs + F * stride_hf, up_h, mask=mask)
-        # phi and its norm from h as stored, as lrmoe::swiglu_sqnorm computes them from a stored h.
-        phi = _phi(gate_h.to(tl.float32), up_h.to(tl.float32), h_dtype)
-        tl.store(phi_ptrs, phi, mask=mask)
-        phi32 = tl.where(n_mask, phi.to(tl.float32), 0.0)
-        tl.store(sq_ptrs, tl.sum(phi32 * phi32, axis=1), mask=m_mask)
-
-
-_gather_mm_swiglu = _with_config(_gather_mm_swiglu_kernel, _swiglu_gpu_configs(), key=("F", "I"),
-                                 prune=_prune_swiglu)
-
-
-def gather_mm_swiglu_triton(
-    x_NI: torch.Tensor, weight_E2FI: torch.Tensor, rows_R: torch.Tensor, offsets_E: torch.Tensor,
-    config: triton.Config | None = None, b_desc: bool | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(h_R2F, phi_RF, phi_sq_R): h = gather_grouped_mm_triton(x_NI, weight_E2FI, rows_R, offsets_E), then phi and
-    ||phi||^2 (fp32) as lrmoe::swiglu_sqnorm gives them from h, in one kernel: the gathered rows are read once, and
-    h is not read back. Dtype of x; no host sync. ``config`` and ``b_desc``: as in gather_grouped_mm_triton (the
-    descriptor, when used, is over the whole [E, 2F, I] weight; I must be its contiguous dim)."""
-    _check_device(x_NI, weight_E2FI, rows_R, offsets_E)
-    rows_R, offsets_E = rows_R.contiguous(), offsets_E.contiguous()  # read as flat arrays
-    R, (E, F2, I) = rows_R.shape[0], weight_E2FI.shape
-    F = F2 // 2
-    h_R2F = torch.empty((R, F2), dtype=x_NI.dtype, device=x_NI.device)
-    phi_RF = torch.empty((R, F), dtype=x_NI.dtype, device=x_NI.device)
-    # One column per BLOCK_N slice of F at the narrowest config's width; a wider config leaves the rest 0.
-    sq_RS = torch.zeros((R, triton.cdiv(F, _sq_block_n())), dtype=torch.float32, device=x_NI.device)
-    if known_empty(R, F):
-        return h_R2F, phi_RF, sq_RS.sum(1)
-    kernel, fixed = _kernel_and_blocks(_gather_mm_swiglu, _gather_mm_swiglu_kernel, config)
-    w, mode = _weight_operand(weight_E2FI, b_desc)
-    if mode == 2:  # a descriptor over the transposed layout would tile the wrong dim: pointers instead
-        w, mode = weight_E2FI, 0
-    if fixed:
-        _set_desc_blocks({"w": w, "B_DESC": mode, **fixed})
-    grid = lambda meta: ((triton.cdiv(R, meta["BLOCK_M"]) + E) * triton.cdiv(F, meta["BLOCK_N"]),)  # noqa: E731
-    launch(kernel, grid)(
-        x_NI, w, rows_R, offsets_E, h_R2F, phi_RF, sq_RS,
-        R, F, I, E, x_NI.element_size(),
-        *x_NI.stride(), *weight_E2FI.stride(), *h_R2F.stride(), *phi_RF.stride(), sq_RS.stride(0),
-        G_POW2=triton.next_power_of_2(E + 1), **_dot_flags(x_NI.dtype), **fixed, B_DESC=mode,
-    )  # fmt: skip
-    return h_R2F, phi_RF, sq_RS.sum(1)
 
 
 # ------------------------------------------------------------------------------------------------- zero tail

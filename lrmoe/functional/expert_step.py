@@ -9,7 +9,7 @@ A step is planned before it runs: every pair's destination instance, the backwar
 groups and, across ranks, what each rank sends and receives (``ExpertPlan``; ``ExpertParallelPlan``). The
 ``_SelectiveStep`` Function then runs, on every rank,
 
-    forward:  sort the pairs by destination -> transport.dispatch -> grouped GEMM (gate/up), SwiGLU and ||phi||^2
+    forward:  sort the pairs by destination -> transport.dispatch -> grouped GEMM (gate/up) -> SwiGLU and ||phi||^2
               -> grouped GEMM (down) -> transport.combine -> out_t = sum_k alpha_tk y_tk;
     backward: exact router gradient <g_t, y_u> -> score and select each group's quota of this rank's own pairs ->
               transport.exchange (the retained rows alpha * g / p to the instances that ran them) -> compact expert
@@ -38,13 +38,13 @@ from lrmoe.ops import (
     gather_dot_scores,
     gather_grouped_mm,
     gather_host_rows,
-    gather_mm_swiglu,
     gather_scale_rows,
     gather_sum_rows,
     grouped_outer,
     offload_to_host,
     offload_wait,
     swiglu_backward,
+    swiglu_sqnorm,
 )
 from lrmoe.ops.scoring import DETERMINISTIC_METRICS
 
@@ -134,9 +134,9 @@ class _SelectiveStep(torch.autograd.Function):
         x_ND, rows_N, offsets_I = transport.dispatch(x_TD, tok_P, dest_P, n_inst, assign_SWI)
         ident_P = torch.arange(dest_P.shape[0], device=dest_P.device)
 
-        # h, and phi with ||phi||^2 per row in fp32 (lrmoe::gather_mm_swiglu: one kernel where it is the faster way)
-        h_NF2, phi_NF, phi_sq_N = gather_mm_swiglu(x_ND, gate_up_IFD, rows_N, offsets_I)
+        h_NF2 = gather_grouped_mm(x_ND, gate_up_IFD, rows_N, offsets_I)  # the row gather fused into the GEMM
         h_saved = saved_h(h_NF2, cfg.activations)
+        phi_NF, phi_sq_N = swiglu_sqnorm(h_NF2)  # and ||phi||^2 per row in fp32, from one read of h
         y_ND = gather_grouped_mm(phi_NF, down_IDF, None, offsets_I)  # rows in place: no gather
         y_PD, phi_sq_P, h_of_row_N = transport.combine(y_ND, phi_sq_N, rows_N, assign_SWI)
         # Pair (t, k) = pair id t*K + k sits at row inv_P[t*K + k] of the dispatch-ordered buffers.

@@ -6,7 +6,7 @@ Inductor launches itself (lrmoe.ops._kernels.inline_when_compiled); on CPU each 
 reference).
 """
 
-from lrmoe.ops.grouped_gemm import gather_grouped_mm, gather_mm_swiglu, grouped_outer
+from lrmoe.ops.grouped_gemm import gather_grouped_mm, grouped_outer
 from lrmoe.ops.offload import gather_host_rows, offload_to_host, offload_wait
 from lrmoe.ops.quotas import waterfill
 from lrmoe.ops.routing import topk_ids
@@ -21,7 +21,6 @@ __all__ = [
     "gather_dot_rows",
     "gather_dot_scores",
     "gather_grouped_mm",
-    "gather_mm_swiglu",
     "gather_host_rows",
     "gather_scale_rows",
     "gather_sum_rows",

@@ -5,15 +5,6 @@ Shapes: N source rows, R buffer rows, E experts (groups), O output features, I i
 ``lrmoe::gather_grouped_mm(x_NI, weight_EOI, rows_R, offsets_E) -> y_RO``
     y[i] = weight[e(i)] @ x[rows[i]] for i < offsets[-1], where e(i) is the group whose [start, end) holds i
     (offsets are cumulative ends); y[i] = 0 past offsets[-1]. Differentiable in x and weight.
-``lrmoe::gather_mm_swiglu(x_NI, weight_E2FI, rows_R, offsets_E) -> (h_R2F, phi_RF, phi_sq_R)``
-    h = gather_grouped_mm(x_NI, weight_E2FI, rows_R, offsets_E), then (phi, phi_sq) = lrmoe::swiglu_sqnorm(h):
-    the experts' forward up to the down projection (both layers call it). On CUDA where torch._grouped_mm takes
-    the operands (aligned bf16): the two ops' CUDA kernels, inlined under compile. Elsewhere on CUDA (fp16, fp32,
-    unaligned widths; not fp64) one Triton kernel: the gather fused into the operand load, the SwiGLU and the
-    norms into the epilogue, so h is never read back. Why not for aligned bf16: on one H200 at the Qwen3-30B-A3B
-    gate/up shape the fused kernel took 0.97x the time of row gather + torch._grouped_mm + SwiGLU kernel, its
-    Triton GEMM at 0.82 of torch._grouped_mm's rate (docs/performance.md). Not differentiable (the layers
-    differentiate it themselves).
 ``lrmoe::grouped_outer(a_RO, b_NI, rows_R, offsets_E) -> w_EOI``
     w[e] = sum over i in group e of outer(a[i], b[rows[i]]): the weight gradient of the op above.
 rows_R = None means the identity (rows[i] = i, so N = R): the rows are already in place, and the CUDA kernels
@@ -34,10 +25,9 @@ from __future__ import annotations
 
 import torch
 
-from lrmoe.ops._kernels import forward_only, inline_when_compiled, kernel_module
-from lrmoe.ops.swiglu import _swiglu_sqnorm_cuda, swiglu_sqnorm_reference
+from lrmoe.ops._kernels import inline_when_compiled, kernel_module
 
-__all__ = ["gather_grouped_mm", "gather_mm_swiglu", "grouped_outer"]
+__all__ = ["gather_grouped_mm", "grouped_outer"]
 
 
 def _group_bounds(offsets_E: torch.Tensor, n_rows: int) -> list[tuple[int, int, int]]:
@@ -154,55 +144,6 @@ gather_grouped_mm.register_autograd(_gather_grouped_mm_backward, setup_context=_
 # Inlined under compile on the torch._grouped_mm path only: the Triton path autotunes, which Inductor would redo.
 inline_when_compiled(gather_grouped_mm, _gather_grouped_mm_cuda,
                      when=lambda x, w, *_: _grouped_mm_ok(x, w))
-
-
-# ---------------------------------------------------------------------------------------------- gather_mm_swiglu
-
-
-def _check_gate_up(x_NI: torch.Tensor, weight_E2FI: torch.Tensor) -> None:
-    if weight_E2FI.dim() != 3 or weight_E2FI.shape[1] % 2 or weight_E2FI.shape[2] != x_NI.shape[-1]:
-        raise ValueError(f"lrmoe::gather_mm_swiglu: weight_E2FI must be [E, 2F, I] with I = x_NI.shape[1] "
-                         f"({x_NI.shape[-1]}) and an even number of rows (gate half first), got shape "
-                         f"{tuple(weight_E2FI.shape)}")
-
-
-@torch.library.custom_op("lrmoe::gather_mm_swiglu", mutates_args=())
-def gather_mm_swiglu(
-    x_NI: torch.Tensor, weight_E2FI: torch.Tensor, rows_R: torch.Tensor | None, offsets_E: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    _check_gate_up(x_NI, weight_E2FI)
-    h_R2F = _loop_mm(x_NI, weight_E2FI, rows_R, offsets_E)
-    return (h_R2F, *swiglu_sqnorm_reference(h_R2F))
-
-
-def _fuses_swiglu(x_NI: torch.Tensor, weight_E2FI: torch.Tensor) -> bool:
-    """Whether the CUDA kernel of lrmoe::gather_mm_swiglu runs the fused Triton kernel: not where torch._grouped_mm
-    takes the operands (faster there), not fp64 (the kernel's SwiGLU computes in fp32), one dtype."""
-    return (not _grouped_mm_ok(x_NI, weight_E2FI) and x_NI.dtype != torch.float64
-            and weight_E2FI.dtype == x_NI.dtype)
-
-
-@gather_mm_swiglu.register_kernel("cuda")
-def _gather_mm_swiglu_cuda(x_NI, weight_E2FI, rows_R, offsets_E):
-    _check_gate_up(x_NI, weight_E2FI)
-    kernels = kernel_module("grouped_gemm")
-    if kernels is None or not _fuses_swiglu(x_NI, weight_E2FI):
-        h_R2F = _gather_grouped_mm_cuda(x_NI, weight_E2FI, rows_R, offsets_E)
-        return (h_R2F, *_swiglu_sqnorm_cuda(h_R2F))
-    return kernels.gather_mm_swiglu_triton(x_NI, weight_E2FI, _identity_rows(x_NI, rows_R), offsets_E)
-
-
-@gather_mm_swiglu.register_fake
-def _(x_NI, weight_E2FI, rows_R, offsets_E):
-    _check_gate_up(x_NI, weight_E2FI)
-    R, F = _n_rows(x_NI, rows_R), weight_E2FI.shape[1] // 2
-    return x_NI.new_empty(R, 2 * F), x_NI.new_empty(R, F), x_NI.new_empty(R, dtype=torch.float32)
-
-
-forward_only(gather_mm_swiglu, 4)
-# Inlined under compile on the torch._grouped_mm path (the two ops' kernels, as when the layer called them); the
-# fused Triton kernel autotunes, which Inductor would redo.
-inline_when_compiled(gather_mm_swiglu, _gather_mm_swiglu_cuda, when=lambda x, w, *_: _grouped_mm_ok(x, w))
 
 
 # -------------------------------------------------------------------------------------------------- grouped_outer

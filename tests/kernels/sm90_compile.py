@@ -148,8 +148,6 @@ def _offload_and_grouped_gemm(off, gg, gen) -> None:
         gg.zero_rows_past_last_offset_(torch.randn(48, 512).to(torch.bfloat16), torch.tensor([10, 20, 30, 40]).int())
     gg._dot_flags = _as_on_gpu(gg._dot_flags)
     gg._gather_grouped_mm, gg._grouped_outer = gg._gather_grouped_mm_kernel, gg._grouped_outer_kernel  # no autotune
-    gg._gather_mm_swiglu = gg._gather_mm_swiglu_kernel
-    gg._sq_block_n = _as_on_gpu(gg._sq_block_n)
     gg._weight_operand = _as_on_gpu(gg._weight_operand)  # TMA descriptors for 16-bit weights only
     gg._a_operand = _as_on_gpu(gg._a_operand)  # and for 16-bit a_RO in grouped_outer
     gg._grouped_outer_tma = gg._grouped_outer_kernel
@@ -164,11 +162,6 @@ def _offload_and_grouped_gemm(off, gg, gen) -> None:
             gg.gather_grouped_mm_triton(x, w, rows, offsets)  # bf16: the weight through a TMA descriptor
             gg.gather_grouped_mm_triton(x, w.transpose(1, 2).contiguous().transpose(1, 2), rows, offsets)  # its
             gg.gather_grouped_mm_triton(x, w, rows, offsets, b_desc=False)  # transpose's descriptor; pointers
-        for config in gg._prune_swiglu(gg._swiglu_gpu_configs(), dict(shape, F=128)):
-            gg._interpreter_config = lambda c=config: dict(c.kwargs, num_warps=c.num_warps, num_stages=c.num_stages)
-            w2 = torch.randn(4, 256, 256).to(dtype)  # [E, 2F, I], F = 128
-            gg.gather_mm_swiglu_triton(x, w2, rows, offsets)  # bf16: the weight through a TMA descriptor
-            gg.gather_mm_swiglu_triton(x, w2, rows, offsets, b_desc=False)
         for config in gg._prune_small(gg._outer_gpu_configs(), shape):
             gg._interpreter_config = lambda c=config: dict(c.kwargs, num_warps=c.num_warps, num_stages=c.num_stages)
             gg.grouped_outer_triton(torch.randn(48, 128).to(dtype), x, rows, offsets, a_tma=False)

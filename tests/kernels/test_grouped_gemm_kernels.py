@@ -18,10 +18,8 @@ from lrmoe_kernels.grouped_gemm import (
     _gpu_configs,
     _outer_gpu_configs,
     _outer_tma_gpu_configs,
-    _swiglu_gpu_configs,
     _weight_operand,
     gather_grouped_mm_triton,
-    gather_mm_swiglu_triton,
     grouped_outer_triton,
     zero_rows_past_last_offset_,
 )
@@ -277,55 +275,6 @@ def test_strided_rows_and_offsets_are_read_as_their_values():
     assert y.cpu()[:7].eq(1).all() and y.cpu()[7:].eq(0).all()
 
 
-def check_swiglu(x_NI, weight_E2FI, rows_R, offsets_E, b_desc=None, config=None):
-    """lrmoe::gather_mm_swiglu's kernel: h as the reference GEMM gives it (assert_close's ulps), phi and ||phi||^2
-    as lrmoe::swiglu_sqnorm's reference computes them from the kernel's own h (bf16: the interpreter truncates
-    phi's two roundings, as in tests/kernels/test_swiglu_kernel.py), zeros past the last group."""
-    h_want, _, _ = torch.ops.lrmoe.gather_mm_swiglu(x_NI, weight_E2FI, rows_R, offsets_E)
-    h, phi, sq = gather_mm_swiglu_triton(*on_device(x_NI, weight_E2FI, rows_R, offsets_E), b_desc=b_desc,
-                                         config=config)
-    assert_close(h, h_want, x_NI.dtype, x_NI.shape[1])
-    h, phi, sq = h.cpu(), phi.cpu(), sq.cpu()
-    phi_want, sq_want = torch.ops.lrmoe.swiglu_sqnorm(h)
-    tol = dict(rtol=1.6e-2, atol=1e-3) if h.dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(phi, phi_want, **tol)
-    assert sq.dtype == torch.float32 and sq.shape == (rows_R.shape[0],)
-    torch.testing.assert_close(sq, phi.float().square().sum(-1), rtol=1e-5, atol=1e-6)
-    if x_NI.dtype == torch.float32:
-        torch.testing.assert_close(sq, sq_want, rtol=1e-4, atol=1e-5)
-    end = min(int(offsets_E[-1]), rows_R.shape[0]) if offsets_E.numel() else 0
-    assert (h[end:] == 0).all() and (phi[end:] == 0).all() and (sq[end:] == 0).all()
-
-
-@pytest.mark.parametrize("case", [c for c in CASES if c[2] % 2 == 0])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("b_desc", [None, False], ids=["weight-desc-if-possible", "weight-pointers"])
-def test_gather_mm_swiglu_equals_reference(case, dtype, b_desc):
-    """Groups, empty groups, padding and cut buffers as the GEMM's cases; F = O / 2 is 4, 12 or 20: one or two
-    column slices, the gate slice past F reading up rows that must not reach h, phi or the norms."""
-    x_NI, weight_E2FI, _, rows_R, offsets_E = make_case(*case, dtype=dtype, transposed=False)
-    check_swiglu(x_NI, weight_E2FI, rows_R, offsets_E, b_desc)
-
-
-@pytest.mark.parametrize("config", _swiglu_gpu_configs(), ids=_config_id)
-def test_every_swiglu_config_equals_reference(config):
-    """Each config the autotuner may pick, F = 132 crossing its column slices (the norms' partials buffer is as
-    wide as the narrowest config's slices: a wider one must leave the rest zero)."""
-    x_NI, weight_E2FI, _, rows_R, offsets_E = make_case(40, 136, 264, [70, 0, 150, 9], 5, 0, torch.bfloat16,
-                                                        transposed=False)
-    check_swiglu(x_NI, weight_E2FI, rows_R, offsets_E, config=config)
-
-
-def test_gather_mm_swiglu_ignores_values_outside_the_groups():
-    """NaN in source rows no grouped row gathers never reaches h, phi or the norms."""
-    x_NI, weight_E2FI, _, rows_R, offsets_E = make_case(8, 24, 40, [5, 0, 6], 3, 0, torch.bfloat16,
-                                                        transposed=False)
-    x_NI = torch.cat([x_NI, torch.full((2, 24), float("nan"), dtype=torch.bfloat16)])
-    h, phi, sq = gather_mm_swiglu_triton(*on_device(x_NI, weight_E2FI, rows_R, offsets_E))
-    assert h.isfinite().all() and phi.isfinite().all() and sq.isfinite().all()
-    check_swiglu(x_NI, weight_E2FI, rows_R, offsets_E)
-
-
 @pytest.mark.skipif(INTERPRET, reason="host syncs exist only on a GPU")
 def test_no_host_sync():
     x_NI, weight_EOI, a_RO, rows_R, offsets_E = on_device(*make_case(7, 40, 24, [3, 0, 18], 2, 0, torch.bfloat16))
@@ -334,7 +283,3 @@ def test_no_host_sync():
     with no_host_sync():
         gather_grouped_mm_triton(x_NI, weight_EOI, rows_R, offsets_E)
         grouped_outer_triton(a_RO, x_NI, rows_R, offsets_E)
-    w_E2FI = weight_EOI.contiguous()
-    gather_mm_swiglu_triton(x_NI, w_E2FI, rows_R, offsets_E)
-    with no_host_sync():
-        gather_mm_swiglu_triton(x_NI, w_E2FI, rows_R, offsets_E)

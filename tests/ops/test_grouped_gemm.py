@@ -1,4 +1,4 @@
-"""lrmoe::gather_grouped_mm, lrmoe::grouped_outer and lrmoe::gather_mm_swiglu: torch.library.opcheck (schema, fake, autograd registration,
+"""lrmoe::gather_grouped_mm and lrmoe::grouped_outer: torch.library.opcheck (schema, fake, autograd registration,
 AOT dispatch) on odd shapes, and values against per-row Python loops.
 """
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lrmoe.ops import gather_grouped_mm, gather_mm_swiglu, grouped_outer
+from lrmoe.ops import gather_grouped_mm, grouped_outer
 
 # (N source rows, I, O, group sizes, padding rows): odd sizes, empty groups, a single group, an empty buffer.
 CASES = [
@@ -244,69 +244,3 @@ def test_compiled_layer_backward_writes_dh_once_on_cuda():
     _, codes = run_and_get_code(lambda: compiled(x_TD).sum().backward())
     assert len(codes) == 2  # forward, backward
     assert _bf16_buffers_of(codes[1], (T * K, 2 * F)) == 1
-
-
-# lrmoe::gather_mm_swiglu: the gate/up GEMM with the SwiGLU and ||phi||^2 (O = 2F even).
-SWIGLU_CASES = [c for c in CASES if c[2] % 2 == 0] + [(7, 5, 6, [2, 0, 3, 1], 2)]
-
-
-@pytest.mark.parametrize("case", SWIGLU_CASES)
-@pytest.mark.parametrize("rows_given", [True, False])
-def test_opcheck_gather_mm_swiglu(case, rows_given):
-    x, w, _, rows, offsets = _case(*case)
-    torch.library.opcheck(gather_mm_swiglu, (x, w, rows if rows_given else None, offsets))
-
-
-@pytest.mark.parametrize("case", SWIGLU_CASES)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
-def test_gather_mm_swiglu_is_the_gemm_then_the_swiglu(case, dtype):
-    """h row by row as weight[e] @ x[rows[i]] (zeros past the last group), phi = silu(gate) * up in h's dtype,
-    ||phi||^2 in fp32 from the rounded phi."""
-    x, w, _, rows, offsets = _case(*case, dtype=dtype)
-    h, phi, sq = gather_mm_swiglu(x, w, rows, offsets)
-    F = w.shape[1] // 2
-    ends = offsets.tolist()
-    for i in range(rows.shape[0]):
-        e = _group_of(i, ends)
-        want = torch.zeros(2 * F, dtype=dtype) if e is None else (w[e].double() @ x[rows[i]].double()).to(dtype)
-        torch.testing.assert_close(h[i], want, rtol=1e-2 if dtype == torch.bfloat16 else 1e-6, atol=1e-5)
-        gate, up = h[i, :F], h[i, F:]
-        want_phi = torch.nn.functional.silu(gate) * up
-        assert torch.equal(phi[i], want_phi)
-        assert sq.dtype == torch.float32 and sq[i] == want_phi.float().square().sum()
-
-
-def test_gather_mm_swiglu_names_a_bad_weight():
-    x, w, _, rows, offsets = _case(7, 5, 6, [2, 0, 3, 1], 2)
-    with pytest.raises(ValueError, match=r"weight_E2FI must be \[E, 2F, I\].*got shape \(4, 5, 5\)"):
-        gather_mm_swiglu(x, w[:, :5], rows, offsets)
-    with pytest.raises(ValueError, match=r"I = x_NI.shape\[1\] \(5\)"):
-        gather_mm_swiglu(x, w[..., :4], rows, offsets)
-
-
-def test_gather_mm_swiglu_has_no_gradient():
-    """Not differentiable: a backward through it fails instead of giving zero gradients."""
-    x, w, _, rows, offsets = _case(7, 5, 6, [2, 0, 3, 1], 2)
-    h, phi, sq = gather_mm_swiglu(x.requires_grad_(), w, rows, offsets)
-    with pytest.raises(RuntimeError, match="does not require grad"):
-        phi.sum().backward()
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_gather_mm_swiglu_cuda_equals_the_cpu_reference(dtype):
-    """bf16 (aligned): row gather, torch._grouped_mm and the SwiGLU kernel; fp16 and fp32: the fused Triton kernel.
-    Groups at sizes that cross the kernel's tiles, an empty one, padding rows past the last group."""
-    g = torch.Generator().manual_seed(3)
-    N, I, F, E = 300, 256, 192, 5
-    sizes = torch.tensor([130, 0, 257, 64, 190])
-    rows = torch.cat([torch.randint(0, N, (int(sizes.sum()),), generator=g), torch.full((9,), -1)])
-    offsets = torch.cumsum(sizes, 0).int()
-    x = (torch.randn(N, I, generator=g) / 8).to(dtype)
-    w = (torch.randn(E, 2 * F, I, generator=g) / 8).to(dtype)
-    want = gather_mm_swiglu(x, w, rows, offsets)
-    got = [t.cpu() for t in gather_mm_swiglu(x.cuda(), w.cuda(), rows.cuda(), offsets.cuda())]
-    tol = dict(rtol=1e-3, atol=1e-3) if dtype == torch.float32 else dict(rtol=1.6e-2, atol=1e-2)
-    for a, b in zip(got, want, strict=True):
-        torch.testing.assert_close(a, b, **tol)
-    assert (got[0][int(offsets[-1]):] == 0).all() and (got[2][int(offsets[-1]):] == 0).all()
