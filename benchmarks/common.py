@@ -36,6 +36,18 @@ def require_cuda(what: str) -> None:
         raise SystemExit(f"{what} needs a CUDA GPU")
 
 
+def lrmoe_kernels(name: str):
+    """``lrmoe_kernels.<name>``, found as lrmoe finds it: installed, or this checkout's kernels/ folder. A checkout on
+    PYTHONPATH (a GPU machine without an install) has no ``lrmoe_kernels`` to import by name until lrmoe.ops
+    resolves it, so the scripts take the kernels from here."""
+    from lrmoe.ops._kernels import kernel_module
+
+    module = kernel_module(name)
+    if module is None:
+        raise SystemExit(f"lrmoe_kernels.{name} is not available: it needs Triton")
+    return module
+
+
 def router_group_sizes(rows: int, experts: int, top_k: int, kind: str, gen: torch.Generator) -> torch.Tensor:
     """[E] int64 group sizes summing to ``rows``: "bal" equal; "jitter" what a router with random logits gives
     (rows / top_k tokens each pick top_k distinct experts); "skew" popularity exp(N(0, 1)) per expert."""

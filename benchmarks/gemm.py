@@ -50,6 +50,7 @@ from common import (
     events_ms,
     graph_ms,
     interleaved,
+    lrmoe_kernels,
     require_cuda,
     STREAM_VARIANTS,
     backward_ops,
@@ -97,14 +98,12 @@ def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 def grouped(args) -> None:
-    from lrmoe_kernels.grouped_gemm import (
-        _gpu_configs,
-        _outer_gpu_configs,
-        _outer_tma_gpu_configs,
-        gather_grouped_mm_triton,
-        grouped_outer_triton,
-    )
     from triton.testing import do_bench
+
+    gg = lrmoe_kernels("grouped_gemm")
+    _gpu_configs, _outer_gpu_configs, _outer_tma_gpu_configs = (gg._gpu_configs, gg._outer_gpu_configs,
+                                                                gg._outer_tma_gpu_configs)
+    gather_grouped_mm_triton, grouped_outer_triton = gg.gather_grouped_mm_triton, gg.grouped_outer_triton
 
     def bench(fn) -> float:
         return do_bench(fn, warmup=25, rep=args.rep, return_mode="median")

@@ -44,9 +44,8 @@ import argparse
 import math
 
 import torch
-from common import copy_bandwidth, graph_ms, require_cuda, rotating_copies
+from common import copy_bandwidth, graph_ms, lrmoe_kernels, require_cuda, rotating_copies
 
-from lrmoe.ops._kernels import kernel_module
 from lrmoe.ops.scoring import DETERMINISTIC_METRICS, score_pairs_reference
 from lrmoe.ops.selection import (
     argsort_ids,
@@ -58,13 +57,6 @@ from lrmoe.ops.selection import (
 EXPERTS = 128
 
 
-def _kernels(name: str):
-    kernels = kernel_module(name)
-    if kernels is None:
-        raise SystemExit(f"Triton is not installed: lrmoe_kernels.{name} cannot run.")
-    return kernels
-
-
 # ----------------------------------------------------------------------------------------------------- scoring
 
 SCORING_SWEEP = [(bt, bd, nw) for bt in (1, 2, 4, 8, 16) for bd in (128, 256, 512, 1024, 2048) for nw in (2, 4)
@@ -74,7 +66,7 @@ SCORING_SWEEP = [(bt, bd, nw) for bt in (1, 2, 4, 8, 16) for bd in (128, 256, 51
 def scoring(args) -> None:
     from triton.testing import do_bench
 
-    kernels = _kernels("scoring")
+    kernels = lrmoe_kernels("scoring")
     copy_bps = copy_bandwidth()
     T, K = args.tokens, args.top_k
     print(f"# score_pairs, T={T}, K={K}, g and gates bf16, phi_sq fp32, {torch.cuda.get_device_name()}, "
@@ -147,7 +139,7 @@ def make_inputs(P: int, G: int, retain: float, skew: float, device: str = "cuda"
 def selection(args) -> None:
     from triton.testing import do_bench
 
-    kernels = _kernels("selection")
+    kernels = lrmoe_kernels("selection")
     P, G = args.pairs, args.groups
     scores, gids, quotas, R, uniform = make_inputs(P, G, args.retain, args.skew)
     print(f"# select_within_quota, P={P}, G={G}, retain={args.retain}, skew={args.skew}, R={R}, "
@@ -217,7 +209,7 @@ def selection(args) -> None:
 def topk(args) -> None:
     from triton.testing import do_bench
 
-    routing = _kernels("routing")
+    routing = lrmoe_kernels("routing")
     K = args.top_k
     print(f"# router top-k, K={K}, fp32, {torch.cuda.get_device_name()}, torch {torch.__version__}")
     print(f"{'T':>6} {'E':>4} {'impl':>22} {'us (graph)':>11} {'us (do_bench)':>14} {'same ids':>9}")
@@ -249,9 +241,12 @@ def _flat(out: torch.Tensor | tuple[torch.Tensor, ...]) -> torch.Tensor:
 
 
 def token_rows(args) -> None:
-    from lrmoe_kernels.scoring import score_pairs_triton
-    from lrmoe_kernels.token_rows import gather_dot_rows_triton, gather_dot_scores_triton, gather_sum_rows_triton
     from triton.testing import do_bench
+
+    score_pairs_triton = lrmoe_kernels("scoring").score_pairs_triton
+    token_rows_k = lrmoe_kernels("token_rows")
+    gather_dot_rows_triton, gather_dot_scores_triton, gather_sum_rows_triton = (
+        token_rows_k.gather_dot_rows_triton, token_rows_k.gather_dot_scores_triton, token_rows_k.gather_sum_rows_triton)
 
     T, K = args.tokens, args.top_k
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -310,8 +305,10 @@ def x_rows(x, tok):
 
 
 def row_gather(args) -> None:
-    from lrmoe_kernels.offload import _blocks, gather_host_rows_triton
     from triton.testing import do_bench
+
+    offload = lrmoe_kernels("offload")
+    _blocks, gather_host_rows_triton = offload._blocks, offload.gather_host_rows_triton
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     compiled_dy_x = torch.compile(dy_x_rows, fullgraph=True, dynamic=False)
