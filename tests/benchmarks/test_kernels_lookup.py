@@ -34,7 +34,8 @@ print(common.lrmoe_kernels("grouped_gemm").gather_grouped_mm_triton.__module__)
 
 
 def test_common_finds_the_kernels_where_an_import_by_name_fails():
-    code = PLAIN_CHECKOUT.format(root=str(ROOT), benchmarks=str(BENCHMARKS), site=site.getsitepackages())
+    folders = [*site.getsitepackages(), site.getusersitepackages()]  # wherever torch and triton are installed
+    code = PLAIN_CHECKOUT.format(root=str(ROOT), benchmarks=str(BENCHMARKS), site=folders)
     run = subprocess.run([sys.executable, "-S", "-c", code], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.stdout.split() == ["not", "importable", "by", "name", "lrmoe_kernels.grouped_gemm"], run.stdout
