@@ -9,6 +9,7 @@ nothing else imported.
 
 from __future__ import annotations
 
+import argparse
 import os
 import statistics
 import subprocess
@@ -34,8 +35,30 @@ def log(*parts):
     print(f"[{time.perf_counter() - START:7.1f}s]", *parts, flush=True)
 
 
+def variant_name(name: str) -> str:
+    """An argparse type for --variants: "transformers", "sonic", or "lrmoe-<retain>" with retain in (0, 1] and an
+    optional "-top" (LRMoE's "top" selection instead of the default "sample"), e.g. "lrmoe-0.5-top"."""
+    parts = name.split("-")
+    if name in ("transformers", "sonic"):
+        return name
+    if parts[0] == "lrmoe" and len(parts) in (2, 3) and (len(parts) == 2 or parts[2] == "top"):
+        try:
+            retain = float(parts[1])
+        except ValueError:
+            retain = -1.0
+        if 0.0 < retain <= 1.0:
+            return name
+    raise argparse.ArgumentTypeError(f"a variant is transformers, sonic or lrmoe-<retain in (0, 1]>[-top], "
+                                     f"got {name!r}")
+
+
 def retain_of(variant: str) -> float:
     return float(variant.split("-")[1]) if variant.startswith("lrmoe") else 1.0
+
+
+def selection_of(variant: str) -> str:
+    """LRMoE's selection of a variant name: "top" for "lrmoe-<retain>-top", else the default "sample"."""
+    return "top" if variant.startswith("lrmoe") and variant.endswith("-top") else "sample"
 
 
 # ------------------------------------------------------------------------------------------------ MoE layers
@@ -62,10 +85,11 @@ def sonic_first_step(c: dict, batch: int, seq: int, device) -> float:
     return time.perf_counter() - t0
 
 
-def make_moe(variant: str, c, device, retain=1.0, activations="save"):
+def make_moe(variant: str, c, device, retain=1.0, activations="save", selection="sample"):
     """The MoE layer of a train_e2e variant ("sonic", "transformers", "lrmoe") on [batch, seq, d]: SonicMoE's MoE
     (SwiGLU, no bias, N(0, 0.02)), transformers' Qwen3MoeSparseMoeBlock (grouped_mm experts on CUDA, eager on the
-    CPU) or lrmoe.nn.LRMoE. Each library is imported here, at the first call that needs it."""
+    CPU) or lrmoe.nn.LRMoE (with ``retain``, ``activations`` and ``selection``). Each library is imported here, at
+    the first call that needs it."""
     if variant == "sonic":
         return sonic_moe(c["dim"], c["hidden"], c["experts"], c["top_k"])
     if variant == "transformers":
@@ -79,7 +103,8 @@ def make_moe(variant: str, c, device, retain=1.0, activations="save"):
         return Qwen3MoeSparseMoeBlock(config)
     from lrmoe.nn import LRMoE
 
-    return LRMoE(c["dim"], c["hidden"], c["experts"], c["top_k"], retain=retain, activations=activations)
+    return LRMoE(c["dim"], c["hidden"], c["experts"], c["top_k"], retain=retain, activations=activations,
+                 selection=selection)
 
 
 def own_code(fn):
@@ -187,7 +212,8 @@ def peer_layers(args) -> None:
         torch.manual_seed(0)
         try:
             layer = (sonic_moe(shape["dim"], shape["hidden_dim"], shape["num_experts"], shape["top_k"]) if v == "sonic"
-                     else hf_block(**shape) if v == "transformers" else LRMoE(**shape, retain=retain_of(v)))
+                     else hf_block(**shape) if v == "transformers"
+                     else LRMoE(**shape, retain=retain_of(v), selection=selection_of(v)))
         except Exception as err:  # noqa: BLE001 - SonicMoE may be missing: the others still run
             if v != "sonic":
                 raise

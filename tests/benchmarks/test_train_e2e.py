@@ -77,3 +77,32 @@ def test_import_order_child_starts_without_lrmoe_or_transformers():
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == "[]"
     assert e2e_common.scenario_command("sonic", 5)[-2:] == ["sonic", "5"]
+
+
+@pytest.mark.parametrize("name", ["transformers", "sonic", "lrmoe-1", "lrmoe-0.75", "lrmoe-0.5-top", "lrmoe-1-top"])
+def test_variant_names_accepted(name):
+    assert e2e_common.variant_name(name) == name
+
+
+@pytest.mark.parametrize("name", ["lrmoe", "lrmoe-0", "lrmoe-1.5", "lrmoe-x", "lrmoe-0.5-bottom", "lrmoe-0.5-top-x",
+                                  "dense", "transformers-top"])
+def test_variant_names_refused_with_what_is_expected(name):
+    with pytest.raises(Exception, match=r"lrmoe-<retain in \(0, 1\]>\[-top\], got"):
+        e2e_common.variant_name(name)
+
+
+def test_a_top_variant_builds_lrmoe_with_top_selection_at_its_retain():
+    c = e2e_common.PRESETS["tiny"]
+    for name, selection in (("lrmoe-0.5-top", "top"), ("lrmoe-0.5", "sample")):
+        assert e2e_common.retain_of(name) == 0.5 and e2e_common.selection_of(name) == selection
+        moe = e2e_common.make_moe(name.split("-")[0], c, "cpu", e2e_common.retain_of(name),
+                                  selection=e2e_common.selection_of(name))
+        assert (moe.backward.selection, moe.backward.retain) == (selection, 0.5)
+    assert e2e_common.selection_of("transformers") == "sample"
+
+
+def test_train_refuses_an_unknown_variant_naming_the_argument():
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "train_e2e.py"
+    run = subprocess.run([sys.executable, str(script), "train", "--variants", "lrmoe-0.5-bottom"],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and "--variants" in run.stderr and "lrmoe-0.5-bottom" in run.stderr, run.stderr
