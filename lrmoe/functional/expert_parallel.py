@@ -122,7 +122,7 @@ def backward_capacity(loads_WE: torch.Tensor, retain: float, capacity_factor: fl
 
 def check_placement(replicas_WR, loads_WE: torch.Tensor, max_replicas: int) -> torch.Tensor:
     """A placement policy's output: an integer [W, R] tensor on the loads' device; on the host (``plan_on="host"``,
-    where reading it costs no sync) also its values: expert ids in [-1, E), none a rank's own expert, no expert
+    where reading it costs no sync) and not traced by a compiler, also its values: expert ids in [-1, E), none a rank's own expert, no expert
     twice on one rank. A policy breaking these used to surface as split sizes that disagree between ranks."""
     n_ranks, n_exp = loads_WE.shape
     if not isinstance(replicas_WR, torch.Tensor) or tuple(replicas_WR.shape) != (n_ranks, max_replicas):
@@ -136,6 +136,10 @@ def check_placement(replicas_WR, loads_WE: torch.Tensor, max_replicas: int) -> t
                          f"{replicas_WR.device}")
     if replicas_WR.device.type != "cpu":
         return replicas_WR  # its values would need a host sync (plan_on="device"): the policy is trusted
+    if torch.compiler.is_compiling():
+        # Traced, the branches on values below are data-dependent control flow: a graph break (an error under
+        # fullgraph=True). The compiled layer trusts the policy, as plan_on="device" does; eager checks it.
+        return replicas_WR
     reps = replicas_WR.long()  # a CPU tensor from here on: the reads below (any, tolist, nonzero) cost no sync
     n_local = n_exp // n_ranks
     bad = (reps < -1) | (reps >= n_exp)

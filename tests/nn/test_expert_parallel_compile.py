@@ -28,8 +28,14 @@ def tokens_of(rank: int, empty_rank: int | None = None) -> int:
     return 0 if rank == empty_rank else 10 + 3 * rank
 
 
+def _hot_unregistered(loads_WE, max_replicas):
+    """The "hot" placement as a callable that is not registered: it runs before the plan op, in the layer's graph,
+    where lrmoe.functional.check_placement checks its output."""
+    return place_hot_replicas(loads_WE, max_replicas)
+
+
 def _compiled_matches_eager(rank, world, max_replicas, plan_on="device", backward_blocks=False, empty_rank=None,
-                            device="cpu", compile_backend="inductor"):
+                            device="cpu", compile_backend="inductor", placement_policy="hot"):
     # device "cuda": rank r on GPU r (tests/nn/test_cuda_ep.py, NCCL), fp32 as here.
     mesh = init_device_mesh(device, (world,))
     torch.manual_seed(0)
@@ -40,7 +46,7 @@ def _compiled_matches_eager(rank, world, max_replicas, plan_on="device", backwar
     with torch.no_grad():
         ref.gate.weight[:2] += 2 * shift
     style = {"capacity_factor": 1.0, "max_replicas": max_replicas, "plan_on": plan_on,
-             "backward_blocks": backward_blocks}
+             "backward_blocks": backward_blocks, "placement_policy": placement_policy}
     # Two copies of one layer (an expert-parallel layer holds a process group, so it cannot be deep-copied).
     layer = parallelize_module(copy.deepcopy(ref), mesh, ExpertParallel(**style))
     eager = parallelize_module(copy.deepcopy(ref), mesh, ExpertParallel(**style))
@@ -106,6 +112,10 @@ def _every_case_compiled_matches_eager(rank, world):
             _compiled_matches_eager(rank, world, *case[:4], compile_backend=case[4])
         except Exception as e:
             raise AssertionError(f"case {name!r}") from e
+    # A policy that is not registered, with the plan on the host: its output's value checks are data-dependent
+    # branches, which a traced graph must not take (they broke the fullgraph compile).
+    torch._dynamo.reset()
+    _compiled_matches_eager(rank, world, 1, "host", compile_backend="aot_eager", placement_policy=_hot_unregistered)
 
 
 # Each case compiles forward and backward on 2 ranks (~10 s each on two cores), all in one pair of processes (a
