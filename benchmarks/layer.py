@@ -67,7 +67,7 @@ from common import (
     top_kernels,
     union,
 )
-from e2e_common import SCENARIOS, import_orders, own_code, peer_layers, variant_name
+from e2e_common import SCENARIOS, VARIANTS, import_orders, own_code, peer_layers, variant_name
 from torch import nn
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
@@ -522,8 +522,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = sub.add_parser("offload", help='activations="offload": copy overlap and time against "save"')
     p.add_argument("--retain", type=float, default=0.75)
     p = sub.add_parser("peers", help="SonicMoE, transformers' block and LRMoE side by side (SonicMoE first)")
-    p.add_argument("--variants", nargs="+", default=["sonic", "transformers", "lrmoe-1", "lrmoe-0.75", "lrmoe-0.5"],
-                   type=variant_name, help="transformers, sonic, lrmoe-<retain>, lrmoe-<retain>-top")
+    p.add_argument("--variants", nargs="+", default=list(VARIANTS), type=variant_name,
+                   help="transformers, sonic, lrmoe-<retain>, lrmoe-<retain>-top (SonicMoE runs first)")
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds (common.interleaved)")
     p.add_argument("--reps", type=int, default=20, help="back-to-back steps a round, their median")
     p.add_argument("--out", help="also write the table to OUT/layer.md")
