@@ -37,9 +37,9 @@ def require_cuda(what: str) -> None:
 
 
 def lrmoe_kernels(name: str):
-    """``lrmoe_kernels.<name>``, found as lrmoe finds it: installed, or this checkout's kernels/ folder. A checkout on
-    PYTHONPATH (a GPU machine without an install) has no ``lrmoe_kernels`` to import by name until lrmoe.ops
-    resolves it, so the scripts take the kernels from here."""
+    """``lrmoe_kernels.<name>``, found as lrmoe finds it (lrmoe.ops._kernels.kernel_module), so a script and the
+    layers it times use the same modules; without an install of lrmoe that raises an ImportError saying how to
+    install."""
     from lrmoe.ops._kernels import kernel_module
 
     module = kernel_module(name)

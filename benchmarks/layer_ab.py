@@ -1,9 +1,11 @@
 """One checkout's compiled layer against transformers' block, as one JSON line: run it alternately for two
 checkouts (a commit before a change and after it) to compare them in interleaved processes on one GPU.
 
-    git worktree add /tmp/before <commit>       # or any copy of lrmoe/ and kernels/ (as lrmoe_kernels)
+    git worktree add /tmp/before <commit>       # or any copy of the repository
+    for tree in /tmp/before $PWD; do            # each tree installed into a folder of its own (no registry needed)
+        pip install -q --no-deps --no-build-isolation --target /tmp/site-$(basename $tree) $tree; done
     for tree in /tmp/before $PWD $PWD /tmp/before; do
-        PYTHONPATH=$tree python benchmarks/layer_ab.py --tag $tree; done
+        PYTHONPATH=/tmp/site-$(basename $tree) python benchmarks/layer_ab.py --tag $tree; done
 
 Each process builds LRMoE at every --retain (default selection) and transformers' Qwen3-MoE block, compiles them
 (torch.compile, LRMoE with fullgraph=True), and times forward+backward from a fixed random output gradient with

@@ -74,7 +74,7 @@ def _gather_rows_kernel(
 def _blocks(n_cols: int, elem_bytes: int, on_host: bool = False) -> dict:
     """Tile sizes: 8 rows a program, 4 warps; BLOCK_C up to 512 bytes of a row from device memory, 1 KiB from host
     memory (a first guess for the link, untuned); narrow rows get a narrower BLOCK_C instead of masked lanes.
-    Device rows measured on one H200 (benchmarks/kernels.py row-gather --sweep, bf16, T = 8192, 65,536 and 32,768
+    Device rows measured on one H200 (benchmarks/single_kernels.py row-gather --sweep, bf16, T = 8192, 65,536 and 32,768
     rows out of 2,048 / 4,096 columns, 32 shapes): 8 x 256 elements was within 1 % of the best shape in all six
     cases, and 3-5 % faster than 8 x 512: 5.4-6.3 TB/s counting each output row read and written once, 1.33-1.51x
     a clone of the output's size (the source rows come from the L2), and 0.65-0.80 of Inductor's time for the same

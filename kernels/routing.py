@@ -9,7 +9,7 @@ each row's largest key, store its column and knock it out. Keys are distinct wit
 exactly one entry.
 
 Rows per program: 1024 entries a program (8 rows at E = 128). Measured on one H200 (K = 8, fp32,
-graph method of benchmarks/kernels.py topk): T = 8192, E = 128: 9.5 us against 11.0 with 32 rows a program and 58.1
+graph method of benchmarks/single_kernels.py topk): T = 8192, E = 128: 9.5 us against 11.0 with 32 rows a program and 58.1
 for torch.topk; E = 256: 17.8 (4 rows) against 104.7; T = 32768, E = 128: 29.7 against 207.5. In the compiled
 Qwen3 layer (retain 0.75, 32 rows a program) the step's GPU time went from 3.848 to 3.794 ms.
 """

@@ -113,7 +113,7 @@ def _block_sizes(T: int, K: int, D: int) -> tuple[int, int, int, int]:
     BLOCK_D: up to 128 columns a step, BLOCK_T: rows per program so that a step moves 512 elements (4 rows of 128
     from D = 128 on, more rows for narrower D, at most 32), 4 warps: 4 elements per thread a step, a few registers,
     so many programs fit on an SM. T = 8192 launches 2048 programs, ~15 per SM on an H200's 132 SMs.
-    Measured on one H200 (benchmarks/kernels.py scoring --sweep --methods graph, bf16, K = 8, metric lrm, 38
+    Measured on one H200 (benchmarks/single_kernels.py scoring --sweep --methods graph, bf16, K = 8, metric lrm, 38
     block shapes): (4, 128, 4 warps) read g at 75 % / 82 % of the device copy bandwidth at T = 8192
     (D = 2048 / 4096) and 99 % / 101 % at T = 131072; the best shape per case reached 76 / 83 / 101 / 103 %, and
     (4, 512, 4 warps) 59 / 71 / 88 / 96 %. (16, 512, 4 warps) did as well as (4, 128) but holds

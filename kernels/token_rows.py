@@ -143,7 +143,7 @@ def gather_sum_rows_triton(src_NC: torch.Tensor, rows_TK: torch.Tensor, weights_
     """out_TC[t] = sum_k weights[t, k] * src[rows[t, k]] (fp32 accumulation, src's dtype); rows < 0 skipped.
     Rows (and weights) [..., K] give out [..., C]: the tokens are the leading dims, in row-major order, and out is
     allocated in that shape, so the caller gets a tensor of its own, not a view (the kernel writes it as [T, C]:
-    it is contiguous). ``block_c``, ``num_warps`` override the defaults, for tuning (benchmarks/kernels.py
+    it is contiguous). ``block_c``, ``num_warps`` override the defaults, for tuning (benchmarks/single_kernels.py
     token-rows)."""
     if src_NC.dim() != 2 or rows_TK.dim() < 1:
         raise ValueError(f"src_NC must be 2-D and rows_TK [..., K], got shapes {tuple(src_NC.shape)} and "
@@ -161,7 +161,7 @@ def gather_sum_rows_triton(src_NC: torch.Tensor, rows_TK: torch.Tensor, weights_
     w_TK = rows_TK if weights_TK is None else weights_TK.contiguous()  # rows: an unused stand-in pointer
     kp = triton.next_power_of_2(max(top_k, 1))
     # GPU: 16 KiB tiles, 4 warps: within 3 % of the best of 12 shapes at D = 2,048 and 4,096 (benchmarks/
-    # kernels.py token-rows --sweep; 0.85 / 0.90 of a clone of y's bandwidth).
+    # single_kernels.py token-rows --sweep; 0.85 / 0.90 of a clone of y's bandwidth).
     block_c = block_c or _block_c(n_cols, src_NC.element_size(), kp, 16384)
     grid = (n_tok, triton.cdiv(n_cols, block_c))
     launch(_gather_sum_rows_kernel, grid)(
@@ -176,7 +176,7 @@ def gather_sum_rows_triton(src_NC: torch.Tensor, rows_TK: torch.Tensor, weights_
 def gather_dot_rows_triton(src_NC: torch.Tensor, rows_TK: torch.Tensor, g_TC: torch.Tensor, *,
                            block_c: int | None = None, num_warps: int | None = None) -> torch.Tensor:
     """out_TK[t, k] = <g[t], src[rows[t, k]]> in fp32; 0 where rows < 0. ``block_c``, ``num_warps`` override the
-    defaults, for tuning (benchmarks/kernels.py token-rows)."""
+    defaults, for tuning (benchmarks/single_kernels.py token-rows)."""
     _check(src_NC, rows_TK)
     n_tok, top_k = rows_TK.shape
     out_TK = torch.empty(n_tok, top_k, dtype=torch.float32, device=src_NC.device)
@@ -187,7 +187,7 @@ def gather_dot_rows_triton(src_NC: torch.Tensor, rows_TK: torch.Tensor, g_TC: to
     rows_TK = rows_TK.contiguous()
     kp = triton.next_power_of_2(max(top_k, 1))
     # GPU: 16 KiB tiles over 2 warps (at K = 8, bf16: 1,024 columns, 128 fp32 accumulators a thread). Measured on
-    # one H200 (benchmarks/kernels.py token-rows --sweep, T = 8192, K = 8): the best of 12 shapes at D = 2,048 and
+    # one H200 (benchmarks/single_kernels.py token-rows --sweep, T = 8192, K = 8): the best of 12 shapes at D = 2,048 and
     # 4,096, 85.7 / 151.9 us against 102.3 / 184.4 for 8 KiB, 4-warp tiles (0.85 / 0.95 of a clone of y's
     # bandwidth).
     block_c = block_c or _block_c(src_NC.shape[1], src_NC.element_size(), kp, 16384)
@@ -219,7 +219,7 @@ def gather_dot_scores_triton(src_NC: torch.Tensor, rows_TK: torch.Tensor, g_TC: 
     rows_TK, gates_TK, phi_sq_TK = rows_TK.contiguous(), gates_TK.contiguous(), phi_sq_TK.contiguous()
     kp = triton.next_power_of_2(max(top_k, 1))
     # GPU: 8 KiB tiles (512 columns at K 8 in bf16), 2 warps, half of gather_dot_rows' tile. Measured (one H200,
-    # benchmarks/kernels.py token-rows --sweep, 12 shapes): 0.90 / 0.99 of a clone's bandwidth at D = 2,048 /
+    # benchmarks/single_kernels.py token-rows --sweep, 12 shapes): 0.90 / 0.99 of a clone's bandwidth at D = 2,048 /
     # 4,096 against 0.83 / 0.95 with 16 KiB; the next best, 16 KiB with 4 warps, 0.88 / 0.98 (gather_dot_rows
     # itself is best at 16 KiB, 2 warps). sm_90 registers at the Qwen3 shape: 120 a thread here, 234 with 16 KiB.
     block_c = block_c or _block_c(src_NC.shape[1], src_NC.element_size(), kp, 8192)

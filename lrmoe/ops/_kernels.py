@@ -1,9 +1,10 @@
 """Finding the Triton kernels (``lrmoe_kernels``) from lrmoe.ops.
 
-An installed lrmoe (``pip install -e .``) maps the import package ``lrmoe_kernels`` to the folder ``kernels/``.
-A source checkout used through PYTHONPATH has no such package; then the folder beside ``lrmoe/`` is loaded under
-that name, so the CUDA kernels and the benchmarks work there too. Without Triton there is nothing to load and the
-callers fall back to their pure-PyTorch reference.
+Installing lrmoe (``pip install -e .`` or a wheel) maps the import package ``lrmoe_kernels`` to the folder
+``kernels/``. That folder has no ``__init__.py``, so from a checkout it is never importable as ``kernels`` (a
+namespace portion yields to Hugging Face's ``kernels`` package, which transformers imports). Without Triton there
+is nothing to load and the callers fall back to their pure-PyTorch reference; with Triton but without the install,
+the first CUDA call says how to install rather than running the slow reference silently.
 
 Kernel modules are imported lazily, at the first CUDA call, so importing lrmoe stays cheap and does not fix
 Triton's interpreter mode (TRITON_INTERPRET must be set before any @triton.jit function is defined).
@@ -16,9 +17,7 @@ from __future__ import annotations
 import functools
 import importlib
 import importlib.util
-import sys
 from collections.abc import Callable
-from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -31,25 +30,16 @@ __all__ = ["forward_only", "inline_when_compiled", "kernel_module"]
 _PACKAGE = "lrmoe_kernels"
 
 
-def _ensure_package() -> bool:
-    """Make ``lrmoe_kernels`` importable: installed, or the source tree's ``kernels/``. False if neither."""
-    if _PACKAGE in sys.modules or importlib.util.find_spec(_PACKAGE) is not None:
-        return True
-    init = Path(__file__).resolve().parents[2] / "kernels" / "__init__.py"
-    if not init.is_file():
-        return False
-    spec = importlib.util.spec_from_file_location(_PACKAGE, init, submodule_search_locations=[str(init.parent)])
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[_PACKAGE] = module
-    spec.loader.exec_module(module)
-    return True
-
-
 @functools.cache
 def kernel_module(name: str) -> ModuleType | None:
-    """``lrmoe_kernels.<name>``, or None when Triton or the kernels package is not available."""
-    if importlib.util.find_spec("triton") is None or not _ensure_package():
+    """``lrmoe_kernels.<name>``, or None when Triton is not installed (the callers then run their reference)."""
+    if importlib.util.find_spec("triton") is None:
         return None
+    if importlib.util.find_spec(_PACKAGE) is None:
+        raise ImportError(
+            f"lrmoe's Triton kernels (import package {_PACKAGE!r}, the repository's kernels/ folder) are not "
+            "installed: install lrmoe (pip install -e <checkout>, or pip install --no-deps --no-build-isolation "
+            "-e <checkout> on a machine without a package registry)")
     return importlib.import_module(f"{_PACKAGE}.{name}")
 
 

@@ -58,7 +58,7 @@ def _take(x_NI: torch.Tensor, rows_R: torch.Tensor | None, start: int, end: int)
 def _rows_in_order(x_NI: torch.Tensor, rows_R: torch.Tensor | None) -> torch.Tensor:
     """x's rows gathered into buffer order, contiguous (torch._grouped_mm's stride rules). On CUDA the Triton row
     gather (lrmoe_kernels.offload), also under torch.compile, where this op is inlined: on one H200 it took
-    0.65-0.80 of the time of Inductor's gather kernel for the layers' gathers (benchmarks/kernels.py row-gather),
+    0.65-0.80 of the time of Inductor's gather kernel for the layers' gathers (benchmarks/single_kernels.py row-gather),
     and padding rows (-1) come out as zeros. Elsewhere index_select, padding rows reading row 0. Either way the
     GEMM's rows for padding lie past the last offset, so their values never reach a result."""
     if rows_R is None:

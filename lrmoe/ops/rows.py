@@ -14,7 +14,7 @@ Shapes: N source rows, C columns, R rows out.
 The CPU kernel is the reference; fp64 runs the reference on every device. Not differentiable (the layers call
 it inside their autograd.Function). Under torch.compile (lrmoe.ops._kernels.inline_when_compiled) a CUDA graph
 holds the Triton kernel itself: with the x-row gather it writes the backward's dy and x rows (two launches) in
-0.68-0.80 of the time of Inductor's one fused gather of both on an H200 (benchmarks/kernels.py row-gather).
+0.68-0.80 of the time of Inductor's one fused gather of both on an H200 (benchmarks/single_kernels.py row-gather).
 """
 
 from __future__ import annotations

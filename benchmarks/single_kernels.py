@@ -1,10 +1,10 @@
 """Single kernels of the layers against PyTorch and against the device's copy bandwidth (GPU, bf16).
 
-    python benchmarks/kernels.py scoring [--tokens 8192] [--dims 2048 4096] [--sweep] [--methods do_bench graph]
-    python benchmarks/kernels.py selection [--pairs 65536] [--groups 128] [--retain 0.75] [--skew 0]
-    python benchmarks/kernels.py topk [--shapes 8192x128 8192x256 32768x128]
-    python benchmarks/kernels.py token-rows [--tokens 8192] [--dims 2048 4096] [--sweep]
-    python benchmarks/kernels.py row-gather [--tokens 8192] [--dims 2048 4096] [--retain 1.0 0.5] [--sweep]
+    python benchmarks/single_kernels.py scoring [--tokens 8192] [--dims 2048 4096] [--sweep] [--methods do_bench graph]
+    python benchmarks/single_kernels.py selection [--pairs 65536] [--groups 128] [--retain 0.75] [--skew 0]
+    python benchmarks/single_kernels.py topk [--shapes 8192x128 8192x256 32768x128]
+    python benchmarks/single_kernels.py token-rows [--tokens 8192] [--dims 2048 4096] [--sweep]
+    python benchmarks/single_kernels.py row-gather [--tokens 8192] [--dims 2048 4096] [--retain 1.0 0.5] [--sweep]
 
 Two timing methods, both medians: "do_bench" (triton.testing.do_bench: each call launched from Python, an L2 flush
 before each, so for a kernel of a few microseconds it also measures the launch's host cost) and "graph"
@@ -399,7 +399,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    require_cuda(f"benchmarks/kernels.py {args.command}")
+    require_cuda(f"benchmarks/single_kernels.py {args.command}")
     {"scoring": scoring, "selection": selection, "topk": topk, "token-rows": token_rows,
      "row-gather": row_gather}[args.command](args)
 
