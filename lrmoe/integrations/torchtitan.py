@@ -47,13 +47,14 @@ from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher, L
 from torchtitan.protocols.model import ModelConfigConverter
 
 from lrmoe.functional import ExpertPlan, expert_loads, plan_quotas, selective_swiglu_experts
+from lrmoe.functional._checks import check_keeps_pairs
 from lrmoe.functional.options import BackwardOptions, option_names
 
 __all__ = ["SelectiveBackwardConverter", "backward_stats", "convert_moe", "is_converted"]
 
-# The options convert_moe fixes for every call of the converted experts: BackwardOptions' fields, less
-# selective_in_eval (a mode of lrmoe's own modules; these experts are torchtitan's).
-_CALL_OPTIONS = tuple(name for name in option_names(BackwardOptions) if name != "selective_in_eval")
+# The options convert_moe takes besides retain: BackwardOptions' fields, less selective_in_eval (a mode of lrmoe's
+# own modules; these experts are torchtitan's).
+_OPTIONS = tuple(name for name in option_names(BackwardOptions) if name not in ("retain", "selective_in_eval"))
 
 # The dispatchers whose rows reach the experts one per routed pair (R = sum of the counts, nothing padded), which
 # is what the selective backward's quotas count. TorchAOTokenDispatcher pads every expert's rows, and the DeepEP,
@@ -73,7 +74,8 @@ def convert_moe(model: nn.Module, *, retain: float, compute_dtype: torch.dtype |
     Args:
         model: a torchtitan model (or any module) holding ``torchtitan.models.common.moe.MoE`` layers.
         retain: fraction of each step's routed pairs whose expert-path gradient backward keeps, in (0, 1];
-            1 reproduces torchtitan's gradients.
+            1 reproduces torchtitan's gradients. A training step whose budget floor(retain * rows) is 0 (and no
+            min_retain floor) is refused by that step: every expert gradient would be zero.
         compute_dtype: the experts' compute dtype. bfloat16 (default) is what torchtitan's GroupedExperts uses
             whatever the weights' dtype (it casts x and the weights to bf16); None computes in the input's dtype,
             or torch.autocast's where autocast is on (fp32 training checks the gradients tightly this way).
@@ -81,18 +83,18 @@ def convert_moe(model: nn.Module, *, retain: float, compute_dtype: torch.dtype |
             torchtitan's expert parallelism over that many ranks does (each rank plans its own experts' quotas
             from the rows it received). 1 (default) on every rank; set it on a single device to reproduce a
             W-rank run's plan there. Must divide the number of experts.
-        **options: selective_swiglu_experts' keyword arguments for every call (``BackwardOptions``' fields):
-            metric, selection, policy, min_retain, generator, activations, quota_align, backward_capacity.
+        **options: ``BackwardOptions``' other fields: metric, selection, policy, min_retain, generator,
+            activations, quota_align, backward_capacity.
 
     Returns: the names of the converted experts modules (``layers.0.moe.routed_experts.inner_experts``, ...).
 
     Raises: ValueError when the model holds no MoE layer, a layer is already converted, ``quota_blocks`` does not
     divide a layer's experts or is combined with ``backward_capacity``; TypeError for an unknown option, a layer
     whose experts are not torchtitan's ``GroupedExperts`` or run their own GEMMs (a low-precision converter), or
-    whose token dispatcher is not ``LocalTokenDispatcher`` / ``AllToAllTokenDispatcher``; and selective_swiglu_
-    experts' own errors for bad option values.
+    whose token dispatcher is not ``LocalTokenDispatcher`` / ``AllToAllTokenDispatcher``; and ``BackwardOptions``'
+    own errors for bad option values.
     """
-    options = _checked_options(retain, compute_dtype, quota_blocks, options)
+    backward = _checked_options(retain, compute_dtype, quota_blocks, options)
     moes = [(name, m) for name, m in model.named_modules() if isinstance(m, MoE)]
     if not moes:
         raise ValueError(f"convert_moe found no torchtitan MoE layer (torchtitan.models.common.moe.MoE) in this "
@@ -112,7 +114,7 @@ def convert_moe(model: nn.Module, *, retain: float, compute_dtype: torch.dtype |
         targets.append((where, experts))
     for _, experts in targets:
         experts.__class__ = _selective_class(type(experts))
-        _install(experts, options, compute_dtype, quota_blocks)
+        _install(experts, backward, compute_dtype, quota_blocks)
     return [where for where, _ in targets]
 
 
@@ -122,7 +124,8 @@ class SelectiveBackwardConverter(ModelConfigConverter):
     parameters, names and checkpoints of torchtitan's). Pass its Config where torchtitan takes converters, e.g.
     ``torchtitan.models.qwen3.model_registry("debugmodel_moe", converters=[SelectiveBackwardConverter.Config(
     retain=0.75)])``. Config fields: ``convert_moe``'s arguments, ``compute_dtype`` by name as torchtitan's configs
-    name dtypes ("bfloat16", "float32", or None for the input's); ``options`` holds selective_swiglu_experts'."""
+    name dtypes ("bfloat16", "float32", or None for the input's); ``options`` holds ``BackwardOptions``' other
+    fields."""
 
     @dataclass(kw_only=True, slots=True)
     class Config(ModelConfigConverter.Config):
@@ -137,7 +140,7 @@ class SelectiveBackwardConverter(ModelConfigConverter):
         self.compute_dtype = None if name is None else getattr(torch, name, None)
         if name is not None and not isinstance(self.compute_dtype, torch.dtype):
             raise TypeError(f"compute_dtype must name a torch dtype ('bfloat16', 'float32') or be None, got {name!r}")
-        self.options = _checked_options(config.retain, self.compute_dtype, config.quota_blocks, config.options)
+        self.backward = _checked_options(config.retain, self.compute_dtype, config.quota_blocks, config.options)
 
     def convert(self, model_config):
         found = False
@@ -153,32 +156,35 @@ class SelectiveBackwardConverter(ModelConfigConverter):
             selective = _selective_class(inner._owner).Config
             routed.inner_experts = selective(
                 **{f.name: getattr(inner, f.name) for f in fields(inner)},
-                lrmoe_options=dict(self.options), lrmoe_compute_dtype=self.compute_dtype,
+                lrmoe_backward=self.backward, lrmoe_compute_dtype=self.compute_dtype,
                 lrmoe_quota_blocks=self.config.quota_blocks)
         if not found:
             raise ValueError("SelectiveBackwardConverter found no torchtitan MoE layer config (MoE.Config)")
         return model_config
 
 
-def _checked_options(retain: float, compute_dtype: torch.dtype | None, quota_blocks: int, options: dict) -> dict:
-    """selective_swiglu_experts' options with ``retain``, checked (module-independent arguments of convert_moe)."""
-    unknown = sorted(set(options) - set(_CALL_OPTIONS))
+def _checked_options(retain: float, compute_dtype: torch.dtype | None, quota_blocks: int,
+                     options: dict) -> BackwardOptions:
+    """The backward options of ``retain`` and ``options``, checked with the module-independent arguments of
+    convert_moe."""
+    unknown = sorted(set(options) - set(_OPTIONS))
     if unknown:
         raise TypeError(f"unknown options {unknown}; convert_moe takes retain, compute_dtype, quota_blocks and "
-                        f"selective_swiglu_experts' {', '.join(o for o in _CALL_OPTIONS if o != 'retain')}")
+                        f"BackwardOptions' {', '.join(_OPTIONS)}")
     if compute_dtype is not None and not (isinstance(compute_dtype, torch.dtype) and compute_dtype.is_floating_point):
         raise TypeError(f"compute_dtype must be a floating-point torch.dtype or None, got {compute_dtype!r}")
     if isinstance(quota_blocks, bool) or not isinstance(quota_blocks, int) or quota_blocks < 1:
         raise ValueError(f"quota_blocks must be a Python int >= 1, got {quota_blocks!r}")
     if quota_blocks > 1 and options.get("backward_capacity") is not None:
         raise ValueError("quota_blocks > 1 plans the quotas itself and cannot apply backward_capacity; use one")
-    options = {"retain": retain, **options}
-    _check_options(options)
-    return options
+    # BackwardOptions checks every value, as LRMoE's do, and nothing that depends on a step's size: the training
+    # steps check their own pair counts (a dummy step here would refuse a retain that a real step's rows allow).
+    return BackwardOptions(retain=retain, **options)
 
 
-def _install(experts: nn.Module, options: dict, compute_dtype: torch.dtype | None, quota_blocks: int) -> None:
-    experts.lrmoe_options = dict(options)
+def _install(experts: nn.Module, backward: BackwardOptions, compute_dtype: torch.dtype | None,
+             quota_blocks: int) -> None:
+    experts.lrmoe_backward = backward
     experts.lrmoe_compute_dtype = compute_dtype
     experts.lrmoe_quota_blocks = quota_blocks
     experts.lrmoe_stats_probe = _new_probe(experts.w1_EFD.device)
@@ -211,14 +217,14 @@ class _SelectiveExpertsMixin:
     """Forward of converted experts: torchtitan's GroupedExperts contract (rows sorted by expert and the count of
     each local expert's rows in, one output row per input row out), computed by selective_swiglu_experts."""
 
-    lrmoe_options: dict
+    lrmoe_backward: BackwardOptions
     lrmoe_compute_dtype: torch.dtype | None
     lrmoe_quota_blocks: int
     lrmoe_stats_probe: torch.Tensor
 
     def __init__(self, config):  # built from a SelectiveBackwardConverter config (convert_moe swaps classes)
         super().__init__(config)
-        _install(self, config.lrmoe_options, config.lrmoe_compute_dtype, config.lrmoe_quota_blocks)
+        _install(self, config.lrmoe_backward, config.lrmoe_compute_dtype, config.lrmoe_quota_blocks)
 
     def forward(self, x_RD: torch.Tensor, num_tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
         w1_EFD, w2_EDF, w3_EFD = (_local_experts(name, getattr(self, name)) for name in ("w1_EFD", "w2_EDF", "w3_EFD"))
@@ -235,16 +241,16 @@ class _SelectiveExpertsMixin:
         # One [E, 2F, D] gate/up weight per call, gate half first (module docstring: why not a view).
         gate_up_EFD = torch.cat([w1_EFD.to(dtype), w3_EFD.to(dtype)], dim=1)
         backward = torch.is_grad_enabled() and any(t.requires_grad for t in (x_RD, w1_EFD, w2_EDF, w3_EFD))
-        options, plan, probe = {}, None, None
+        opts, plan, probe = _EXACT, None, None
         if backward:  # without a backward the forward is the same at any retain: plan nothing, draw nothing
-            options = self.lrmoe_options
-            if self.lrmoe_quota_blocks > 1 and options["retain"] < 1.0:
-                plan = _block_plan(expert_ids_R1, n_exp, self.lrmoe_quota_blocks, options)
+            opts = self.lrmoe_backward
+            if self.lrmoe_quota_blocks > 1 and not opts.dense:
+                plan = _block_plan(expert_ids_R1, n_exp, self.lrmoe_quota_blocks, opts)
             if self.lrmoe_stats_probe.device == x_RD.device:
                 probe = self.lrmoe_stats_probe
         with torch.autocast(device, enabled=False):  # the experts run in ``dtype`` exactly
             y_RD = selective_swiglu_experts(x_RD.to(dtype), gate_up_EFD, w2_EDF.to(dtype), expert_ids_R1, gates_R1,
-                                            plan=plan, stats_probe=probe, **options)
+                                            plan=plan, stats_probe=probe, backward=opts)
         return y_RD.type_as(x_RD)
 
     def _apply(self, fn, recurse=True):
@@ -256,6 +262,8 @@ class _SelectiveExpertsMixin:
         return module
 
 
+_EXACT = BackwardOptions()  # the options of a forward without a backward: retain 1
+
 _CLASSES: dict[type, type] = {}
 
 
@@ -266,7 +274,7 @@ def _selective_class(cls: type) -> type:
 
         @dataclass(kw_only=True, slots=True)
         class Config(cls.Config):
-            lrmoe_options: dict = field(default_factory=dict)
+            lrmoe_backward: BackwardOptions = field(default_factory=BackwardOptions)
             lrmoe_compute_dtype: torch.dtype | None = torch.bfloat16
             lrmoe_quota_blocks: int = 1
 
@@ -301,18 +309,6 @@ def _check_convertible(where: str, experts, dispatcher, config: bool = False) ->
                         "(torchtitan's 'standard' MoE comm backend)")
 
 
-def _check_options(options: dict) -> None:
-    """Check the option values once, here, by one tiny call of selective_swiglu_experts (its own errors), so a bad
-    value fails at conversion rather than at the first training step."""
-    opts = {k: v for k, v in options.items() if k != "generator"}  # a CUDA generator cannot draw on the CPU
-    x_TD = torch.zeros(2, 1)
-    selective_swiglu_experts(x_TD, torch.zeros(1, 2, 1), torch.zeros(1, 1, 1), torch.zeros(2, 1, dtype=torch.long),
-                             torch.ones(2, 1), **opts)
-    generator = options.get("generator")
-    if generator is not None and not isinstance(generator, torch.Generator):
-        raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
-
-
 def _local_experts(name: str, weight: torch.Tensor) -> torch.Tensor:
     """This rank's experts' weights: the local shard of a DTensor sharded on the expert dimension (torchtitan's
     expert parallelism), as GroupedExperts takes it. Tensor parallelism shards F or D instead; each rank would then
@@ -326,18 +322,18 @@ def _local_experts(name: str, weight: torch.Tensor) -> torch.Tensor:
     return weight.to_local()
 
 
-def _block_plan(expert_ids_R1: torch.Tensor, n_exp: int, blocks: int, options: dict) -> ExpertPlan:
+def _block_plan(expert_ids_R1: torch.Tensor, n_exp: int, blocks: int, opts: BackwardOptions) -> ExpertPlan:
     """Quotas planned within each of ``blocks`` equal blocks of experts from its own rows, as each rank of
     torchtitan's expert parallelism over ``blocks`` ranks plans its experts' (plan_quotas per block); sampling
     uniforms one per expert."""
-    retain = options["retain"]
+    # As plan_experts refuses for the quota_blocks=1 plan: a budget of no row (R is static, no sync).
+    check_keeps_pairs(opts.retain, opts.min_retain, expert_ids_R1.shape[0], "convert_moe's experts")
     loads_E = expert_loads(expert_ids_R1, n_exp)
     quotas_E = torch.cat([
-        plan_quotas(loads_L, retain, min_retain=options.get("min_retain", 0.0),
-                    policy=options.get("policy", "waterfill"), align=options.get("quota_align", 1))
+        plan_quotas(loads_L, opts.retain, min_retain=opts.min_retain, policy=opts.policy, align=opts.quota_align)
         for loads_L in loads_E.view(blocks, -1)
     ])
     uniform_E = None
-    if options.get("selection", "sample") == "sample":
-        uniform_E = torch.rand(n_exp, generator=options.get("generator"), device=expert_ids_R1.device)
-    return ExpertPlan(loads=loads_E, quotas=quotas_E, uniform=uniform_E, retain=retain)
+    if opts.selection == "sample":
+        uniform_E = torch.rand(n_exp, generator=opts.generator, device=expert_ids_R1.device)
+    return ExpertPlan(loads=loads_E, quotas=quotas_E, uniform=uniform_E, retain=opts.retain)

@@ -31,6 +31,7 @@ import torch.multiprocessing as mp  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 from torchtitan.models.common.moe import GroupedExperts, MoE  # noqa: E402
 
+from lrmoe.functional.options import BackwardOptions  # noqa: E402
 from lrmoe.integrations.torchtitan import (  # noqa: E402
     SelectiveBackwardConverter,
     backward_stats,
@@ -162,9 +163,40 @@ def test_retain_keeps_the_planned_rows_of_every_layer():
     dense = copy.deepcopy(model)
     for module in dense.modules():
         if is_converted(module):
-            module.lrmoe_options = {"retain": 1.0}
+            module.lrmoe_backward = BackwardOptions(retain=1.0)
     with torch.no_grad():
         torch.testing.assert_close(out, dense(tokens[:, :-1]), rtol=0, atol=0)
+
+
+def test_any_retain_a_step_allows_converts_and_trains():
+    # Conversion checks the options, not a step size: a retain keeping floor(retain * rows) >= 1 of a real step's
+    # rows converts (here 128 rows a layer: 0.01 keeps one), by convert_moe and by the converter, and trains.
+    args = small_args()
+    tokens = example.batch(args.vocab, 2, args.seq_len, step=0, rank=0, device=torch.device("cpu"))
+    rows = 2 * args.seq_len * args.top_k
+    for retain in (0.3, 0.01):
+        model = example.build_model(args, torch.device("cpu"))
+        convert_moe(model, retain=retain)
+        SelectiveBackwardConverter(SelectiveBackwardConverter.Config(retain=retain))
+        example.loss_fn(model, tokens).backward()
+        assert [s["retained_rows"].item() for s in backward_stats(model).values()] == [int(retain * rows)] * 2
+    # A step with no row to keep (one sequence: 64 rows, floor(0.64) = 0) is refused by that step, with quota
+    # blocks too.
+    with pytest.raises(ValueError, match=r"retain=0.01 keeps floor\(retain \* P\) = 0 of the step's P = 64"):
+        example.loss_fn(model, tokens[:1]).backward()
+    blocks = example.build_model(args, torch.device("cpu"))
+    convert_moe(blocks, retain=0.01, quota_blocks=2)
+    with pytest.raises(ValueError, match=r"retain=0.01 keeps floor\(retain \* P\) = 0 of the step's P = 64"):
+        example.loss_fn(blocks, tokens[:1]).backward()
+
+
+def test_example_trains_at_retain_03(capsys):
+    example.main(["--dim", "32", "--experts", "8", "--hidden-dim", "32", "--vocab", "64", "--seq-len", "32",
+                  "--steps", "2", "--retain", "0.3"])
+    out = capsys.readouterr().out
+    rows = 4 * 32 * 2  # the example's 4 sequences of 32 tokens, top-2, per layer
+    assert "converted 2 MoE layers' experts: retain 0.3" in out
+    assert f"kept rows {int(0.3 * rows) / rows:.3f}" in out
 
 
 @pytest.fixture
