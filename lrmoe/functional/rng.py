@@ -25,7 +25,9 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["keyed_uniform", "routing_key", "sampling_uniforms"]
+from lrmoe.functional._checks import check_tensor
+
+__all__ = ["block_routing_keys", "keyed_uniform", "routing_key", "sampling_uniforms"]
 
 _MASK32 = 0xFFFFFFFF
 _MUL1 = 0x7FEB352D
@@ -58,6 +60,37 @@ def routing_key(expert_ids_TK: torch.Tensor) -> torch.Tensor:
     # The position enters through xor only: Inductor folds arithmetic on an arange into its index expressions,
     # which Triton evaluates in int32 (a constant of 2**31 or more there fails to compile).
     return _hash32(index_P ^ _mul32(expert_P, _GOLDEN)).sum() & _MASK32
+
+
+def block_routing_keys(expert_ids_P: torch.Tensor, num_experts: int, blocks: int) -> torch.Tensor:
+    """[blocks] int64: key b is ``routing_key`` of the pairs routed to block b, the experts [b * E/B, (b + 1) *
+    E/B), in their order, with expert ids relative to the block (expert - b * E/B): the key that the expert-parallel
+    rank holding block b's experts computes from the pairs it receives, when it receives them in that order.
+
+    Args:
+        expert_ids_P: integer expert of every pair, any shape (read flat), ordered by block: every pair of a block
+            before any pair of a later one, as rows sorted by expert are. Not checked (that reads the values).
+        num_experts: E, a Python int >= 1.
+        blocks: B, a Python int >= 1 dividing E.
+    """
+    if not isinstance(num_experts, int) or isinstance(num_experts, bool) or num_experts < 1:
+        raise ValueError(f"num_experts must be a Python int >= 1, got {num_experts!r}")
+    if not isinstance(blocks, int) or isinstance(blocks, bool) or blocks < 1 or num_experts % blocks:
+        raise ValueError(f"blocks must be a Python int >= 1 dividing num_experts={num_experts}, got {blocks!r}")
+    check_tensor("expert_ids_P", expert_ids_P, kind="int")
+    expert_P = expert_ids_P.reshape(-1).long()
+    per_block = num_experts // blocks
+    block_P = expert_P // per_block
+    # Each pair's position within its block: its index less the block's start (the pairs of earlier blocks).
+    count_B = torch.zeros(blocks, dtype=torch.int64, device=expert_P.device).scatter_add_(
+        0, block_P, torch.ones_like(block_P))
+    start_B = count_B.cumsum(0) - count_B
+    index_P = torch.arange(expert_P.shape[0], device=expert_P.device, dtype=torch.int64)  # < 2**31 pairs
+    position_P = index_P - start_B[block_P]
+    local_P = (expert_P - block_P * per_block) & _MASK32
+    # routing_key's term of every pair, summed per block (an integer sum, exact in any order).
+    term_P = _hash32(position_P ^ _mul32(local_P, _GOLDEN))
+    return torch.zeros(blocks, dtype=torch.int64, device=expert_P.device).scatter_add_(0, block_P, term_P) & _MASK32
 
 
 def keyed_uniform(key: torch.Tensor, n: int, *, stream: int = 0) -> torch.Tensor:

@@ -49,6 +49,7 @@ from torchtitan.protocols.model import ModelConfigConverter
 from lrmoe.functional import ExpertPlan, expert_loads, plan_quotas, selective_swiglu_experts
 from lrmoe.functional._checks import check_keeps_pairs
 from lrmoe.functional.options import BackwardOptions, option_names
+from lrmoe.functional.rng import block_routing_keys, keyed_uniform
 
 __all__ = ["SelectiveBackwardConverter", "backward_stats", "convert_moe", "is_converted"]
 
@@ -82,7 +83,8 @@ def convert_moe(model: nn.Module, *, retain: float, compute_dtype: torch.dtype |
         quota_blocks: plan the backward quotas separately within this many equal blocks of experts, as
             torchtitan's expert parallelism over that many ranks does (each rank plans its own experts' quotas
             from the rows it received). 1 (default) on every rank; set it on a single device to reproduce a
-            W-rank run's plan there. Must divide the number of experts.
+            W-rank run's plan there (with selection "sample" and no generator, its sampling uniforms too: each
+            block's are keyed on that block's rows, as each rank keys its own). Must divide the number of experts.
         **options: ``BackwardOptions``' other fields: metric, selection, policy, min_retain, generator,
             activations, quota_align, backward_capacity.
 
@@ -324,8 +326,10 @@ def _local_experts(name: str, weight: torch.Tensor) -> torch.Tensor:
 
 def _block_plan(expert_ids_R1: torch.Tensor, n_exp: int, blocks: int, opts: BackwardOptions) -> ExpertPlan:
     """Quotas planned within each of ``blocks`` equal blocks of experts from its own rows, as each rank of
-    torchtitan's expert parallelism over ``blocks`` ranks plans its experts' (plan_quotas per block); sampling
-    uniforms one per expert."""
+    torchtitan's expert parallelism over ``blocks`` ranks plans its experts' (plan_quotas per block). Sampling
+    uniforms, one per expert: from ``opts.generator`` when one is given, else each block's keyed on that block's
+    rows (block_routing_keys), which is the draw plan_experts makes on the rank holding the block (rows sorted by
+    expert, keyed on the rank's own rows with local expert ids): a function of the batch, no RNG state read."""
     # As plan_experts refuses for the quota_blocks=1 plan: a budget of no row (R is static, no sync).
     check_keeps_pairs(opts.retain, opts.min_retain, expert_ids_R1.shape[0], "convert_moe's experts")
     loads_E = expert_loads(expert_ids_R1, n_exp)
@@ -335,5 +339,9 @@ def _block_plan(expert_ids_R1: torch.Tensor, n_exp: int, blocks: int, opts: Back
     ])
     uniform_E = None
     if opts.selection == "sample":
-        uniform_E = torch.rand(n_exp, generator=opts.generator, device=expert_ids_R1.device)
+        if opts.generator is not None:
+            uniform_E = torch.rand(n_exp, generator=opts.generator, device=expert_ids_R1.device)
+        else:
+            keys_B = block_routing_keys(expert_ids_R1, n_exp, blocks)
+            uniform_E = torch.cat([keyed_uniform(keys_B[b], n_exp // blocks) for b in range(blocks)])
     return ExpertPlan(loads=loads_E, quotas=quotas_E, uniform=uniform_E, retain=opts.retain)

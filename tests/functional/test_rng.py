@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from lrmoe.functional.rng import keyed_uniform, routing_key, sampling_uniforms
+from lrmoe.functional.rng import block_routing_keys, keyed_uniform, routing_key, sampling_uniforms
 
 
 def _k(v):
@@ -73,6 +73,31 @@ def test_a_generator_draws_instead():
     assert torch.equal(sampling_uniforms(ids, 6, stream=1), keyed_uniform(routing_key(ids), 6, stream=1))
 
 
+def test_block_keys_are_the_routing_keys_of_each_blocks_pairs():
+    # Rows sorted by expert, as a dispatcher hands them: block b's key is routing_key of that block's slice with
+    # block-relative ids, what the expert-parallel rank holding the block keys its own rows with.
+    ids_P = torch.randint(0, 12, (300,), generator=torch.Generator().manual_seed(2)).sort().values
+    ids_P[ids_P // 4 == 1] = 8  # block 1 receives nothing: its key is that of no pairs
+    keys = block_routing_keys(ids_P.unsqueeze(1), 12, 3)
+    want = [routing_key(ids_P[ids_P // 4 == b].unsqueeze(1) - 4 * b) for b in range(3)]
+    assert keys.dtype == torch.int64 and torch.equal(keys, torch.stack(want))
+    assert int(keys[1]) == 0 and torch.equal(block_routing_keys(ids_P, 12, 1), routing_key(ids_P).view(1))
+    # Ordered by block, not necessarily by expert within it: each block's pairs in their own order.
+    mixed_P = torch.tensor([1, 0, 1, 3, 2, 2])
+    want = [routing_key(torch.tensor([[1], [0], [1]])), routing_key(torch.tensor([[1], [0], [0]]))]
+    assert torch.equal(block_routing_keys(mixed_P, 4, 2), torch.stack(want))
+
+
+@pytest.mark.parametrize("ids_dtype, num_experts, blocks, error, match", [
+    (torch.float32, 4, 2, TypeError, "expert_ids_P must be an integer tensor"),
+    (torch.long, 4, 3, ValueError, "blocks must be a Python int >= 1 dividing num_experts=4"),
+    (torch.long, 0, 1, ValueError, "num_experts must be a Python int >= 1"),
+])
+def test_block_keys_bad_arguments(ids_dtype, num_experts, blocks, error, match):
+    with pytest.raises(error, match=match):
+        block_routing_keys(torch.zeros(3, dtype=ids_dtype), num_experts, blocks)
+
+
 @pytest.mark.parametrize("bad", [{"n": -1}, {"n": 2.0}, {"n": 2**31}, {"stream": -1}, {"stream": True}])
 def test_bad_sizes(bad):
     kwargs = {"n": 4, "stream": 0} | bad
@@ -114,3 +139,6 @@ def test_inductor_draws_equal_eager_at_more_pairs_than_int32_products_allow(devi
     inductor = torch.compile(lambda i: sampling_uniforms(i, 128, stream=1), fullgraph=True)
     assert torch.equal(inductor(ids), sampling_uniforms(ids, 128, stream=1))
     assert torch.equal(torch.compile(routing_key, fullgraph=True)(ids), routing_key(ids))
+    sorted_ids = ids.reshape(-1).sort().values
+    blocks = torch.compile(lambda i: block_routing_keys(i, 128, 4), fullgraph=True)
+    assert torch.equal(blocks(sorted_ids), block_routing_keys(sorted_ids, 128, 4))

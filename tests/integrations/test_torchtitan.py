@@ -199,6 +199,25 @@ def test_example_trains_at_retain_03(capsys):
     assert f"kept rows {int(0.3 * rows) / rows:.3f}" in out
 
 
+@pytest.mark.parametrize("selection", ["sample", "top"])
+@pytest.mark.parametrize("quota_blocks", [1, 2])
+def test_same_batch_same_gradients_and_no_global_rng(selection, quota_blocks):
+    # The plan is a function of the model and the batch: the same batch twice gives the same gradients, and the
+    # global RNG is neither read nor moved (selection "sample" draws keyed uniforms, per block with quota_blocks).
+    args = small_args()
+    model = example.build_model(args, torch.device("cpu"))
+    convert_moe(model, retain=0.5, selection=selection, quota_blocks=quota_blocks, compute_dtype=None)
+    tokens = example.batch(args.vocab, 2, args.seq_len, step=0, rank=0, device=torch.device("cpu"))
+    grads = []
+    for seed in (1, 2):  # a different global RNG state each time: it must not matter
+        torch.manual_seed(seed)
+        state = torch.get_rng_state()
+        grads.append(loss_and_grads(model, tokens)[1])
+        assert torch.equal(torch.get_rng_state(), state)
+        model.zero_grad(set_to_none=True)
+    assert_grads_close(grads[1], grads[0], rtol=0)
+
+
 @pytest.fixture
 def dynamo_config_restored():
     """torchtitan's apply_compile sets two global dynamo options; later tests get them back as they were."""
@@ -296,6 +315,7 @@ def test_refusals():
 # ---------------------------------------------------------------- expert parallelism, 2 gloo ranks
 
 EP_STEPS = 3
+SELECTIONS = ("top", "sample")
 
 
 def _ep_worker(rank, world_size, store, results):
@@ -304,32 +324,38 @@ def _ep_worker(rank, world_size, store, results):
                             timeout=timedelta(seconds=120))
     try:
         cpu = torch.device("cpu")
-        args = small_args("--ep", str(world_size), "--selection", "top")
-        model = example.build_model(args, cpu)
-        convert_moe(model, retain=0.75, selection="top", compute_dtype=None)
+        args = small_args("--ep", str(world_size))
         dims = example.parallel_dims(world_size, world_size, cpu)
-        example.parallelize(model, dims)
-        w1 = model.layers["0"].moe.routed_experts.inner_experts.w1_EFD
-        assert isinstance(w1, DTensor) and w1.to_local().shape[0] == args.experts // world_size
-        opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-        losses, grads = [], None
-        for step in range(EP_STEPS):
-            loss = example.train_step(model, example.batch(args.vocab, 2, args.seq_len, step, rank, cpu), world_size)
-            dist.all_reduce(loss)
-            losses.append(loss.item() / world_size)
-            if step == 0:
-                grads = {n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).clone()
-                         for n, p in model.named_parameters()}
-            opt.step()
-            opt.zero_grad()
+        out = {}
+        for selection in SELECTIONS:
+            model = example.build_model(args, cpu)
+            convert_moe(model, retain=0.75, selection=selection, compute_dtype=None)
+            example.parallelize(model, dims)
+            w1 = model.layers["0"].moe.routed_experts.inner_experts.w1_EFD
+            assert isinstance(w1, DTensor) and w1.to_local().shape[0] == args.experts // world_size
+            opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+            losses, grads = [], None
+            for step in range(EP_STEPS):
+                tokens = example.batch(args.vocab, 2, args.seq_len, step, rank, cpu)
+                loss = example.train_step(model, tokens, world_size)
+                dist.all_reduce(loss)
+                losses.append(loss.item() / world_size)
+                if step == 0:
+                    grads = {n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).clone()
+                             for n, p in model.named_parameters()}
+                opt.step()
+                opt.zero_grad()
+            out[selection] = {"losses": losses, "grads": grads}
         if rank == 0:
-            torch.save({"losses": losses, "grads": grads}, results)
+            torch.save(out, results)
     finally:
         dist.barrier()
         dist.destroy_process_group()
 
 
 def test_expert_parallel_matches_single_device():
+    # Both selections: "sample" draws each rank's uniforms keyed on the rows it received, and quota_blocks=2
+    # keys each block's on that block's rows, so the two draw the same.
     os.environ["OMP_NUM_THREADS"] = "1"
     with tempfile.TemporaryDirectory() as tmp:
         results = os.path.join(tmp, "results.pt")
@@ -338,18 +364,19 @@ def test_expert_parallel_matches_single_device():
 
     # One device, both ranks' sequences in rank order, quotas planned per block of 4 experts as each rank plans.
     cpu = torch.device("cpu")
-    args = small_args("--selection", "top")
-    model = example.build_model(args, cpu)
-    convert_moe(model, retain=0.75, selection="top", compute_dtype=None, quota_blocks=2)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    losses = []
-    for step in range(EP_STEPS):
-        tokens = torch.cat([example.batch(args.vocab, 2, args.seq_len, step, r, cpu) for r in range(2)])
-        loss, grads = loss_and_grads(model, tokens)
-        losses.append(loss.item())
-        if step == 0:
-            assert_grads_close(ep["grads"], grads, rtol=1e-4)
-        opt.step()
-        opt.zero_grad()
-    torch.testing.assert_close(torch.tensor(ep["losses"]), torch.tensor(losses), rtol=1e-5, atol=0)
-    assert losses[-1] < losses[0]
+    args = small_args()
+    for selection in SELECTIONS:
+        model = example.build_model(args, cpu)
+        convert_moe(model, retain=0.75, selection=selection, compute_dtype=None, quota_blocks=2)
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        losses = []
+        for step in range(EP_STEPS):
+            tokens = torch.cat([example.batch(args.vocab, 2, args.seq_len, step, r, cpu) for r in range(2)])
+            loss, grads = loss_and_grads(model, tokens)
+            losses.append(loss.item())
+            if step == 0:
+                assert_grads_close(ep[selection]["grads"], grads, rtol=1e-4)
+            opt.step()
+            opt.zero_grad()
+        torch.testing.assert_close(torch.tensor(ep[selection]["losses"]), torch.tensor(losses), rtol=1e-5, atol=0)
+        assert losses[-1] < losses[0]
