@@ -53,9 +53,8 @@ from lrmoe.functional.rng import block_routing_keys, keyed_uniform
 
 __all__ = ["SelectiveBackwardConverter", "backward_stats", "convert_moe", "is_converted"]
 
-# The options convert_moe takes besides retain: BackwardOptions' fields, less selective_in_eval (a mode of lrmoe's
-# own modules; these experts are torchtitan's).
-_OPTIONS = tuple(name for name in option_names(BackwardOptions) if name not in ("retain", "selective_in_eval"))
+# The options convert_moe takes besides retain: BackwardOptions' fields, as LRMoE takes them.
+_OPTIONS = tuple(name for name in option_names(BackwardOptions) if name != "retain")
 
 # The dispatchers whose rows reach the experts one per routed pair (R = sum of the counts, nothing padded), which
 # is what the selective backward's quotas count. TorchAOTokenDispatcher pads every expert's rows, and the DeepEP,
@@ -85,8 +84,9 @@ def convert_moe(model: nn.Module, *, retain: float, compute_dtype: torch.dtype |
             from the rows it received). 1 (default) on every rank; set it on a single device to reproduce a
             W-rank run's plan there (with selection "sample" and no generator, its sampling uniforms too: each
             block's are keyed on that block's rows, as each rank keys its own). Must divide the number of experts.
-        **options: ``BackwardOptions``' other fields: metric, selection, policy, min_retain, generator,
-            activations, quota_align, backward_capacity.
+        **options: ``BackwardOptions``' other fields, as ``LRMoE`` takes them: metric, selection, policy,
+            min_retain, generator, activations, quota_align, backward_capacity, and selective_in_eval (False, the
+            default: in ``eval()`` mode the backward is exact, as at retain 1; True: selective in eval too).
 
     Returns: the names of the converted experts modules (``layers.0.moe.routed_experts.inner_experts``, ...).
 
@@ -245,7 +245,7 @@ class _SelectiveExpertsMixin:
         backward = torch.is_grad_enabled() and any(t.requires_grad for t in (x_RD, w1_EFD, w2_EDF, w3_EFD))
         opts, plan, probe = _EXACT, None, None
         if backward:  # without a backward the forward is the same at any retain: plan nothing, draw nothing
-            opts = self.lrmoe_backward
+            opts = self.lrmoe_backward.for_mode(self.training)  # exact in eval() unless selective_in_eval, as LRMoE
             if self.lrmoe_quota_blocks > 1 and not opts.dense:
                 plan = _block_plan(expert_ids_R1, n_exp, self.lrmoe_quota_blocks, opts)
             if self.lrmoe_stats_probe.device == x_RD.device:

@@ -218,6 +218,31 @@ def test_same_batch_same_gradients_and_no_global_rng(selection, quota_blocks):
     assert_grads_close(grads[1], grads[0], rtol=0)
 
 
+def test_eval_mode_backward_is_exact_unless_selective_in_eval():
+    # As LRMoE: in eval() the converted experts' backward keeps every row (the gradients of retain 1), unless
+    # selective_in_eval=True; train() makes it selective again.
+    args = small_args()
+    tokens = example.batch(args.vocab, 2, args.seq_len, step=0, rank=0, device=torch.device("cpu"))
+    rows = 2 * args.seq_len * args.top_k
+    dense = example.build_model(args, torch.device("cpu"))
+    selective, in_eval = copy.deepcopy(dense), copy.deepcopy(dense)
+    convert_moe(dense, retain=1.0, compute_dtype=None)
+    convert_moe(selective, retain=0.5, compute_dtype=None)
+    _, want = loss_and_grads(dense.eval(), tokens)
+    _, got = loss_and_grads(selective.eval(), tokens)
+    assert_grads_close(got, want, rtol=1e-6)
+    assert [s["retained_rows"].item() for s in backward_stats(selective).values()] == [rows] * 2
+    loss_and_grads(selective.train(), tokens)
+    assert [s["retained_rows"].item() for s in backward_stats(selective).values()] == [rows // 2] * 2
+    convert_moe(in_eval, retain=0.5, compute_dtype=None, selective_in_eval=True)
+    loss_and_grads(in_eval.eval(), tokens)
+    assert [s["retained_rows"].item() for s in backward_stats(in_eval).values()] == [rows // 2] * 2
+    # The converter takes it too, and BackwardOptions checks its value.
+    SelectiveBackwardConverter(SelectiveBackwardConverter.Config(retain=0.5, options={"selective_in_eval": True}))
+    with pytest.raises(TypeError, match="selective_in_eval must be a bool"):
+        convert_moe(example.build_model(args, torch.device("cpu")), retain=0.5, selective_in_eval="yes")
+
+
 @pytest.fixture
 def dynamo_config_restored():
     """torchtitan's apply_compile sets two global dynamo options; later tests get them back as they were."""
