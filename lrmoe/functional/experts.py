@@ -32,18 +32,12 @@ from lrmoe.functional._checks import (
     check_step_options,
     check_tensor,
 )
-from lrmoe.functional.expert_step import (  # noqa: F401  (retained_dy, pad_to_blocks: the step's row helpers)
-    N_BACKWARD_STATS,
-    IdentityTransport,
-    StepConfig,
-    pad_to_blocks,
-    retained_dy,
-    selective_step,
-)
+from lrmoe.functional.expert_step import StepConfig, selective_step
 from lrmoe.functional.options import BackwardOptions, resolve_options
 from lrmoe.functional.quotas import plan_quotas
 from lrmoe.functional.rng import sampling_uniforms
 from lrmoe.functional.routing import expert_loads
+from lrmoe.functional.transport import N_BACKWARD_STATS, IdentityTransport
 
 __all__ = ["ExpertPlan", "backward_capacity_rows", "plan_experts", "retained_rows_bound", "selective_swiglu_experts"]
 

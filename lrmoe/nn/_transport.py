@@ -18,7 +18,8 @@ import torch.distributed._functional_collectives as funcol
 from torch.fx.experimental.symbolic_shapes import guard_or_false
 
 from lrmoe.functional.expert_parallel import ExpertParallelPlan, block_rows, expert_major_order
-from lrmoe.functional.expert_step import block_slots, pad_to_blocks, retained_dy, take_rows
+from lrmoe.functional.retained_rows import block_slots, pad_to_blocks, retained_dy, take_rows
+from lrmoe.functional.transport import Combined, Dispatched, Exchanged, Transport
 from lrmoe.ops import gather_scale_rows
 
 # Backward statistics leave as the gradient of a float64 probe (float64: byte counts stay exact past 2**24):
@@ -148,7 +149,20 @@ def fetch_replicas(flat_LX: torch.Tensor, plan: ExpertParallelPlan, splits: Spli
 
 
 @dataclass(frozen=True)
-class AllToAllTransport:
+class AllToAllState:
+    """What give_back and probe_grad need of an exchange: the arrival order of the retained rows
+    (``perm_M``: instance-major position j -> arrived row), their block slots (blocked backward, else None), the
+    bytes of a dispatched and of a returned row, and the received rows (held until the backward returns)."""
+
+    perm_M: torch.Tensor
+    slot_M: torch.Tensor | None
+    row_bytes: int
+    dx_row_bytes: int
+    dy_MD: torch.Tensor
+
+
+@dataclass(frozen=True)
+class AllToAllTransport(Transport):
     """Expert parallelism's transport for the selective step (lrmoe.functional.expert_step): uneven all-to-alls
     over the EP group with this step's host split sizes.
 
@@ -163,7 +177,8 @@ class AllToAllTransport:
     ep: EPGroup
     splits: Splits
 
-    identity = False
+    selects_in_dispatch_order = False
+    always_needs_dx = True  # the return is an all-to-all every rank joins
 
     def dispatch(self, x_TD, tok_P, dest_P, n_inst, assign_SWI):
         splits, ep = self.splits, self.ep
@@ -172,22 +187,24 @@ class AllToAllTransport:
         # first GEMM (rows = the permutation), so x_recv is never copied.
         counts_SI = assign_SWI[:, ep.rank]
         perm_N = expert_major_order(counts_SI, x_recv_ND.shape[0])
-        return x_recv_ND, perm_N, torch.cumsum(counts_SI.sum(0), 0).int()
+        return Dispatched(x_recv_ND, perm_N, torch.cumsum(counts_SI.sum(0), 0).int())
 
-    def combine(self, y_ND, phi_sq_N, perm_N, assign_SWI):
+    def combine(self, y_ND, phi_sq_N, dispatched, assign_SWI):
         # y rows and ||phi||^2 go back in the order they came (source-major).
+        perm_N = dispatched.rows_N
         ident_N = torch.arange(perm_N.shape[0], device=perm_N.device)
         inv_perm_N = torch.empty_like(perm_N).scatter_(0, perm_N, ident_N)
         y_PD, phi_sq_P = _all_to_all_with_scalars(
             y_ND.index_select(0, inv_perm_N), phi_sq_N.index_select(0, inv_perm_N), self.splits.fwd_send,
             self.splits.fwd_recv, self.ep)
-        return y_PD, phi_sq_P, inv_perm_N
+        return Combined(y_PD, phi_sq_P, inv_perm_N)
 
-    def exchange(self, g_TD, gates_TK, pair_R, weight_R, ends_G, saved, cfg, need_h_index):
-        splits, ep = self.splits, self.ep
-        assign_SWI, quotas_SWI = saved["assign_SWI"], saved["quotas_SWI"]
+    def exchange(self, request):
+        splits, ep, fwd = self.splits, self.ep, request.forward
+        g_TD, pair_R = request.g_TD, request.pair_R
+        assign_SWI, quotas_SWI = fwd.assign_SWI, fwd.quotas_SWI
         device = g_TD.device
-        dy_RD, _, safe_R = retained_dy(g_TD, gates_TK, pair_R, weight_R, saved["dtype"])
+        dy_RD, _, safe_R = retained_dy(g_TD, request.gates_TK, pair_R, request.weight_R, fwd.dtype)
         tie = None
         if guard_or_false(g_TD.shape[0] == 0):
             # A rank without tokens (T = 0, a static size under torch.compile): the CUDA ops, inlined, return its
@@ -200,15 +217,15 @@ class AllToAllTransport:
         fwd_recv_W = assign_SWI[:, ep.rank].sum(-1)  # on device: no host-to-device copy
         dx_row_bytes = dy_RD.shape[1] * dy_RD.element_size()
         row_bytes = dx_row_bytes
-        if cfg.dense:
+        if request.dense:
             dy_MD = _all_to_all(dy_RD, splits.bwd_recv, splits.bwd_send, ep)
         else:
             # The instance must find each row's saved forward activations: send the pair's position in the forward
             # message to its rank (its position in the sorted dispatch buffer minus that rank's block start).
             fwd_send_W = assign_SWI[ep.rank].sum(-1)
             start_W = torch.cumsum(fwd_send_W, 0) - fwd_send_W
-            dest_R = torch.div(take_rows(saved["dest_P"], safe_R), saved["n_inst"], rounding_mode="floor")
-            index_R = take_rows(saved["inv_P"], safe_R) - start_W.index_select(0, dest_R)
+            dest_R = torch.div(take_rows(fwd.dest_P, safe_R), fwd.n_inst, rounding_mode="floor")
+            index_R = take_rows(fwd.inv_P, safe_R) - start_W.index_select(0, dest_R)
             index_R = torch.where(pair_R >= 0, index_R, 0).int()
             if tie is not None:
                 index_R = index_R + tie.int()
@@ -218,7 +235,7 @@ class AllToAllTransport:
 
         # The instance side: the M retained rows this rank's instances received, instance-major.
         n_kept = dy_MD.shape[0]
-        if cfg.dense:
+        if request.dense:
             fwd_row_M = torch.arange(n_kept, device=device)  # the same layout as the forward dispatch
         else:
             bwd_recv_W = quotas_SWI[:, ep.rank].sum(-1)
@@ -228,13 +245,13 @@ class AllToAllTransport:
         perm_M = expert_major_order(quota_SI, n_kept)  # instance-major position j -> arrived row perm_M[j]
         offsets_I = torch.cumsum(quota_SI.sum(0), 0).int()
         slot_M = None
-        if cfg.group_rows is not None:
+        if request.group_rows is not None:
             # Each instance's rows first in a block of splits.block_rows (the largest instance's count, from the
             # plan already on the host: no pair dropped, no sync), zero rows after them; the GEMMs as torch.bmm.
-            slot_M = block_slots(offsets_I, n_kept, cfg.group_rows)  # also maps the input-gradient rows back
+            slot_M = block_slots(offsets_I, n_kept, request.group_rows)  # also maps the input-gradient rows back
             # The arrived row in each slot (-1 for padding), weight 1 (0 for padding), the blocks' offsets.
             arrived_B, keep_B, offsets_I = pad_to_blocks(perm_M, torch.ones(n_kept, device=device), offsets_I,
-                                                         cfg.group_rows, slot_M)
+                                                         request.group_rows, slot_M)
             safe_B = arrived_B.clamp(min=0)
             dy = [gather_scale_rows(dy_MD, safe_B, keep_B)]  # padding: zero rows
             rows_R = fwd_row_M.index_select(0, safe_B)
@@ -243,21 +260,21 @@ class AllToAllTransport:
             rows_R = fwd_row_M.index_select(0, perm_M)  # instance-major retained rows -> source-major forward rows
         # "recompute" (no h saved): h from the received x rows, which this rank keeps for the weight gradient
         # anyway; "save" and "offload": the retained rows' index into the saved h (or its host copy).
-        h_index_R = saved["h_of_row_N"].index_select(0, rows_R) if need_h_index else None
-        state = (perm_M, slot_M, row_bytes, dx_row_bytes, dy_MD)  # dy_MD: held until the backward returns
-        return dy, rows_R, offsets_I, h_index_R, pair_R, state
+        h_index_R = fwd.h_of_row_P.index_select(0, rows_R) if request.need_h_index else None
+        return Exchanged(dy, rows_R, offsets_I, h_index_R, pair_R,
+                         AllToAllState(perm_M, slot_M, row_bytes, dx_row_bytes, dy_MD))
 
-    def give_back(self, dx_RD, state):
+    def give_back(self, dx_RD, exchanged):
         """The input-gradient rows, back to their sources in the order they arrived (the reverse of exchange)."""
-        perm_M, slot_M = state[:2]
+        perm_M, slot_M = exchanged.state.perm_M, exchanged.state.slot_M
         if slot_M is not None:
             dx_MD = dx_RD.index_select(0, torch.empty_like(slot_M).index_copy_(0, perm_M, slot_M))
         else:
             dx_MD = torch.empty_like(dx_RD).index_copy_(0, perm_M, dx_RD)
         return _all_to_all(dx_MD, self.splits.bwd_send, self.splits.bwd_recv, self.ep)
 
-    def probe_grad(self, mass_kept, state):
-        row_bytes, dx_row_bytes = state[2], state[3]
+    def probe_grad(self, mass_kept, exchanged):
+        row_bytes, dx_row_bytes = exchanged.state.row_bytes, exchanged.state.dx_row_bytes
         splits, rank = self.splits, self.ep.rank
         # Host values written by fills (kernel arguments), not copied from host memory.
         host = [float(sum(splits.bwd_send)), float(peer_bytes(splits.bwd_send, row_bytes, rank)),

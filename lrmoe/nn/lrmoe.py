@@ -24,7 +24,7 @@ from lrmoe.functional._checks import (
     check_scaling,
     check_top_k,
 )
-from lrmoe.functional.expert_step import N_BACKWARD_STATS
+from lrmoe.functional.transport import N_BACKWARD_STATS
 from lrmoe.functional.experts import plan_experts, selective_swiglu_experts
 from lrmoe.functional.options import BackwardOptions, RoutingOptions, option_names, resolve_options, split_options
 from lrmoe.functional.routing import Routing, route_topk, router_logits

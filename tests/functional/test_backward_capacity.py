@@ -14,11 +14,11 @@ from hypothesis import strategies as st
 from lrmoe.functional.experts import (
     ExpertPlan,
     backward_capacity_rows,
-    pad_to_blocks,
     plan_experts,
     retained_rows_bound,
     selective_swiglu_experts,
 )
+from lrmoe.functional.retained_rows import pad_to_blocks
 from lrmoe.nn import LRMoE
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lrmoe.functional.experts import retained_dy
+from lrmoe.functional.retained_rows import retained_dy
 from lrmoe.ops import gather_scale_rows
 
 # (N source rows, C columns, rows): repeats, unordered, one row, no rows.
