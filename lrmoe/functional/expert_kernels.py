@@ -21,7 +21,18 @@ from dataclasses import dataclass
 
 import torch
 
-from lrmoe.ops import gather_grouped_mm, gather_host_rows, gather_scale_rows, grouped_outer, swiglu_backward, swiglu_sqnorm
+from lrmoe.ops import (
+    gather_grouped_mm,
+    gather_host_rows,
+    gather_scale_rows,
+    grouped_outer,
+    hopper_available,
+    hopper_down,
+    hopper_gate_up,
+    hopper_rows_backward,
+    swiglu_backward,
+    swiglu_sqnorm,
+)
 
 
 @dataclass(frozen=True)
@@ -82,7 +93,65 @@ class PortableKernels(ExpertKernels):
                                                  h_index_R, needs, h_on_host))
 
 
-BACKENDS: dict[str, ExpertKernels] = {"portable": PortableKernels()}
+@dataclass(frozen=True)
+class HopperKernels(ExpertKernels):
+    """quack's CuTe-DSL grouped GEMMs on sm_90 (lrmoe.ops.hopper): the row gather in the gate/up GEMM's operand
+    load and SwiGLU in its epilogue; in the backward dphi with the SwiGLU derivative in its epilogue, weight
+    gradients over each group's rows that read x through the row index. h is kept interleaved (gate and up
+    columns alternating), which only this backend reads. A blocked backward (``group_rows``) is the portable
+    backend's; the layers do not choose this one for it."""
+
+    def gate_up(self, x_ND, rows_N, offsets_I, gate_up_IFD):
+        return hopper_gate_up(x_ND, gate_up_IFD, rows_N, offsets_I)
+
+    def down(self, phi_NF, offsets_I, down_IDF):
+        return hopper_down(phi_NF, down_IDF, offsets_I)
+
+    def backward(self, dy, x_ND, rows_R, offsets_I, gate_up_IFD, down_IDF, h_saved, h_index_R, needs, h_on_host,
+                 group_rows):
+        if group_rows is not None:
+            raise ValueError("kernels='hopper' has no blocked backward (backward_capacity); use kernels='portable'")
+        dy_RD = dy.pop()
+        # The retained rows' h, row-aligned with dy: the GEMM's epilogue reads its operand rows in order.
+        if h_saved is None:  # "recompute": the gate/up GEMM over the retained rows only
+            h_RF2 = hopper_gate_up(x_ND, gate_up_IFD, rows_R, offsets_I)[0]
+        elif h_on_host:  # "offload": only these rows cross the link
+            h_RF2 = gather_host_rows(h_saved, h_index_R)
+        elif h_index_R is None:
+            h_RF2 = h_saved
+        else:
+            h_RF2 = h_saved.index_select(0, h_index_R)
+        dx_RD, grad_gu, grad_down = hopper_rows_backward(dy_RD, x_ND, rows_R, offsets_I, gate_up_IFD, down_IDF, h_RF2,
+                                                         *needs)
+        return ExpertGrads(*(g if need else None for g, need in zip((dx_RD, grad_gu, grad_down), needs)))
+
+
+BACKENDS: dict[str, ExpertKernels] = {"portable": PortableKernels(), "hopper": HopperKernels()}
+
+
+def choose_kernels(requested: str, x: torch.Tensor, dim: int, hidden_dim: int, blocked: bool) -> str:
+    """The backend a step runs with (BackwardOptions.kernels): "portable" as asked; "hopper" where it can run (an
+    sm_90 GPU with quack installed, x in bf16 or fp16, ``dim`` and ``hidden_dim`` multiples of 8 for 16-byte rows,
+    no blocked backward), for "auto" and "hopper"; "hopper" asked where it cannot run raises, saying why. Decided
+    from shapes, dtypes and the device alone (a constant to torch.compile)."""
+    if requested == "portable":
+        return "portable"
+    why = None
+    if not x.is_cuda:
+        why = f"x is on {x.device.type}, not a CUDA GPU"
+    elif x.dtype not in (torch.bfloat16, torch.float16):
+        why = f"x is {x.dtype}, not bf16 or fp16"
+    elif dim % 8 or hidden_dim % 8:
+        why = f"dim={dim} and hidden_dim={hidden_dim} must be multiples of 8"
+    elif blocked:
+        why = "backward_capacity's blocked backward is the portable backend's"
+    elif not hopper_available(x.device.index or 0):
+        why = "it needs an sm_90 GPU (H100/H200) and the quack-kernels package (pip install lrmoe[hopper])"
+    if why is None:
+        return "hopper"
+    if requested == "hopper":
+        raise ValueError(f"kernels='hopper' cannot run here: {why}; use kernels='auto' or 'portable'")
+    return "portable"
 
 
 def expert_kernels(name: str) -> ExpertKernels:

@@ -32,6 +32,7 @@ from lrmoe.functional._checks import (
     check_step_options,
     check_tensor,
 )
+from lrmoe.functional.expert_kernels import choose_kernels
 from lrmoe.functional.expert_step import StepConfig, selective_step
 from lrmoe.functional.options import BackwardOptions, resolve_options
 from lrmoe.functional.quotas import plan_quotas
@@ -311,9 +312,10 @@ def selective_swiglu_experts(
     if activations == "offload" and not (torch.is_grad_enabled() and any(t is not None and t.requires_grad
                                                                          for t in differentiable)):
         activations = "recompute"  # no backward will run: nothing to keep, so no copy to the host either
+    kernels = choose_kernels(opts.kernels, x_TD, dim, down_EDF.shape[2], blocked=capacity is not None)
     cfg = StepConfig(dense=retain >= 1.0, metric=opts.metric, selection=opts.selection, generator=opts.generator,
                      activations=activations, max_rows=max_rows, group_rows=capacity,
-                     out_shape=None if out_shape is None else _check_out_shape(out_shape, n_tok, dim))
+                     out_shape=None if out_shape is None else _check_out_shape(out_shape, n_tok, dim), kernels=kernels)
     return selective_step(x_TD, gate_up_EFD, down_EDF, gates_TK, expert_ids_TK.reshape(-1).long(), quotas_G,
                           uniform_G, stats_probe, cfg, IdentityTransport(), groups_P=group_ids_P)
 

@@ -28,12 +28,13 @@ from lrmoe.functional.quotas import POLICIES
 from lrmoe.functional.scoring import METRICS
 from lrmoe.functional.selection import MODES
 
-__all__ = ["ACTIVATION_POLICIES", "SCORE_FUNCS", "BackwardOptions", "RoutingOptions", "option_names", "resolve_options",
-           "split_options"]
+__all__ = ["ACTIVATION_POLICIES", "KERNEL_CHOICES", "SCORE_FUNCS", "BackwardOptions", "RoutingOptions", "option_names",
+           "resolve_options", "split_options"]
 
 # What forward keeps of each pair's gate/up projection for backward (BackwardOptions.activations).
 ACTIVATION_POLICIES = ("save", "recompute", "offload")
 SCORE_FUNCS = ("softmax", "sigmoid")
+KERNEL_CHOICES = ("auto", "portable", "hopper")
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,10 @@ class BackwardOptions:
         the step's routing (lrmoe.functional.rng), a function of the model and the batch, so a checkpoint resumes
         exactly and torch.compile traces it ("random" scores then come from the global RNG). A generator cannot be
         used under torch.compile.
+    kernels: the backend that computes the experts (lrmoe.functional.expert_kernels): "auto" (default: "hopper"
+        where it can run: an sm_90 GPU with quack-kernels installed, bf16 or fp16, D and F multiples of 8, no
+        ``backward_capacity``; else "portable"), "portable" (lrmoe's own ops, every device) or "hopper" (refused
+        where it cannot run).
     selective_in_eval: the modules' backward in eval() mode. False (default): exact, as if retain were 1, as
         eval() switches off dropout (input gradients for saliency or probing are then exact); True: the same
         selective backward as in training. Functional calls have no mode and ignore it.
@@ -74,6 +79,7 @@ class BackwardOptions:
     quota_align: int = 1
     backward_capacity: float | None = None
     generator: torch.Generator | None = None
+    kernels: str = "auto"
     selective_in_eval: bool = False
 
     def __post_init__(self):
@@ -86,6 +92,7 @@ class BackwardOptions:
         check_choice("selection", self.selection, MODES)
         check_choice("policy", self.policy, POLICIES)
         check_choice("activations", self.activations, ACTIVATION_POLICIES)
+        check_choice("kernels", self.kernels, KERNEL_CHOICES)
         object.__setattr__(self, "quota_align", check_int("quota_align", self.quota_align))
         check_generator(self.generator)
         if not isinstance(self.selective_in_eval, bool):

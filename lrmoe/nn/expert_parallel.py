@@ -59,6 +59,7 @@ from lrmoe.functional.expert_parallel import (  # noqa: F401  (backward_capacity
     plan_expert_parallel,
     plan_to,
 )
+from lrmoe.functional.expert_kernels import choose_kernels
 from lrmoe.functional.expert_step import StepConfig, selective_step
 from lrmoe.functional.options import BackwardOptions
 from lrmoe.functional.replicas import place_hot_replicas
@@ -333,9 +334,11 @@ def _ep_step(module: nn.Module, experts: nn.Module, run_experts: Callable[..., t
     activations = "recompute" if opts.activations == "offload" and probe is None else opts.activations
     # The selection keeps exactly sum(quotas[rank]) rows (every group keeps min(quota, load) = quota), grouped by
     # instance ascending, so by destination rank: its per-rank blocks are exactly splits.bwd_send.
+    kernels = choose_kernels(opts.kernels, x_TD, x_TD.shape[-1], experts.down_proj.shape[-1],
+                             blocked=rep.backward_blocks)
     cfg = StepConfig(dense=dense, metric=opts.metric, selection=opts.selection, generator=opts.generator,
                      activations=activations, max_rows=sum(splits.bwd_send), out_shape=out_shape and tuple(out_shape),
-                     group_rows=splits.block_rows if rep.backward_blocks else None)
+                     group_rows=splits.block_rows if rep.backward_blocks else None, kernels=kernels)
     return run_experts(x_TD, gates_TK, group_P, plan, probe, cfg, AllToAllTransport(ep, splits))
 
 

@@ -7,6 +7,7 @@ reference).
 """
 
 from lrmoe.ops.grouped_gemm import gather_grouped_mm, grouped_outer
+from lrmoe.ops.hopper import hopper_available, hopper_down, hopper_gate_up, hopper_rows_backward
 from lrmoe.ops.offload import gather_host_rows, offload_to_host, offload_wait
 from lrmoe.ops.quotas import waterfill
 from lrmoe.ops.routing import topk_ids
@@ -25,6 +26,10 @@ __all__ = [
     "gather_scale_rows",
     "gather_sum_rows",
     "grouped_outer",
+    "hopper_available",
+    "hopper_down",
+    "hopper_gate_up",
+    "hopper_rows_backward",
     "offload_to_host",
     "offload_wait",
     "score_pairs",
