@@ -188,8 +188,10 @@ def check_generator_not_traced(generator: object) -> None:
 
 def check_keeps_pairs(retain: float, min_retain: float, n_pairs: int, where: str) -> None:
     """Refuse a retain whose budget floor(retain * P) rounds to zero rows while there are pairs to keep and no
-    min_retain floor: every expert gradient would be zero, silently. ``n_pairs`` is static (T * K, or an upper
-    bound of the step's pairs); a comparison, so a SymInt under torch.compile(dynamic=True) only adds a guard."""
+    min_retain floor: every expert gradient would be zero, silently. Only for a step whose backward can run (grad
+    mode on and something requiring grad): a forward alone is exact at any retain, so nothing is refused there.
+    ``n_pairs`` is static (T * K, or an upper bound of the step's pairs); a comparison, so a SymInt under
+    torch.compile(dynamic=True) only adds a guard."""
     if retain < 1.0 and min_retain == 0.0 and n_pairs > 0 and retain * n_pairs < 1:
         raise ValueError(
             f"{where}: retain={retain} keeps floor(retain * P) = 0 of the step's P = {n_pairs} routed pairs, so "
