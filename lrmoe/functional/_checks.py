@@ -188,21 +188,17 @@ def check_generator_not_traced(generator: object) -> None:
 
 def check_keeps_pairs(retain: float, min_retain: float, n_pairs: int, where: str) -> None:
     """Refuse a retain whose budget floor(retain * P) rounds to zero rows while there are pairs to keep and no
-    min_retain floor: every expert gradient would be zero, silently. ``n_pairs`` is static (T * K, or an upper
-    bound of the step's pairs); a comparison, so a SymInt under torch.compile(dynamic=True) only adds a guard."""
+    min_retain floor: every expert gradient would be zero, silently. Only for a step whose backward can run (grad
+    mode on and something requiring grad): a forward alone is exact at any retain, so nothing is refused there.
+    ``n_pairs`` is the P the step's quotas are planned from: T * K on one device (static; a SymInt under
+    torch.compile(dynamic=True) only adds a guard), the sum over the EP ranks under expert parallelism (read from
+    the all-gathered loads, so every rank checks the same P and raises together)."""
     if retain < 1.0 and min_retain == 0.0 and n_pairs > 0 and retain * n_pairs < 1:
         raise ValueError(
             f"{where}: retain={retain} keeps floor(retain * P) = 0 of the step's P = {n_pairs} routed pairs, so "
             f"every expert's weight gradient would be zero; use retain >= 1 / P = {1 / n_pairs:.3g}, or a "
             "min_retain floor"
         )
-
-
-def check_step_options(opts, n_pairs: int, where: str) -> None:
-    """What a step's backward options (a BackwardOptions) cannot do in this call: a generator under
-    torch.compile, a retain that keeps no pair of the step's ``n_pairs``."""
-    check_generator_not_traced(opts.generator)
-    check_keeps_pairs(opts.retain, opts.min_retain, n_pairs, where)
 
 
 def check_scaling(scaling: float, name: str = "scaling") -> float:

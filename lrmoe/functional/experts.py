@@ -28,8 +28,8 @@ from lrmoe.functional._checks import (
     check_backward_capacity,
     check_generator_not_traced,
     check_int,
+    check_keeps_pairs,
     check_same_device,
-    check_step_options,
     check_tensor,
 )
 from lrmoe.functional.expert_kernels import choose_kernels
@@ -150,7 +150,7 @@ def plan_experts(
     check_tensor("expert_ids_TK", expert_ids_TK, ndim=2, kind="int")
     num_experts = check_int("num_experts", num_experts)
     retain = opts.retain
-    check_step_options(opts, expert_ids_TK.shape[0] * expert_ids_TK.shape[1], "plan_experts")
+    check_generator_not_traced(opts.generator)
     if source_ids_T is not None:  # the one check that depends on the call, not on the options
         check_backward_capacity(opts.backward_capacity, retain, opts.quota_align, True, opts.policy)
     uniform = None
@@ -294,11 +294,15 @@ def selective_swiglu_experts(
             f"{down_EDF.dtype}"
         )
     hand_built = plan is not None and plan.retain is None
+    n_tok, top_k = expert_ids_TK.shape
+    n_pairs = n_tok * top_k
+    differentiable = (x_TD, gate_up_EFD, down_EDF, gates_TK, stats_probe)
+    runs_backward = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in differentiable)
+    if runs_backward and not hand_built:  # a forward alone is exact at any retain; a hand-built plan's budget is
+        check_keeps_pairs(retain, opts.min_retain, n_pairs, "selective_swiglu_experts")  # the caller's
     if plan is None:
         plan = plan_experts(expert_ids_TK, n_exp, source_ids_T=source_ids_T, num_sources=num_sources, backward=opts)
     quotas_G, uniform_G, group_ids_P = _flat_groups(plan, n_exp, expert_ids_TK)
-    n_tok, top_k = expert_ids_TK.shape
-    n_pairs = n_tok * top_k
     capacity = None
     # The selection's buffer: retained_rows_bound of the call's retain, or of 1 (every pair) for a plan built by
     # hand, whose quotas are unknown without a host read and may keep more than floor(retain * P) + E rows.
@@ -308,9 +312,7 @@ def selective_swiglu_experts(
         quotas_G = quotas_G.clamp(max=capacity)  # a given plan may keep more than a block holds
         max_rows = min(n_pairs, n_exp * capacity)  # every quota is at most C, so the E blocks hold every kept pair
     activations = opts.activations
-    differentiable = (x_TD, gate_up_EFD, down_EDF, gates_TK, stats_probe)
-    if activations == "offload" and not (torch.is_grad_enabled() and any(t is not None and t.requires_grad
-                                                                         for t in differentiable)):
+    if activations == "offload" and not runs_backward:
         activations = "recompute"  # no backward will run: nothing to keep, so no copy to the host either
     kernels = choose_kernels(opts.kernels, x_TD, dim, down_EDF.shape[2], blocked=capacity is not None)
     cfg = StepConfig(dense=retain >= 1.0, metric=opts.metric, selection=opts.selection, generator=opts.generator,

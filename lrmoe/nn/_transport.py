@@ -48,8 +48,13 @@ class Splits:
     bwd_send[w], bwd_recv[s]: the same for the retained pairs (instance quotas instead of the assignment).
     rep_send[w]: replica weights this rank sends to rank w (w's replicas of experts this rank owns);
     rep_recv[v]: replica weights this rank receives from owner v. Empty lists without replicas.
+    pairs[s]: the pairs source s routed this step (to experts in range; their sum is the step's P).
+    misrouted[s]: source s's pairs whose expert id is outside [0, E) (``pair_counts``).
     block_rows: with ExpertParallel(backward_blocks=True), the rows of every local instance's block in the
     blocked backward: the most retained rows any instance of this rank receives, rounded up to 8; else 0.
+
+    pairs and misrouted are the same on every rank (read from the all-gathered counts): the step's checks of its
+    data read them, so every rank reaches the same verdict.
     """
 
     fwd_send: list[int]
@@ -58,23 +63,39 @@ class Splits:
     bwd_recv: list[int]
     rep_send: list[int]
     rep_recv: list[int]
+    pairs: list[int]
+    misrouted: list[int]
     block_rows: int = 0
 
 
 
-def all_gather_loads(loads_E: torch.Tensor, ep: EPGroup) -> torch.Tensor:
-    """[W, E]: every rank's loads, all-gathered (no host sync)."""
-    return funcol.wait_tensor(_all_gather(loads_E, 0, ep.group)).view(ep.size, -1)
+def pair_counts(expert_ids_TK: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """[E + 1] int64: this rank's pairs per expert, then its pairs whose expert id is outside [0, E). An id out of
+    range is counted, not refused here: refused on this rank alone (as ``expert_loads`` does on CPU), it would leave
+    the other ranks waiting in the load all-gather; counted, it reaches every rank with the loads, and every rank
+    refuses the step together (``Splits.misrouted``)."""
+    flat = expert_ids_TK.reshape(-1).long()
+    bin_P = torch.where((flat >= 0) & (flat < num_experts), flat, num_experts)
+    return torch.zeros(num_experts + 1, dtype=torch.int64, device=flat.device).scatter_add_(
+        0, bin_P, torch.ones_like(bin_P))
 
 
-def host_splits(plan: ExpertParallelPlan, ep: EPGroup, n_local: int, blocked: bool = False) -> Splits:
+def all_gather_loads(counts_X: torch.Tensor, ep: EPGroup) -> torch.Tensor:
+    """[W, X]: every rank's counts (``pair_counts``: X = E + 1), all-gathered (no host sync)."""
+    return funcol.wait_tensor(_all_gather(counts_X, 0, ep.group)).view(ep.size, -1)
+
+
+def host_splits(plan: ExpertParallelPlan, ep: EPGroup, n_local: int, misrouted_W: torch.Tensor,
+                blocked: bool = False) -> Splits:
     # HOST SYNC (plan on the device; with plan_on="host" the plan is already on the host): the one host read of the
     # EP layer step. The split sizes of every all-to-all of the step (forward dispatch and combine, backward
     # dispatch and input-gradient return, replica weights and their gradients) follow from the plan, so one
-    # .tolist() here serves all of them; backward reads nothing from the device.
+    # .tolist() here serves all of them; backward reads nothing from the device. The same read brings the step's
+    # global counts (pairs and misrouted pairs per source; misrouted_W on the plan's device) for its checks.
     rows = [
         plan.assignment[ep.rank].sum(-1), plan.assignment[:, ep.rank].sum(-1),
         plan.instance_quotas[ep.rank].sum(-1), plan.instance_quotas[:, ep.rank].sum(-1),
+        plan.loads.sum(-1), misrouted_W,
     ]
     replicas_WR = plan.instances[:, n_local:]
     n_rep = replicas_WR.shape[1]
@@ -92,9 +113,9 @@ def host_splits(plan: ExpertParallelPlan, ep: EPGroup, n_local: int, blocked: bo
         for n in counts:
             torch._check(n >= 0)
     n_block = host.pop()[0] if blocked else 0
-    if not n_rep:
-        host += [[], []]
-    return Splits(*host, block_rows=n_block)
+    fwd_send, fwd_recv, bwd_send, bwd_recv, pairs, misrouted = host[:6]
+    rep_send, rep_recv = host[6:] if n_rep else ([], [])
+    return Splits(fwd_send, fwd_recv, bwd_send, bwd_recv, rep_send, rep_recv, pairs, misrouted, block_rows=n_block)
 
 
 

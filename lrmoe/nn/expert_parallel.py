@@ -10,18 +10,20 @@ Rank w owns experts [w * L, (w + 1) * L): ``experts.gate_up_proj`` and ``experts
 gradient comes from the rank's own tokens only (a data-parallel wrapper over the same ranks reduces it). With
 ``max_replicas`` R > 0, rank w also holds up to R replicas of hot experts it does not own, chosen every step.
 
-Forward, on every rank: (1) route the local tokens and count loads_E; (2) all-gather them into the tiny [W, E]
-load matrix; (3) plan (``plan_expert_parallel`` in lrmoe.functional.expert_parallel, through the op lrmoe::ep_plan),
-the same on every rank: placement, each (source, expert) pair block's instances, backward quotas per (source,
-instance), so a source knows its quotas without backward communication; (4) read the plan's split sizes on the
-host, the step's one host synchronisation (``plan_on="host"``: the load matrix is read instead and the plan runs
-on CPU tensors); (5) replica weights (R > 0) from their owners through one differentiable all-to-all, whose
-backward returns the replicas' weight gradients to the owners' shards; (6-9) the selective expert step
-(lrmoe.functional.expert_step) with the all-to-all transport (lrmoe.nn._transport): dispatch, grouped GEMMs on
-the local instances, combine. Steps 5-9 run in ``layer.experts(...)`` (the experts' class is swapped for an
-expert-parallel subclass, as the layer's is), so hooks on that module see the weights used: FSDP2's
-``fully_shard(layer.experts, mesh["dp"])`` gathers them there. Applied to a ``SwiGLUExperts`` of its own (a
-transformers model's experts after ``swap_experts``), steps 2-9 run in that call with the module's options.
+Forward, on every rank: (1) route the local tokens and count loads_E (and pairs with an expert id out of range);
+(2) all-gather them into the tiny [W, E] load matrix (and a [W] column of those); (3) plan
+(``plan_expert_parallel`` in lrmoe.functional.expert_parallel, through the op lrmoe::ep_plan), the same on every
+rank: placement, each (source, expert) pair block's instances, backward quotas per (source, instance), so a source
+knows its quotas without backward communication; (4) read the plan's split sizes on the host, the step's one host
+synchronisation (``plan_on="host"``: the load matrix is read instead and the plan runs on CPU tensors), with the
+step's global counts, on which every rank checks the step's data alike (``_check_step``); (5) replica weights (R >
+0) from their owners through one differentiable all-to-all, whose backward returns the replicas' weight gradients
+to the owners' shards; (6-9) the selective expert step (lrmoe.functional.expert_step) with the all-to-all transport
+(lrmoe.nn._transport): dispatch, grouped GEMMs on the local instances, combine. Steps 5-9 run in
+``layer.experts(...)`` (the experts' class is swapped for an expert-parallel subclass, as the layer's is), so hooks
+on that module see the weights used: FSDP2's ``fully_shard(layer.experts, mesh["dp"])`` gathers them there. Applied
+to a ``SwiGLUExperts`` of its own (a transformers model's experts after ``swap_experts``), steps 2-9 run in that
+call with the module's options.
 
 Backward: the source scores and selects its own pairs; only the retained rows travel, to the instances that ran
 them, which run the compact backward and return the input-gradient rows. The router gradient is exact and local.
@@ -43,8 +45,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from lrmoe.functional._checks import (check_replica_slots, check_same_device, check_same_size, check_step_options,
-                                     check_tensor)
+from lrmoe.functional._checks import (check_generator_not_traced, check_keeps_pairs, check_replica_slots,
+                                     check_same_device, check_same_size, check_tensor)
 from lrmoe.functional.expert_parallel import (  # noqa: F401  (backward_capacity: re-exported)
     PLACEMENT_POLICIES,
     ExpertParallelPlan,
@@ -64,15 +66,16 @@ from lrmoe.functional.expert_step import StepConfig, selective_step
 from lrmoe.functional.options import BackwardOptions
 from lrmoe.functional.replicas import place_hot_replicas
 from lrmoe.functional.rng import sampling_uniforms
-from lrmoe.functional.routing import expert_loads
 from lrmoe.nn._transport import (
     EXTRA_BYTES,
     N_EP_BACKWARD_STATS,
     AllToAllTransport,
     EPGroup,
+    Splits,
     all_gather_loads,
     fetch_replicas,
     host_splits,
+    pair_counts,
     peer_bytes,
 )
 from lrmoe.nn.lrmoe import UNGATHERED_EXPERTS, LRMoE, SwiGLUExperts, compute_dtype, recomputing
@@ -270,6 +273,25 @@ def _plan(loads_WE: torch.Tensor, opts: BackwardOptions, rep: _Replication) -> E
                      rep.capacity_factor, rep.placement or "hot", opts.quota_align)
 
 
+def _check_step(splits: Splits, opts: BackwardOptions, n_exp: int, runs_backward: bool) -> None:
+    """The checks of a step's data, on the step's global counts in ``splits`` (read from the all-gathered loads,
+    the same host values on every rank): every rank reaches the same verdict, so a valid step runs on every rank
+    and an invalid one raises the same error on every rank, after the load all-gather and before the first
+    all-to-all. A check of a rank's own data alone (its T, its ids) could raise on that rank only, and its peers
+    would wait in the next collective until the process group's timeout.
+
+    Eager only: compiled, the counts are unbacked SymInts, and a check on them would branch on data (a graph break;
+    an error under fullgraph=True). The compiled layer trusts its step, as it trusts a placement policy."""
+    if torch.compiler.is_compiling():
+        return
+    if any(splits.misrouted):
+        per_rank = {w: n for w, n in enumerate(splits.misrouted) if n}
+        raise ValueError(f"expert_ids_TK must be in [0, num_experts={n_exp}), got {sum(per_rank.values())} pairs "
+                         f"outside it (pairs per EP rank: {per_rank}); every EP rank refuses this step")
+    if runs_backward:  # quotas come from the all-gathered loads: P is the step's, summed over the ranks
+        check_keeps_pairs(opts.retain, opts.min_retain, sum(splits.pairs), "ExpertParallel (P over all EP ranks)")
+
+
 def _ep_step(module: nn.Module, experts: nn.Module, run_experts: Callable[..., torch.Tensor], x_TD: torch.Tensor,
              expert_ids_TK: torch.Tensor, gates_TK: torch.Tensor, probe: torch.Tensor | None,
              out_shape: torch.Size | None = None) -> torch.Tensor:
@@ -280,19 +302,24 @@ def _ep_step(module: nn.Module, experts: nn.Module, run_experts: Callable[..., t
     ``out_shape`` (StepConfig.out_shape; None: [T, D])."""
     ep, opts, n_exp = module._ep, module.backward.for_mode(module.training), experts.num_experts
     rep = module._replication if opts is module.backward else replace(module._replication, capacity_factor=None)
-    check_step_options(opts, ep.size * expert_ids_TK.numel(), "ExpertParallel")  # W*T*K: the step's pairs, or so
-    # The tiny [W, E] load matrix, all-gathered (no host sync), then the same plan on every rank.
-    loads_WE = all_gather_loads(expert_loads(expert_ids_TK, n_exp), ep)
+    check_generator_not_traced(opts.generator)  # an option: the same on every rank
+    # The tiny [W, E] load matrix, all-gathered (no host sync) with each rank's misrouted pairs as a last column,
+    # then the same plan on every rank.
+    counts_WX = all_gather_loads(pair_counts(expert_ids_TK, n_exp), ep)
+    loads_WE = counts_WX[:, :n_exp].contiguous()
     n_local = n_exp // ep.size
     if rep.plan_on == "host":
-        # HOST SYNC: the load matrix to the host (the one host read of this step, see ExpertParallel's plan_on);
-        # the split sizes below then read CPU tensors, and the plan goes to the device in one copy.
-        plan_host = _plan(loads_WE.cpu(), opts, rep)
-        splits = host_splits(plan_host, ep, n_local, rep.backward_blocks)
+        # HOST SYNC: the counts to the host (the one host read of this step, see ExpertParallel's plan_on); the
+        # split sizes below then read CPU tensors, and the plan goes to the device in one copy.
+        counts_host = counts_WX.cpu()
+        plan_host = _plan(counts_host[:, :n_exp].contiguous(), opts, rep)
+        splits = host_splits(plan_host, ep, n_local, counts_host[:, n_exp], rep.backward_blocks)
         plan = plan_to(plan_host, loads_WE)
     else:
         plan = _plan(loads_WE, opts, rep)  # opaque to the compiler (lrmoe.ops.ep_plan says why)
-        splits = host_splits(plan, ep, n_local, rep.backward_blocks)  # the step's one host synchronisation
+        # the step's one host synchronisation
+        splits = host_splits(plan, ep, n_local, counts_WX[:, n_exp], rep.backward_blocks)
+    _check_step(splits, opts, n_exp, runs_backward=probe is not None)
     n_inst = plan.instances.shape[1]
     dense = opts.retain >= 1.0 and rep.capacity_factor is None
     if module._draws_uniform(probe) and opts.selection == "sample" and not dense:

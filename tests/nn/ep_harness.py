@@ -19,14 +19,14 @@ import torch.multiprocessing as mp
 from torch.utils._python_dispatch import TorchDispatchMode
 
 
-def _worker(rank, world_size, store, fn, args, backend="gloo"):
+def _worker(rank, world_size, store, fn, args, backend="gloo", timeout_s=120):
     torch.set_num_threads(1)
     device_id = None
     if backend == "nccl":
         torch.cuda.set_device(rank)
         device_id = torch.device("cuda", rank)
     dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=world_size,
-                            timeout=timedelta(seconds=120), device_id=device_id)
+                            timeout=timedelta(seconds=timeout_s), device_id=device_id)
     fn(rank, world_size, *args)  # an exception here reaches mp.spawn, which reports it and stops the others
     # Success: leave together, then skip interpreter teardown. A rank that exits while a peer still tears down its
     # gloo connections (or Python finalisation destroying gloo's threads in an arbitrary order) occasionally
@@ -38,13 +38,14 @@ def _worker(rank, world_size, store, fn, args, backend="gloo"):
     os._exit(0)
 
 
-def run_ranks(world_size, fn, *args, backend="gloo"):
+def run_ranks(world_size, fn, *args, backend="gloo", timeout_s=120):
     """Run fn(rank, world_size, *args) in world_size spawned processes joined in one process group: gloo, or
-    ``backend="nccl"`` with rank r on GPU r."""
+    ``backend="nccl"`` with rank r on GPU r. ``timeout_s``: the process group's timeout, after which a rank left
+    waiting in a collective raises (a test of a step that once hung passes a short one, to fail fast)."""
     os.environ["OMP_NUM_THREADS"] = "1"
     with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_worker, args=(world_size, os.path.join(tmp, "store"), fn, args, backend), nprocs=world_size,
-                 join=True)
+        mp.spawn(_worker, args=(world_size, os.path.join(tmp, "store"), fn, args, backend, timeout_s),
+                 nprocs=world_size, join=True)
 
 
 class RecordCalls(TorchDispatchMode):

@@ -222,6 +222,98 @@ def test_a_rank_that_keeps_no_pairs_gets_its_router_gradient():
     run_ranks(2, _rank_keeping_no_pairs)
 
 
+# ------------------------------------------------------------------------- checks every rank decides alike
+
+
+def _one_token_beside_eight(rank, world):
+    # Rank 0 with 1 token, rank 1 with 8 at retain 0.2: the step plans floor(0.2 * 18) = 3 of its P = 18 pairs, a
+    # valid step. The retain check once used rank 0's own estimate W * T * K = 4 pairs (floor(0.8) = 0): rank 0
+    # raised, and rank 1 waited in the load all-gather until the process group's timeout.
+    mesh = init_device_mesh("cpu", (world,))
+    counts = [1, 8]
+    torch.manual_seed(0)
+    ref = LRMoE(16, 24, 4, 2, retain=0.2, selection="top")
+    layer = parallelize_module(copy.deepcopy(ref), mesh, ExpertParallel())
+    x_all, c_all = torch.randn(sum(counts), 16), torch.randn(sum(counts), 16)
+    rows = slice(sum(counts[:rank]), sum(counts[:rank + 1]))
+    x = x_all[rows].clone().requires_grad_(True)
+    out = layer(x)
+    (out * c_all[rows]).sum().backward()
+    assert int(layer.stats().total_pairs) == 18 and int(layer.stats().retained_pairs) == 3
+
+    # The single-device step on the gathered batch with the same (source, expert) quotas (the module docstring).
+    xr = x_all.clone().requires_grad_(True)
+    ref_out = reference_forward(ref, xr, counts)
+    (ref_out * c_all).sum().backward()
+    tol = dict(rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(out, ref_out[rows], **tol)
+    torch.testing.assert_close(x.grad, xr.grad[rows], **tol)
+    router = layer.gate.weight.grad.clone()
+    dist.all_reduce(router)  # each rank's router sees its own tokens
+    torch.testing.assert_close(router, ref.gate.weight.grad, **tol)
+    mine = slice(rank * 2, (rank + 1) * 2)
+    for name in ("gate_up_proj", "down_proj"):
+        torch.testing.assert_close(getattr(layer.experts, name).grad.to_local(),
+                                   getattr(ref.experts, name).grad[mine], **tol)
+    assert ref.experts.down_proj.grad.abs().sum() > 0  # the 3 kept pairs reached the experts
+
+
+def test_a_step_valid_over_all_ranks_runs_on_every_rank():
+    run_ranks(2, _one_token_beside_eight, timeout_s=30)
+
+
+def _invalid_step_on_every_rank(rank, world):
+    # A step invalid over all ranks raises the same error on every rank, and the ranks stay in step: the next
+    # step runs.
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(0)
+    ref = LRMoE(16, 24, 4, 2, retain=0.2, selection="top")
+    layer = parallelize_module(copy.deepcopy(ref), mesh, ExpertParallel())
+    x_all = torch.randn(2 * world, 16)
+    # One token per rank: P = 4 pairs over both ranks, floor(0.2 * 4) = 0 kept; a backward would give every
+    # expert a zero gradient: refused on every rank.
+    x = x_all[rank:rank + 1].clone().requires_grad_(True)
+    with pytest.raises(ValueError, match=r"retain=0\.2 keeps floor\(retain \* P\) = 0 of the step's P = 4"):
+        layer(x)
+    # The same step without a backward (training mode, no grad) runs, and its forward is exact.
+    with torch.no_grad():
+        out = layer(x)
+        want = ref(x_all[:world])[rank:rank + 1]
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-6)
+    # Two tokens per rank (P = 8, floor(1.6) = 1): runs with a backward.
+    x2 = x_all[2 * rank:2 * rank + 2].clone().requires_grad_(True)
+    layer(x2).square().sum().backward()
+    assert torch.isfinite(x2.grad).all()
+
+
+def test_a_step_invalid_over_all_ranks_raises_on_every_rank():
+    run_ranks(2, _invalid_step_on_every_rank, timeout_s=30)
+
+
+def _expert_id_out_of_range_on_one_rank(rank, world):
+    # A model's own experts module given an expert id out of range on rank 0 only: every rank refuses the step
+    # (rank 0 alone used to raise, in expert_loads, and rank 1 waited in the load all-gather), and the next runs.
+    from lrmoe.nn import SwiGLUExperts
+
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(1)
+    experts = parallelize_module(SwiGLUExperts(4, 16, 24, retain=0.5), mesh, ExpertParallel())
+    ids = torch.randint(0, 4, (3, 2))
+    gates = torch.rand(3, 2)
+    x = torch.randn(3, 16)
+    bad = ids.clone()
+    if rank == 0:
+        bad[1, 0] = 4
+    with pytest.raises(ValueError, match=r"expert_ids_TK must be in \[0, num_experts=4\), got 1 pairs outside it "
+                                         r"\(pairs per EP rank: \{0: 1\}\); every EP rank refuses"):
+        experts(x, bad, gates)
+    assert torch.isfinite(experts(x, ids, gates)).all()
+
+
+def test_an_expert_id_out_of_range_on_one_rank_raises_on_every_rank():
+    run_ranks(2, _expert_id_out_of_range_on_one_rank, timeout_s=30)
+
+
 # ---------------------------------------------------------------------------------------- backward payloads
 
 

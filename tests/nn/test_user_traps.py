@@ -97,6 +97,28 @@ def test_retain_that_keeps_no_pair_is_refused():
     assert m.experts.down_proj.grad.abs().sum() > 0
 
 
+def test_retain_that_keeps_no_pair_runs_where_no_backward_can():
+    # T = 1 at retain 0.3 keeps floor(0.3 * 2) = 0 of P = 2 pairs: refused where a backward can run, but a forward
+    # alone is exact at any retain. Training mode under no_grad used to raise about weight gradients.
+    from lrmoe.functional import plan_experts
+
+    torch.manual_seed(0)
+    m = LRMoE(D, FF, E, K, retain=0.3)  # training mode
+    dense = LRMoE(D, FF, E, K)
+    dense.load_state_dict(m.state_dict())
+    x = torch.randn(1, D)
+    with torch.no_grad():
+        torch.testing.assert_close(m(x), dense(x), rtol=0, atol=0)
+    m.requires_grad_(False)  # grad mode on, nothing requiring grad
+    torch.testing.assert_close(m(x), dense(x).detach(), rtol=0, atol=0)
+    m.requires_grad_(True)
+    with pytest.raises(ValueError, match=r"retain=0\.3 keeps floor\(retain \* P\) = 0 of the step's P = 2"):
+        m(x)
+    # Planning runs no backward: it plans the zero quotas; the call that runs the step refuses them.
+    plan = plan_experts(torch.tensor([[0, 1]]), E, retain=0.3)
+    assert int(plan.quotas.sum()) == 0 and int(plan.loads.sum()) == 2
+
+
 # ---------------------------------------------------------------------------------------------- generator + compile
 
 
