@@ -10,6 +10,7 @@ nothing else imported.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import subprocess
@@ -35,21 +36,28 @@ def log(*parts):
     print(f"[{time.perf_counter() - START:7.1f}s]", *parts, flush=True)
 
 
+KERNEL_TAGS = ("portable", "hopper")  # LRMoE's kernels= for a variant "lrmoe-<retain>[-top][-<kernels>]"
+
+
 def variant_name(name: str) -> str:
-    """An argparse type for --variants: "transformers", "sonic", or "lrmoe-<retain>" with retain in (0, 1] and an
-    optional "-top" (LRMoE's "top" selection instead of the default "sample"), e.g. "lrmoe-0.5-top"."""
+    """An argparse type for --variants: "transformers", "sonic", or "lrmoe-<retain>" with retain in (0, 1], an
+    optional "-top" (LRMoE's "top" selection instead of the default "sample") and an optional "-portable" or
+    "-hopper" (LRMoE's kernels instead of the default "auto"), e.g. "lrmoe-0.5-top", "lrmoe-1-portable"."""
     parts = name.split("-")
     if name in ("transformers", "sonic"):
         return name
-    if parts[0] == "lrmoe" and len(parts) in (2, 3) and (len(parts) == 2 or parts[2] == "top"):
+    tail = parts[2:]
+    if tail and tail[-1] in KERNEL_TAGS:
+        tail = tail[:-1]
+    if parts[0] == "lrmoe" and len(parts) >= 2 and tail in ([], ["top"]):
         try:
             retain = float(parts[1])
         except ValueError:
             retain = -1.0
         if 0.0 < retain <= 1.0:
             return name
-    raise argparse.ArgumentTypeError(f"a variant is transformers, sonic or lrmoe-<retain in (0, 1]>[-top], "
-                                     f"got {name!r}")
+    raise argparse.ArgumentTypeError(f"a variant is transformers, sonic or lrmoe-<retain in (0, 1]>[-top]"
+                                     f"[-portable|-hopper], got {name!r}")
 
 
 def retain_of(variant: str) -> float:
@@ -57,8 +65,14 @@ def retain_of(variant: str) -> float:
 
 
 def selection_of(variant: str) -> str:
-    """LRMoE's selection of a variant name: "top" for "lrmoe-<retain>-top", else the default "sample"."""
-    return "top" if variant.startswith("lrmoe") and variant.endswith("-top") else "sample"
+    """LRMoE's selection of a variant name: "top" for "lrmoe-<retain>-top[-kernels]", else the default "sample"."""
+    return "top" if variant.startswith("lrmoe") and "top" in variant.split("-")[2:] else "sample"
+
+
+def kernels_of(variant: str) -> str:
+    """LRMoE's kernels of a variant name: its "-portable" or "-hopper" tag, else the default "auto"."""
+    tag = variant.split("-")[-1]
+    return tag if variant.startswith("lrmoe") and tag in KERNEL_TAGS else "auto"
 
 
 # ------------------------------------------------------------------------------------------------ MoE layers
@@ -213,7 +227,7 @@ def peer_layers(args) -> None:
         try:
             layer = (sonic_moe(shape["dim"], shape["hidden_dim"], shape["num_experts"], shape["top_k"]) if v == "sonic"
                      else hf_block(**shape) if v == "transformers"
-                     else LRMoE(**shape, retain=retain_of(v), selection=selection_of(v)))
+                     else LRMoE(**shape, retain=retain_of(v), selection=selection_of(v), kernels=kernels_of(v)))
         except Exception as err:  # noqa: BLE001 - SonicMoE may be missing: the others still run
             if v != "sonic":
                 raise
@@ -264,15 +278,31 @@ def peer_layers(args) -> None:
 
     times = interleaved(list(range(len(rows))), time_row, args.rounds)
     lines = [f"# one layer fwd+bwd, {shape}, bf16, {torch.cuda.get_device_name()}, torch {torch.__version__}; "
-             f"medians over {args.rounds} rounds of {args.reps} steps",
-             "| layer | tokens | fwd+bwd ms | spread | vs transformers | peak GiB above resident |",
-             "| --- | --- | --- | --- | --- | --- |"]
+             f"medians over {args.rounds} rounds of {args.reps} steps; dense-equivalent TFLOP/s = 18 T k d f / time",
+             "| layer | tokens | fwd+bwd ms | spread | vs transformers | vs SonicMoE | dense-eq. TFLOP/s | "
+             "peak GiB above resident |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+
+    def ratio_to(i: int, ref_name: str) -> float:
+        """Round by round: the reference row's time over row i's (> 1: row i is faster)."""
+        ref = next((j for j, b in enumerate(rows) if b["name"] == ref_name and b["tokens"] == rows[i]["tokens"]),
+                   None)
+        return statistics.median(b / s for b, s in zip(times[ref], times[i])) if ref is not None else float("nan")
+
+    records = []
     for i, row in enumerate(rows):
-        ms, ref = times[i], next((j for j, b in enumerate(rows) if b["name"] == "transformers"
-                                  and b["tokens"] == row["tokens"]), None)
-        ratio = statistics.median(b / s for b, s in zip(times[ref], ms)) if ref is not None else float("nan")
-        lines.append(f"| {row['name']} | {row['tokens']} | {statistics.median(ms):.3f} | {max(ms) - min(ms):.3f} | "
-                     f"{ratio:.2f}x | {row['peak']:.2f} |")
+        ms = statistics.median(times[i])
+        tflops = 18 * row["tokens"] * shape["top_k"] * shape["dim"] * shape["hidden_dim"] / ms / 1e9
+        lines.append(f"| {row['name']} | {row['tokens']} | {ms:.3f} | {max(times[i]) - min(times[i]):.3f} | "
+                     f"{ratio_to(i, 'transformers'):.2f}x | {ratio_to(i, 'sonicmoe'):.2f}x | {tflops:.0f} | "
+                     f"{row['peak']:.2f} |")
+        records.append({"variant": "sonic" if row["name"] == "sonicmoe" else row["name"], "tokens": row["tokens"],
+                        "ms": round(ms, 4), "peak_gib": round(row["peak"], 3)})
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps({
+            "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+            "date": time.strftime("%Y-%m-%d"), "rows": records}, indent=1) + "\n")
     text = "\n".join(lines) + "\n"
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)

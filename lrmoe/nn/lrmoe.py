@@ -196,6 +196,8 @@ class LRMoE(nn.Module):
             state is not part of the model's, and a generator cannot be compiled.
         selective_in_eval: in eval() mode the backward is exact (every pair kept, as at retain 1), as eval()
             switches off dropout; True keeps the selective backward there too.
+        kernels: the experts' kernels: "auto" (default: quack's fused Hopper GEMMs where they run, an sm_90 GPU
+            with quack-kernels installed and bf16/fp16; else lrmoe's portable ops), "portable" or "hopper".
         activations: "save" (forward keeps every pair's gate/up projection), "recompute" (backward recomputes
             it for the retained rows only; less memory, one more grouped GEMM over the retained rows) or "offload"
             (forward copies it to pinned host memory on a side stream, backward reads back the retained rows
@@ -213,7 +215,7 @@ class LRMoE(nn.Module):
             capacity_factor).
 
         backward: the options above of the selective backward (retain, min_retain, metric, selection, policy,
-            activations, quota_align, backward_capacity, generator, selective_in_eval) as one
+            activations, quota_align, backward_capacity, generator, selective_in_eval, kernels) as one
             :class:`~lrmoe.functional.BackwardOptions`, instead of the keywords (not both).
         routing: the routing options above (score_func, norm_topk_prob, routed_scaling_factor, n_group,
             topk_group, selection_bias, router_dtype) as one :class:`~lrmoe.functional.RoutingOptions`, likewise.
@@ -242,6 +244,7 @@ class LRMoE(nn.Module):
         quota_align: int = 1,
         backward_capacity: float | None = None,
         selective_in_eval: bool = False,
+        kernels: str = "auto",
         routed_scaling_factor: float = 1.0,
         n_group: int | None = None,
         topk_group: int | None = None,
@@ -263,7 +266,7 @@ class LRMoE(nn.Module):
         self.backward = resolve_options(
             BackwardOptions, backward, "LRMoE", retain=retain, metric=metric, selection=selection, policy=policy,
             min_retain=min_retain, generator=generator, activations=activations, quota_align=quota_align,
-            selective_in_eval=selective_in_eval,
+            selective_in_eval=selective_in_eval, kernels=kernels,
             backward_capacity=backward_capacity)
         self.routing = resolve_options(
             RoutingOptions, routing, "LRMoE", score_func=score_func, norm_topk_prob=norm_topk_prob,

@@ -131,19 +131,17 @@ def hopper_rows_backward(dy_RD: torch.Tensor, x_ND: torch.Tensor, rows_R: torch.
                          need_down: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     dphi_RF = gather_grouped_mm(dy_RD, down_IDF.transpose(1, 2), None, offsets_I)
     dh_R2F, phi_RF = swiglu_backward(split_interleaved(h_RF2), None, dphi_RF)
-    empty = dy_RD.new_empty(0)
-    grad_down = grouped_outer(dy_RD, phi_RF, None, offsets_I) if need_down else empty
-    grad_gu = grouped_outer(dh_R2F, x_ND, rows_R, offsets_I) if need_gate_up else empty
-    dx_RD = gather_grouped_mm(dh_R2F, gate_up_IFD.transpose(1, 2), None, offsets_I) if need_dx else empty
+    grad_down = grouped_outer(dy_RD, phi_RF, None, offsets_I) if need_down else dy_RD.new_empty(0)
+    grad_gu = grouped_outer(dh_R2F, x_ND, rows_R, offsets_I) if need_gate_up else dy_RD.new_empty(0)
+    dx_RD = gather_grouped_mm(dh_R2F, gate_up_IFD.transpose(1, 2), None, offsets_I) if need_dx else dy_RD.new_empty(0)
     return dx_RD, grad_gu, grad_down
 
 
 @hopper_rows_backward.register_fake
 def _(dy_RD, x_ND, rows_R, offsets_I, gate_up_IFD, down_IDF, h_RF2, need_dx, need_gate_up, need_down):
-    empty = dy_RD.new_empty(0)
-    return (dy_RD.new_empty(dy_RD.shape) if need_dx else empty,
-            gate_up_IFD.new_empty(gate_up_IFD.shape) if need_gate_up else empty,
-            down_IDF.new_empty(down_IDF.shape) if need_down else empty)
+    return (dy_RD.new_empty(dy_RD.shape if need_dx else (0,)),
+            gate_up_IFD.new_empty(gate_up_IFD.shape if need_gate_up else (0,)),
+            down_IDF.new_empty(down_IDF.shape if need_down else (0,)))
 
 
 @hopper_rows_backward.register_kernel("cuda")
@@ -153,8 +151,7 @@ def _(dy_RD, x_ND, rows_R, offsets_I, gate_up_IFD, down_IDF, h_RF2, need_dx, nee
     # dh (interleaved, as h) and phi from one GEMM: dphi = dy @ down with the SwiGLU derivative in its epilogue.
     dh_RF2, phi_RF = q.gemm_dgated(dy_RD, down_IDF, h_RF2, activation="swiglu", cu_seqlens_m=cu,
                                    dynamic_scheduler=False, tuned=False)
-    empty = dy_RD.new_empty(0)
-    grad_down = grad_gu = dx_RD = empty
+    grad_down, grad_gu, dx_RD = (dy_RD.new_empty(0) for _ in range(3))
     if need_down:  # sum over each group's rows of dy_r phi_r^T: variable K, A = dy^T (m-major)
         grad_down = q.gemm(dy_RD.mT, phi_RF, cu_seqlens_k=cu, tuned=False)
     if need_gate_up:  # x's rows read through the index; the result written back in gate-then-up row order

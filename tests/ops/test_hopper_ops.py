@@ -1,0 +1,98 @@
+"""lrmoe.ops.hopper and the "hopper" backend on the CPU: the ops' references (the portable ops with h kept
+interleaved) pass opcheck, and the backend's composition (h interleaved in forward, the retained rows' h gathered
+row-aligned for the backward's epilogue, recomputed or read back) gives the portable backend's outputs and
+gradients through the whole step. The CUDA kernels (quack) are tested against the portable backend on an sm_90
+GPU (tests/nn/test_cuda_hopper.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lrmoe.functional.expert_kernels import choose_kernels
+from lrmoe.functional.expert_step import StepConfig, selective_step
+from lrmoe.functional.experts import plan_experts, retained_rows_bound
+from lrmoe.functional.options import BackwardOptions
+from lrmoe.functional.transport import IdentityTransport
+from lrmoe.ops import hopper_down, hopper_gate_up, hopper_rows_backward
+from lrmoe.ops.hopper import interleave_halves, split_interleaved
+
+
+def _weights(E=3, D=8, F=6, seed=0, dtype=torch.float64):
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(E, 2 * F, D, generator=gen, dtype=dtype), torch.randn(E, D, F, generator=gen, dtype=dtype))
+
+
+def test_interleave_puts_gate_and_up_columns_side_by_side_and_back():
+    h = torch.arange(12.0).view(2, 6)  # gate columns 0-2, up columns 3-5
+    inter = interleave_halves(h)
+    assert inter[0].tolist() == [0, 3, 1, 4, 2, 5]
+    torch.testing.assert_close(split_interleaved(inter), h, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("with_rows", [False, True])
+def test_the_ops_pass_opcheck(with_rows):
+    gate_up, down = _weights()
+    x = torch.randn(7, 8, dtype=torch.float64)
+    rows = torch.tensor([6, 0, 0, 3, 2, 5, 1, 4]) if with_rows else None
+    n = 8 if with_rows else 7
+    offsets = torch.tensor([3, 3, n], dtype=torch.int32)  # an empty group in the middle
+    torch.library.opcheck(hopper_gate_up, (x, gate_up, rows, offsets))
+    h, phi, _ = hopper_gate_up(x, gate_up, rows, offsets)
+    torch.library.opcheck(hopper_down, (phi, down, offsets))
+    dy = torch.randn(n, 8, dtype=torch.float64)
+    torch.library.opcheck(hopper_rows_backward, (dy, x, rows, offsets, gate_up, down, h, True, True, True))
+    torch.library.opcheck(hopper_rows_backward, (dy, x, rows, offsets, gate_up, down, h, False, True, False))
+
+
+def test_gate_up_is_the_swiglu_of_each_rows_expert():
+    gate_up, _ = _weights()
+    x = torch.randn(5, 8, dtype=torch.float64)
+    rows = torch.tensor([4, 1, 1, 0, 2, 3])
+    offsets = torch.tensor([2, 5, 6], dtype=torch.int32)
+    h, phi, phi_sq = hopper_gate_up(x, gate_up, rows, offsets)
+    experts = [0, 0, 1, 1, 1, 2]
+    for i, (r, e) in enumerate(zip(rows.tolist(), experts)):
+        pre = gate_up[e] @ x[r]
+        gate, up = pre[:6], pre[6:]
+        torch.testing.assert_close(h[i, 0::2], gate)
+        torch.testing.assert_close(h[i, 1::2], up)
+        torch.testing.assert_close(phi[i], torch.nn.functional.silu(gate) * up)
+        torch.testing.assert_close(phi_sq[i], (phi[i].float() ** 2).sum())
+
+
+def _step(kernels: str, retain: float, activations: str, seed: int = 0):
+    T, D, F, E, K = 20, 8, 6, 4, 2
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, D, generator=gen, dtype=torch.float64, requires_grad=True)
+    gate_up = torch.randn(E, 2 * F, D, generator=gen, dtype=torch.float64, requires_grad=True)
+    down = torch.randn(E, D, F, generator=gen, dtype=torch.float64, requires_grad=True)
+    ids = torch.rand(T, E, generator=gen).argsort(1)[:, :K]
+    gates = torch.rand(T, K, generator=gen, dtype=torch.float64, requires_grad=True)
+    opts = BackwardOptions(retain=retain, selection="top")
+    plan = plan_experts(ids, E, backward=opts)
+    cfg = StepConfig(dense=retain >= 1.0, metric="lrm", selection="top", generator=None, activations=activations,
+                     max_rows=retained_rows_bound(T * K, E, retain), kernels=kernels)
+    out = selective_step(x, gate_up, down, gates, ids.reshape(-1), plan.quotas, plan.uniform, None, cfg,
+                         IdentityTransport())
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(1), dtype=out.dtype)
+    return [out.detach(), *torch.autograd.grad(out, (x, gate_up, down, gates), g)]
+
+
+@pytest.mark.parametrize("activations", ["save", "recompute"])
+@pytest.mark.parametrize("retain", [1.0, 0.5])
+def test_the_hopper_backend_gives_the_portable_backends_step(retain, activations):
+    got, want = _step("hopper", retain, activations), _step("portable", retain, activations)
+    for name, a, b in zip(("out", "x", "gate_up", "down", "gates"), got, want):
+        torch.testing.assert_close(a, b, msg=name)
+    assert want[3].abs().sum() > 0
+
+
+def test_choose_kernels_keeps_the_portable_backend_where_hopper_cannot_run():
+    x = torch.randn(4, 8)
+    assert choose_kernels("auto", x, 8, 8, blocked=False) == "portable"
+    assert choose_kernels("portable", x, 8, 8, blocked=False) == "portable"
+    with pytest.raises(ValueError, match="kernels='hopper' cannot run here: x is on cpu"):
+        choose_kernels("hopper", x, 8, 8, blocked=False)
+    with pytest.raises(ValueError, match="kernels must be one of"):
+        BackwardOptions(kernels="cutlass")
