@@ -17,6 +17,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
+from lrmoe.functional._autocast import autocast_enabled, autocast_off
 from lrmoe.functional._checks import (
     check_group_routing,
     check_int,
@@ -66,7 +67,7 @@ def compute_dtype(x: torch.Tensor) -> torch.dtype:
     """The routed experts' dtype: torch.autocast's for x's device when it is on there (x and the expert weights are
     cast to it, differentiably, so fp32 weights get fp32 gradients), else x's (the parameters' dtype)."""
     device = x.device.type
-    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+    return torch.get_autocast_dtype(device) if autocast_enabled(device) else x.dtype
 
 
 def recomputing() -> bool:
@@ -143,7 +144,7 @@ class SwiGLUExperts(nn.Module):
         dtype = compute_dtype(x_TD)  # torch.autocast's (transformers' experts compute in it there), else x's
         if gates_TK.is_floating_point():  # others are refused, naming gates_TK, not cast
             gates_TK = gates_TK.to(dtype)
-        with torch.autocast(x_TD.device.type, enabled=False):  # the experts run in ``dtype`` exactly
+        with autocast_off(x_TD.device.type):  # the experts run in ``dtype`` exactly
             return selective_swiglu_experts(x_TD.to(dtype), gate_up.to(dtype), down.to(dtype), expert_ids_TK,
                                             gates_TK, backward=opts, **call)
 
@@ -302,7 +303,7 @@ class LRMoE(nn.Module):
         # which casts them to x's (or autocast's) dtype: FSDP's policy decides, as autocast would.
         fsdp_experts = isinstance(self.experts, FSDPModule)
         if (x.dtype != self.experts.gate_up_proj.dtype and not fsdp_experts
-                and not torch.is_autocast_enabled(x.device.type)):
+                and not autocast_enabled(x.device.type)):
             raise TypeError(
                 f"x has dtype {x.dtype} but the layer's parameters are {self.experts.gate_up_proj.dtype}; "
                 "cast one of them (e.g. layer.to(x.dtype)), or run the layer under torch.autocast"
@@ -332,7 +333,7 @@ class LRMoE(nn.Module):
             with torch.no_grad():
                 self.last_loads.copy_(plan.loads)
                 self.last_quotas.copy_(plan.quotas)
-        with torch.autocast(x.device.type, enabled=False):  # the experts run in ``dtype`` exactly
+        with autocast_off(x.device.type):  # the experts run in ``dtype`` exactly
             out = self.experts(x_TD.to(dtype), routing.expert_ids, gates_TK, plan=plan, stats_probe=probe,
                                backward=opts, out_shape=x.shape)
         # In x's shape as the experts wrote it, not a view: an in-place op on it keeps FSDP2's hooks.

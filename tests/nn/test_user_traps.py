@@ -1,5 +1,6 @@
 """Paths that used to give a silently wrong or incomplete answer (second-order gradients, eval mode, a retain that
-keeps nothing) or a confusing error (a generator under torch.compile). Each test failed before its fix."""
+keeps nothing) or a confusing error (a generator under torch.compile, a meta-device layer). Each test failed before
+its fix."""
 
 from __future__ import annotations
 
@@ -106,3 +107,43 @@ def test_generator_under_compile_is_refused_with_advice():
     with pytest.raises(Exception, match="generator=None"):
         torch.compile(m, fullgraph=True)(torch.randn(4, D))
     m(torch.randn(4, D)).sum().backward()  # eager keeps supporting it
+
+
+# ---------------------------------------------------------------------------------------------- meta device
+
+
+@pytest.mark.parametrize("options", [
+    dict(retain=1.0),
+    dict(retain=0.5, activations="offload"),
+    dict(retain=0.5, backward_capacity=1.0, metric="random"),
+    dict(retain=0.5, score_func="sigmoid", selection_bias=True, n_group=4, topk_group=2, shared_hidden_dim=8,
+         router_dtype=torch.float32),
+], ids=["dense", "offload", "capacity", "glm"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_meta_layer_on_meta_input_gives_shapes(options, dtype):
+    """A layer built on the meta device (deferred init, FSDP's meta-device construction) runs on meta tokens, forward
+    and backward, giving the shapes and dtypes a real run gives, with no data."""
+    with torch.device("meta"):
+        m = LRMoE(D, FF, E, K, **options).to(dtype)
+    x = torch.empty(2, 3, D, device="meta", dtype=dtype, requires_grad=True)
+    y = m(x)
+    assert (y.shape, y.dtype, y.device.type) == (x.shape, dtype, "meta")
+    y.sum().backward()
+    assert (x.grad.shape, x.grad.device.type) == (x.shape, "meta")
+    for p in m.parameters():
+        assert p.grad.shape == p.shape and p.grad.device.type == "meta"
+    stats = m.stats()
+    assert stats.loads.shape == (E,) and stats.loads.device.type == "meta"
+    with torch.no_grad():
+        assert m.eval()(x).shape == x.shape
+
+
+def test_meta_experts_module_on_meta_input_gives_shapes():
+    with torch.device("meta"):
+        experts = SwiGLUExperts(E, D, FF, retain=0.5)
+        x = torch.empty(5, D, requires_grad=True)
+        ids, gates = torch.zeros(5, K, dtype=torch.int64), torch.empty(5, K)
+    y = experts(x, ids, gates)
+    assert (y.shape, y.device.type) == ((5, D), "meta")
+    y.sum().backward()
+    assert experts.gate_up_proj.grad.shape == (E, 2 * FF, D) and x.grad.shape == (5, D)
