@@ -57,7 +57,7 @@ class BackwardOptions:
     generator: RNG for the sampling uniforms and the "random" metric. None (default): the uniforms are a hash of
         the step's routing (lrmoe.functional.rng), a function of the model and the batch, so a checkpoint resumes
         exactly and torch.compile traces it ("random" scores then come from the global RNG). A generator cannot be
-        used under torch.compile.
+        used under torch.compile: the call raises, naming it (docs/api.md, LRMoE's generator).
     selective_in_eval: the modules' backward in eval() mode. False (default): exact, as if retain were 1, as
         eval() switches off dropout (input gradients for saliency or probing are then exact); True: the same
         selective backward as in training. Functional calls have no mode and ignore it.

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch._dynamo.testing import CompileCounterWithBackend
 
 from lrmoe.functional import selective_swiglu_experts
 from lrmoe.nn import LRMoE, SwiGLUExperts
@@ -101,12 +102,56 @@ def test_retain_that_keeps_no_pair_is_refused():
 # ---------------------------------------------------------------------------------------------- generator + compile
 
 
-def test_generator_under_compile_is_refused_with_advice():
+@pytest.fixture
+def fresh_dynamo():
+    """Dynamo's caches empty before and after: these tests leave compiled code and graph breaks behind."""
     torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def test_generator_under_compile_fullgraph_names_generator(fresh_dynamo):
     m = LRMoE(D, FF, E, K, retain=0.75, generator=torch.Generator().manual_seed(0))
-    with pytest.raises(Exception, match="generator=None"):
-        torch.compile(m, fullgraph=True)(torch.randn(4, D))
+    with pytest.raises(torch._dynamo.exc.Unsupported) as err:
+        torch.compile(m, fullgraph=True, backend="eager")(torch.randn(4, D))
+    # Dynamo's headline and explanation, before its hints and traceback: lrmoe's advice is there, not buried
+    headline = str(err.value).split("Hint:")[0]
+    assert "generator= cannot be used under torch.compile" in headline and "generator=None" in headline
+    assert "sampling_seed" not in str(err.value)  # no buffers of that name exist
     m(torch.randn(4, D)).sum().backward()  # eager keeps supporting it
+
+
+@pytest.mark.parametrize("where", ["layer", "experts", "functional"])
+def test_generator_under_compile_without_fullgraph_raises_naming_it(fresh_dynamo, where):
+    """Without fullgraph the call raises lrmoe's ValueError too: no silent graph break that runs the step eagerly."""
+    gen = torch.Generator().manual_seed(0)
+    x, ids, gates = torch.randn(6, D), torch.randint(0, E, (6, K)), torch.rand(6, K)
+    if where == "layer":
+        call = torch.compile(LRMoE(D, FF, E, K, retain=0.5, generator=gen), backend="eager")
+        args = (x,)
+    elif where == "experts":
+        call = torch.compile(SwiGLUExperts(E, D, FF, retain=0.5, generator=gen), backend="eager")
+        args = (x.requires_grad_(), ids, gates)
+    else:
+        weights = torch.randn(E, 2 * FF, D), torch.randn(E, D, FF)
+        call = torch.compile(lambda *a: selective_swiglu_experts(*a, retain=0.5, generator=gen), backend="eager")
+        args = (x, *weights, ids, gates)
+    with pytest.raises(ValueError, match="generator= cannot be used under torch.compile.*generator=None"):
+        call(*args)
+
+
+def test_generator_layer_compiled_does_not_break_fullgraph_of_another(fresh_dynamo):
+    """Compiling a layer with a generator (which raises) leaves nothing behind that splits a later fullgraph
+    compile of another layer: Dynamo marks the code objects of a frame whose traced ``raise`` it cannot resume as
+    skipped, and those (LRMoE.forward, selective_swiglu_experts) are every layer's."""
+    x = torch.randn(4, D, requires_grad=True)
+    with pytest.raises(ValueError, match="generator="):
+        torch.compile(LRMoE(D, FF, E, K, retain=0.5, generator=torch.Generator()), backend="eager")(x)
+    counter = CompileCounterWithBackend("aot_eager")
+    m = LRMoE(D, FF, E, K, retain=0.5, activations="offload")
+    torch.compile(m, fullgraph=True, backend=counter)(x).sum().backward()
+    assert counter.frame_count == 1  # one graph, as fullgraph asks
+    assert m.experts.down_proj.grad.abs().sum() > 0
 
 
 # ---------------------------------------------------------------------------------------------- meta device
