@@ -43,8 +43,9 @@ UNGATHERED_EXPERTS = ("they are sharded (not by an FSDP2 unit on layer.experts, 
 class LRMoEStats:
     """Per-step statistics, all tensors on the layer's device (reading them costs no sync until you print).
 
-    loads [E] int64 and quotas [E] int64: pairs routed to / kept in backward by each expert, last forward.
-    retained_pairs, total_pairs: 0-d int64, last forward.
+    loads [E] int64 and quotas [E] int64: pairs routed to / kept in backward by each expert, last forward (not
+        counting evaluations: forwards in eval() mode with no backward to run).
+    retained_pairs, total_pairs: 0-d int64, the same forward's.
     score_mass_fraction: 0-d fp32, mean over the backward passes since the last ``reset_stats()`` of the
         fraction of (finite) score mass carried by the kept pairs; 1 at retain = 1; nan before any backward.
     backward_calls: 0-d fp32, layer calls backpropagated since the last ``reset_stats()`` (two micro-batches and
@@ -319,7 +320,8 @@ class LRMoE(nn.Module):
         Its backward is the selective one in training mode (``retain``, ``selection``, ...; the router's gradient
         exact) and exact in eval() mode unless ``selective_in_eval``. No host synchronisation, no graph break
         under torch.compile(fullgraph=True). A graph through it cannot be differentiated twice
-        (create_graph=True raises). The step's plan is kept for ``stats()`` and ``update_selection_bias``."""
+        (create_graph=True raises). The step's plan is kept for ``stats()`` and ``update_selection_bias``, except
+        an evaluation's (eval() with no backward to run), which leaves the last training forward's."""
         self._check_input(x)
         x_TD = x.reshape(-1, self.dim)
         routing = self.route(x_TD)
@@ -329,7 +331,7 @@ class LRMoE(nn.Module):
         gates_TK = routing.gates.to(dtype)
         plan = plan_experts(routing.expert_ids, self.num_experts, draw_uniform=self._draws_uniform(probe),
                             backward=opts)
-        if not recomputing():
+        if self._records_plan(probe):
             with torch.no_grad():
                 self.last_loads.copy_(plan.loads)
                 self.last_quotas.copy_(plan.quotas)
@@ -368,7 +370,9 @@ class LRMoE(nn.Module):
         """Aux-loss-free balancing (DeepSeek-V3): ``gate.e_score_correction_bias[e] += rate * sign(mean load -
         load[e])`` from the last forward's loads, so overloaded experts are chosen less in the next steps. Under
         expert parallelism the loads are the global ones, so every rank takes the same step and the biases stay
-        equal. On the device, no sync; call it after the optimiser step (it changes a buffer, not a parameter)."""
+        equal. On the device, no sync; call it after the optimiser step (it changes a buffer, not a parameter).
+        Evaluation forwards (eval() with no backward to run, e.g. under torch.no_grad()) leave the loads of the last
+        training forward in place, so a validation pass between the step and this call does not steer it."""
         if not self.selection_bias:
             raise ValueError("update_selection_bias needs a layer built with selection_bias=True")
         check_scaling(rate, "rate")
@@ -396,6 +400,13 @@ class LRMoE(nn.Module):
         with the RNG state restored: drawing in both keeps the global RNG where an unchecked step leaves it.
         Evaluation (eval() without grad) leaves the RNG untouched."""
         return probe is not None or self.training
+
+    def _records_plan(self, probe: torch.Tensor | None) -> bool:
+        """Whether this forward's plan becomes the one ``stats()`` and ``update_selection_bias`` read: a forward a
+        backward may follow (training mode, with or without grad, as a reentrant activation checkpoint runs its
+        first forward; or a backward to run in eval()), not an evaluation (eval() with no backward to run: a
+        validation batch's loads must not steer the balancing), and not a recompute inside a backward."""
+        return self._draws_uniform(probe) and not recomputing()
 
     def _new_probe(self, device: torch.device) -> torch.Tensor:
         return torch.zeros(self._probe_size, dtype=self._probe_dtype, device=device, requires_grad=True)

@@ -192,3 +192,31 @@ def test_meta_experts_module_on_meta_input_gives_shapes():
     assert (y.shape, y.device.type) == ((5, D), "meta")
     y.sum().backward()
     assert experts.gate_up_proj.grad.shape == (E, 2 * FF, D) and x.grad.shape == (5, D)
+
+
+# ---------------------------------------------------------------------------------------------- validation forwards
+
+
+def test_validation_forward_does_not_steer_the_selection_bias():
+    """update_selection_bias after an eval() + no_grad forward steps from the last training batch's loads."""
+    torch.manual_seed(0)
+    layer = LRMoE(D, FF, E, K, retain=0.5, score_func="sigmoid", selection_bias=True)
+    x_train = torch.randn(64, D)
+    x_val = torch.randn(1, D).expand(32, D)  # every token alike: two experts take the whole batch
+    train_loads = torch.bincount(layer.route(x_train).expert_ids.flatten(), minlength=E)
+    val_loads = torch.bincount(layer.route(x_val).expert_ids.flatten(), minlength=E)
+    step = lambda loads: 0.01 * torch.sign(loads.float().mean() - loads.float())  # noqa: E731
+    assert not torch.equal(step(train_loads), step(val_loads))  # the two batches would step differently
+
+    layer(x_train).sum().backward()
+    layer.eval()
+    with torch.no_grad():
+        layer(x_val)
+    layer.train()
+    assert torch.equal(layer.stats().loads, train_loads)
+    layer.update_selection_bias(0.01)
+    torch.testing.assert_close(layer.gate.e_score_correction_bias, step(train_loads))
+    # a training forward without grad still counts (a reentrant checkpoint runs its first forward so)
+    with torch.no_grad():
+        layer(x_val)
+    assert torch.equal(layer.stats().loads, val_loads)
