@@ -173,17 +173,31 @@ def check_generator(generator: object) -> None:
         raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
 
 
+GENERATOR_UNDER_COMPILE = (
+    "generator= cannot be used under torch.compile: Dynamo cannot pass a torch.Generator into a graph. Leave "
+    "generator=None (the default): the sampling uniforms are then a hash of the step's routing "
+    "(lrmoe.functional.rng), which compiles, and a resumed run or a recompute draws them again exactly; or run the "
+    "layer eagerly. A functional caller can also pass a plan holding uniforms drawn outside the compiled region "
+    "(plan_experts(..., draw_uniform=False), then dataclasses.replace(plan, uniform=...))"
+)
+
+
+@torch.compiler.disable(reason=GENERATOR_UNDER_COMPILE)
+def _refuse_traced_generator() -> None:
+    """Raises, outside the graph. Dynamo cannot trace this call: under fullgraph=True its error quotes the reason
+    above; without, it breaks the graph here and the call raises this ValueError eagerly. A ``raise`` that Dynamo
+    traces gives "Observed exception" under fullgraph and, without, marks the code objects on the stack
+    (LRMoE.forward, selective_swiglu_experts, ...: shared by every instance) to be skipped for the rest of the
+    process: a later torch.compile(fullgraph=True) of any other layer then splits into graphs or fails."""
+    raise ValueError(GENERATOR_UNDER_COMPILE)
+
+
 def check_generator_not_traced(generator: object) -> None:
     """A torch.Generator cannot enter a torch.compile graph (Dynamo cannot pass one to an op): refuse it while
-    tracing, saying what works instead, rather than Dynamo's "Failed to convert args/kwargs to proxy"."""
+    tracing, saying what works instead, rather than Dynamo's "Failed to convert args/kwargs to proxy" or a graph
+    break that would run the step eagerly."""
     if generator is not None and torch.compiler.is_compiling():
-        raise ValueError(
-            "generator= cannot be used under torch.compile: Dynamo cannot pass a torch.Generator into a graph. "
-            "Leave generator=None: LRMoE and SwiGLUExperts then draw their sampling uniforms from their own "
-            "counter-based stream (the experts' sampling_seed and sampling_step buffers), which compiles and "
-            "resumes exactly from a checkpoint; a functional caller can pass a plan with its own uniforms "
-            "(plan_experts(..., draw_uniform=False), then dataclasses.replace(plan, uniform=...))"
-        )
+        _refuse_traced_generator()
 
 
 def check_keeps_pairs(retain: float, min_retain: float, n_pairs: int, where: str) -> None:

@@ -58,7 +58,7 @@ class BackwardOptions:
     generator: RNG for the sampling uniforms and the "random" metric. None (default): the uniforms are a hash of
         the step's routing (lrmoe.functional.rng), a function of the model and the batch, so a checkpoint resumes
         exactly and torch.compile traces it ("random" scores then come from the global RNG). A generator cannot be
-        used under torch.compile.
+        used under torch.compile: the call raises, naming it (docs/api.md, LRMoE's generator).
     kernels: the backend that computes the experts (lrmoe.functional.expert_kernels): "auto" (default: "hopper"
         where it can run: an sm_90 GPU with quack-kernels installed, bf16 or fp16, D and F multiples of 8, no
         ``backward_capacity``; else "portable"), "portable" (lrmoe's own ops, every device) or "hopper" (refused

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from lrmoe.functional._autocast import autocast_enabled, autocast_off
 from lrmoe.functional._checks import (
     check_choice,
     check_float_dtype,
@@ -105,13 +106,13 @@ def router_logits(x_TD: torch.Tensor, weight_ED: torch.Tensor, dtype: torch.dtyp
     if weight_ED.shape[1] != x_TD.shape[1]:
         raise ValueError(f"weight_ED must be [E, {x_TD.shape[1]}] (x_TD's D), got shape {tuple(weight_ED.shape)}")
     check_float_dtype("dtype", dtype)
-    if dtype is None and x_TD.dtype != weight_ED.dtype and not torch.is_autocast_enabled(x_TD.device.type):
+    if dtype is None and x_TD.dtype != weight_ED.dtype and not autocast_enabled(x_TD.device.type):
         raise TypeError(f"x_TD ({x_TD.dtype}) and weight_ED ({weight_ED.dtype}) must have the same dtype when dtype is "
                         "None (a plain linear); pass dtype to compute in one")
     if dtype is None:
         return torch.nn.functional.linear(x_TD, weight_ED)  # as any linear, under autocast too
     # A dtype asked for is kept under torch.autocast as well (autocast would run the linear in its own dtype).
-    with torch.autocast(x_TD.device.type, enabled=False):
+    with autocast_off(x_TD.device.type):
         if dtype == x_TD.dtype and dtype == weight_ED.dtype:
             return torch.nn.functional.linear(x_TD, weight_ED)
         if dtype == torch.float32 and x_TD.dtype == weight_ED.dtype == torch.bfloat16:

@@ -78,7 +78,7 @@ from lrmoe.nn._transport import (
     pair_counts,
     peer_bytes,
 )
-from lrmoe.nn.lrmoe import UNGATHERED_EXPERTS, LRMoE, SwiGLUExperts, compute_dtype, recomputing
+from lrmoe.nn.lrmoe import UNGATHERED_EXPERTS, LRMoE, SwiGLUExperts, compute_dtype
 from lrmoe.ops.ep_plan import plan_step
 
 __all__ = ["ExpertParallel", "ExpertParallelPlan", "ExpertParallelStats", "backward_capacity", "plan_expert_parallel"]
@@ -336,7 +336,7 @@ def _ep_step(module: nn.Module, experts: nn.Module, run_experts: Callable[..., t
     dim, hidden_dim = x_TD.shape[1], experts.hidden_dim
     weight_bytes = 3 * dim * hidden_dim * dtype.itemsize  # one instance's two matrices
     row_bytes = dim * dtype.itemsize
-    if not recomputing():  # keep the last forward's plan and bytes (lrmoe.nn.lrmoe.recomputing)
+    if module._records_plan(probe):  # the last training forward's plan and bytes (not evaluation nor a recompute)
         with torch.no_grad():
             module.ep_loads.copy_(loads_WE)
             module.ep_quotas.copy_(plan.quotas)

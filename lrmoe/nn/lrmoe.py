@@ -17,6 +17,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
+from lrmoe.functional._autocast import autocast_enabled, autocast_off
 from lrmoe.functional._checks import (
     check_group_routing,
     check_int,
@@ -25,7 +26,7 @@ from lrmoe.functional._checks import (
     check_top_k,
 )
 from lrmoe.functional.transport import N_BACKWARD_STATS
-from lrmoe.functional.experts import plan_experts, selective_swiglu_experts
+from lrmoe.functional.experts import ExpertPlan, plan_experts, selective_swiglu_experts
 from lrmoe.functional.options import BackwardOptions, RoutingOptions, option_names, resolve_options, split_options
 from lrmoe.functional.routing import Routing, route_topk, router_logits
 
@@ -42,8 +43,9 @@ UNGATHERED_EXPERTS = ("they are sharded (not by an FSDP2 unit on layer.experts, 
 class LRMoEStats:
     """Per-step statistics, all tensors on the layer's device (reading them costs no sync until you print).
 
-    loads [E] int64 and quotas [E] int64: pairs routed to / kept in backward by each expert, last forward.
-    retained_pairs, total_pairs: 0-d int64, last forward.
+    loads [E] int64 and quotas [E] int64: pairs routed to / kept in backward by each expert, last forward (not
+        counting evaluations: forwards in eval() mode with no backward to run).
+    retained_pairs, total_pairs: 0-d int64, the same forward's.
     score_mass_fraction: 0-d fp32, mean over the backward passes since the last ``reset_stats()`` of the
         fraction of (finite) score mass carried by the kept pairs; 1 at retain = 1; nan before any backward.
     backward_calls: 0-d fp32, layer calls backpropagated since the last ``reset_stats()`` (two micro-batches and
@@ -66,7 +68,7 @@ def compute_dtype(x: torch.Tensor) -> torch.dtype:
     """The routed experts' dtype: torch.autocast's for x's device when it is on there (x and the expert weights are
     cast to it, differentiably, so fp32 weights get fp32 gradients), else x's (the parameters' dtype)."""
     device = x.device.type
-    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+    return torch.get_autocast_dtype(device) if autocast_enabled(device) else x.dtype
 
 
 def recomputing() -> bool:
@@ -84,7 +86,92 @@ def _shown(options) -> str:
                      and getattr(options, name) != getattr(default, name))
 
 
-class SwiGLUExperts(nn.Module):
+class _PlanRecords:
+    """The last forward's plan and the backward statistics of a module that plans its steps: ``stats()`` and
+    ``reset_stats()`` of LRMoE, and of a SwiGLUExperts called without a plan (``swap_experts``' modules). The
+    module holds ``last_loads`` and ``last_quotas`` ([E] int64 buffers, not checkpointed) and ``_stats_probe``, a
+    leaf whose ``.grad`` the backward adds its statistics to (selective_swiglu_experts' ``stats_probe``)."""
+
+    # Backward statistics probe: how many entries and in which dtype (a subclass may need more, or exact counts).
+    _probe_size = N_BACKWARD_STATS
+    _probe_dtype = torch.float32
+
+    def _init_records(self, num_experts: int, device: torch.device | None = None) -> None:
+        """(Re)create the records, zero, on ``device`` (None: the default device, as at construction)."""
+        # Non-persistent: for logging, not part of the checkpoint.
+        for name in ("last_loads", "last_quotas"):
+            self.register_buffer(name, torch.zeros(num_experts, dtype=torch.int64, device=device), persistent=False)
+        self._stats_probe = self._new_probe(self.last_loads.device)
+
+    def _probe_for(self, x: torch.Tensor, *inputs: torch.Tensor) -> torch.Tensor | None:
+        """The backward-statistics probe, or None when no backward will run through this call (from x, the other
+        differentiable ``inputs`` of the call, or the parameters)."""
+        needs_grad = any(t.requires_grad for t in (x, *inputs)) or any(p.requires_grad for p in self.parameters())
+        if not (torch.is_grad_enabled() and needs_grad):
+            return None
+        if self._stats_probe.device != x.device:  # only when x is not where the module is (eager use)
+            self._stats_probe = self._new_probe(x.device)
+        return self._stats_probe
+
+    def _draws_uniform(self, probe: torch.Tensor | None) -> bool:
+        """Whether this forward draws the sampling uniforms: when a backward will run, and in training mode always,
+        as dropout draws. A reentrant activation checkpoint runs the first forward without grad and recomputes it
+        with the RNG state restored: drawing in both keeps the global RNG where an unchecked step leaves it.
+        Evaluation (eval() without grad) leaves the RNG untouched."""
+        return probe is not None or self.training
+
+    def _records_plan(self, probe: torch.Tensor | None) -> bool:
+        """Whether this forward's plan becomes the one ``stats()`` and ``update_selection_bias`` read: a forward a
+        backward may follow (training mode, with or without grad, as a reentrant activation checkpoint runs its
+        first forward; or a backward to run in eval()), not an evaluation (eval() with no backward to run: a
+        validation batch's loads must not steer the balancing), and not a recompute inside a backward."""
+        return self._draws_uniform(probe) and not recomputing()
+
+    def _new_probe(self, device: torch.device) -> torch.Tensor:
+        return torch.zeros(self._probe_size, dtype=self._probe_dtype, device=device, requires_grad=True)
+
+    def _record_plan(self, plan: ExpertPlan, probe: torch.Tensor | None) -> None:
+        """Keep ``plan``'s loads and quotas (an ExpertPlan's; summed over sources when grouped by (source, expert))
+        for ``stats()``, when ``_records_plan``."""
+        if not self._records_plan(probe):
+            return
+        loads, quotas = plan.loads, plan.quotas
+        if loads.dim() == 2:  # [S, E]: per source
+            loads, quotas = loads.sum(0), quotas.sum(0)
+        with torch.no_grad():
+            self.last_loads.copy_(loads)
+            self.last_quotas.copy_(quotas)
+
+    def _apply(self, fn, recurse=True):
+        # The probe is a leaf that is neither parameter nor buffer (its .grad carries the statistics and must not
+        # reach optimisers or state_dicts), so follow .to()/.cuda() here: a probe created inside forward would be a
+        # tensor created with requires_grad=True, which breaks torch.compile's graph on a freshly moved module.
+        module = super()._apply(fn, recurse)
+        if self._stats_probe.device != self.last_loads.device:
+            self._stats_probe = self._new_probe(self.last_loads.device)
+        return module
+
+    def stats(self) -> LRMoEStats:
+        """This step's statistics as tensors (see :class:`LRMoEStats`)."""
+        acc = self._stats_probe.grad
+        if acc is None:
+            acc = torch.zeros(N_BACKWARD_STATS, device=self.last_loads.device)
+        calls = acc[2]
+        return LRMoEStats(
+            loads=self.last_loads.clone(),
+            quotas=self.last_quotas.clone(),
+            retained_pairs=self.last_quotas.sum(),
+            total_pairs=self.last_loads.sum(),
+            score_mass_fraction=acc[0] / calls,
+            backward_calls=calls.clone(),
+        )
+
+    def reset_stats(self) -> None:
+        """Forget the accumulated backward statistics."""
+        self._stats_probe.grad = None
+
+
+class SwiGLUExperts(_PlanRecords, nn.Module):
     """E SwiGLU experts stored as fused 3-D tensors, as transformers' Qwen3MoeExperts stores them, called as it is:
     ``experts(x_TD, expert_ids_TK, gates_TK)``.
 
@@ -94,6 +181,10 @@ class SwiGLUExperts(nn.Module):
             or its fields as keywords (``**options``: retain, selection, ...), not both. None: retain 1, the plain
             dense backward. A call's own options override them. ``lrmoe.nn.swap_experts`` puts these modules, with
             options, into a transformers model. Change them later with ``module.backward = replace(...)``.
+
+    ``stats()`` and ``reset_stats()`` are LRMoE's (:class:`LRMoEStats`), for the calls the module plans (those
+    without a ``plan``: a transformers model's calls after ``swap_experts``); an LRMoE's experts module leaves
+    them to the layer.
     """
 
     def __init__(self, num_experts: int, dim: int, hidden_dim: int, *, backward: BackwardOptions | None = None,
@@ -106,6 +197,7 @@ class SwiGLUExperts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * hidden_dim, dim))
         self.down_proj = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
         self.reset_parameters()
+        self._init_records(num_experts)  # the plans of the calls it plans, and their backward statistics
 
     def extra_repr(self) -> str:
         shown = _shown(self.backward)
@@ -119,9 +211,11 @@ class SwiGLUExperts(nn.Module):
         under torch.autocast in its dtype (x, weights and gates cast to it, differentiably; the output in it), as
         transformers' experts compute there; ``options`` are its keyword arguments (retain, plan, ...), over the
         module's. The weights are cast as autocast would (LRMoE has checked the dtypes). In eval() with no
-        backward to run (no grad, or nothing requiring it) no sampling uniforms are drawn, as in LRMoE. LRMoE runs
-        its experts through this call, so a hook on this module (FSDP2's ``fully_shard(layer.experts)`` gathering
-        the weights) sees them."""
+        backward to run (no grad, or nothing requiring it) no sampling uniforms are drawn, as in LRMoE. A call
+        without a ``plan`` is planned here and its plan kept for ``stats()`` as LRMoE keeps its own (not an
+        evaluation's, not a recompute's), with its backward statistics unless the call brings a ``stats_probe``.
+        LRMoE runs its experts through this call, with its plan and probe, so a hook on this module (FSDP2's
+        ``fully_shard(layer.experts)`` gathering the weights) sees them."""
         gate_up, down = self.gate_up_proj, self.down_proj
         if isinstance(gate_up, DTensor) or isinstance(down, DTensor):
             # The ops would refuse a mix of tensors and DTensors, naming none of this.
@@ -134,18 +228,24 @@ class SwiGLUExperts(nn.Module):
             opts = self.backward if given is None else resolve_options(BackwardOptions, given, "SwiGLUExperts call")
         if given is None and not flat:  # the module's own options: exact in eval mode (BackwardOptions.for_mode)
             opts = opts.for_mode(self.training)
-        runs_backward = torch.is_grad_enabled() and (x_TD.requires_grad or gates_TK.requires_grad
-                                                     or gate_up.requires_grad or down.requires_grad)
-        if call.get("plan") is None and not (runs_backward or self.training):
-            # Evaluation draws no sampling uniforms, as LRMoE does (_draws_uniform).
-            call["plan"] = plan_experts(expert_ids_TK, self.num_experts, draw_uniform=False, backward=opts,
-                                        source_ids_T=call.get("source_ids_T"), num_sources=call.get("num_sources", 1))
+        plans_here = call.get("plan") is None  # a caller with a plan (LRMoE) keeps the records itself
+        if plans_here:
+            probe = call.get("stats_probe")
+            if probe is None:  # the backward statistics go to the module's probe, for stats()
+                probe = call["stats_probe"] = self._probe_for(x_TD, gates_TK)
+            # Evaluation (eval() with no backward to run) draws no sampling uniforms, as LRMoE does.
+            call["plan"] = plan_experts(expert_ids_TK, self.num_experts, draw_uniform=self._draws_uniform(probe),
+                                        backward=opts, source_ids_T=call.get("source_ids_T"),
+                                        num_sources=call.get("num_sources", 1))
         dtype = compute_dtype(x_TD)  # torch.autocast's (transformers' experts compute in it there), else x's
         if gates_TK.is_floating_point():  # others are refused, naming gates_TK, not cast
             gates_TK = gates_TK.to(dtype)
-        with torch.autocast(x_TD.device.type, enabled=False):  # the experts run in ``dtype`` exactly
-            return selective_swiglu_experts(x_TD.to(dtype), gate_up.to(dtype), down.to(dtype), expert_ids_TK,
-                                            gates_TK, backward=opts, **call)
+        with autocast_off(x_TD.device.type):  # the experts run in ``dtype`` exactly
+            out = selective_swiglu_experts(x_TD.to(dtype), gate_up.to(dtype), down.to(dtype), expert_ids_TK,
+                                           gates_TK, backward=opts, **call)
+        if plans_here:  # once the call's arguments have passed the checks
+            self._record_plan(call["plan"], probe)
+        return out
 
     def reset_parameters(self) -> None:
         # nn.Linear's default: uniform(+-1/sqrt(fan_in)) per expert matrix.
@@ -168,7 +268,7 @@ class SwiGLUMLP(nn.Module):
         return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-class LRMoE(nn.Module):
+class LRMoE(_PlanRecords, nn.Module):
     """Top-k MoE with SwiGLU experts, exact forward and quota-bounded selective backward.
 
     Args:
@@ -280,20 +380,12 @@ class LRMoE(nn.Module):
             self.gate.register_buffer("e_score_correction_bias", torch.zeros(num_experts, dtype=torch.float32))
         self.experts = SwiGLUExperts(num_experts, dim, hidden_dim)
         self.shared_experts = None if shared_hidden_dim is None else SwiGLUMLP(dim, shared_hidden_dim)
-        # Last forward's plan, for logging (non-persistent: not part of the checkpoint).
-        self.register_buffer("last_loads", torch.zeros(num_experts, dtype=torch.int64), persistent=False)
-        self.register_buffer("last_quotas", torch.zeros(num_experts, dtype=torch.int64), persistent=False)
-        # Backward statistics leave as the gradient of this probe (see selective_swiglu_experts).
-        self._stats_probe = self._new_probe(self.last_loads.device)
+        self._init_records(num_experts)  # the last forward's plan and the backward statistics
 
     def extra_repr(self) -> str:
         shown = ", ".join(part for part in (_shown(self.backward), _shown(self.routing)) if part)
         return (f"dim={self.dim}, hidden_dim={self.hidden_dim}, num_experts={self.num_experts}, top_k={self.top_k}"
                 + (f", {shown}" if shown else ""))
-
-    # Backward statistics probe: how many entries and in which dtype (a subclass may need more, or exact counts).
-    _probe_size = N_BACKWARD_STATS
-    _probe_dtype = torch.float32
 
     def _check_input(self, x: torch.Tensor) -> None:
         if not isinstance(x, torch.Tensor) or x.dim() == 0:
@@ -305,7 +397,7 @@ class LRMoE(nn.Module):
         # which casts them to x's (or autocast's) dtype: FSDP's policy decides, as autocast would.
         fsdp_experts = isinstance(self.experts, FSDPModule)
         if (x.dtype != self.experts.gate_up_proj.dtype and not fsdp_experts
-                and not torch.is_autocast_enabled(x.device.type)):
+                and not autocast_enabled(x.device.type)):
             raise TypeError(
                 f"x has dtype {x.dtype} but the layer's parameters are {self.experts.gate_up_proj.dtype}; "
                 "cast one of them (e.g. layer.to(x.dtype)), or run the layer under torch.autocast"
@@ -321,7 +413,8 @@ class LRMoE(nn.Module):
         Its backward is the selective one in training mode (``retain``, ``selection``, ...; the router's gradient
         exact) and exact in eval() mode unless ``selective_in_eval``. No host synchronisation, no graph break
         under torch.compile(fullgraph=True). A graph through it cannot be differentiated twice
-        (create_graph=True raises). The step's plan is kept for ``stats()`` and ``update_selection_bias``."""
+        (create_graph=True raises). The step's plan is kept for ``stats()`` and ``update_selection_bias``, except
+        an evaluation's (eval() with no backward to run), which leaves the last training forward's."""
         self._check_input(x)
         x_TD = x.reshape(-1, self.dim)
         routing = self.route(x_TD)
@@ -331,11 +424,8 @@ class LRMoE(nn.Module):
         gates_TK = routing.gates.to(dtype)
         plan = plan_experts(routing.expert_ids, self.num_experts, draw_uniform=self._draws_uniform(probe),
                             backward=opts)
-        if not recomputing():
-            with torch.no_grad():
-                self.last_loads.copy_(plan.loads)
-                self.last_quotas.copy_(plan.quotas)
-        with torch.autocast(x.device.type, enabled=False):  # the experts run in ``dtype`` exactly
+        self._record_plan(plan, probe)
+        with autocast_off(x.device.type):  # the experts run in ``dtype`` exactly
             out = self.experts(x_TD.to(dtype), routing.expert_ids, gates_TK, plan=plan, stats_probe=probe,
                                backward=opts, out_shape=x.shape)
         # In x's shape as the experts wrote it, not a view: an in-place op on it keeps FSDP2's hooks.
@@ -370,7 +460,9 @@ class LRMoE(nn.Module):
         """Aux-loss-free balancing (DeepSeek-V3): ``gate.e_score_correction_bias[e] += rate * sign(mean load -
         load[e])`` from the last forward's loads, so overloaded experts are chosen less in the next steps. Under
         expert parallelism the loads are the global ones, so every rank takes the same step and the biases stay
-        equal. On the device, no sync; call it after the optimiser step (it changes a buffer, not a parameter)."""
+        equal. On the device, no sync; call it after the optimiser step (it changes a buffer, not a parameter).
+        Evaluation forwards (eval() with no backward to run, e.g. under torch.no_grad()) leave the loads of the last
+        training forward in place, so a validation pass between the step and this call does not steer it."""
         if not self.selection_bias:
             raise ValueError("update_selection_bias needs a layer built with selection_bias=True")
         check_scaling(rate, "rate")
@@ -382,57 +474,14 @@ class LRMoE(nn.Module):
         tensor of out's shape."""
         return out if self.shared_experts is None else out + self.shared_experts(x_TD).view(out.shape)
 
-    def _probe_for(self, x: torch.Tensor, *inputs: torch.Tensor) -> torch.Tensor | None:
-        """The backward-statistics probe, or None when no backward will run through this call (from x, the other
-        differentiable ``inputs`` of the call, or the parameters)."""
-        needs_grad = any(t.requires_grad for t in (x, *inputs)) or any(p.requires_grad for p in self.parameters())
-        if not (torch.is_grad_enabled() and needs_grad):
-            return None
-        if self._stats_probe.device != x.device:  # only when x is not where the module is (eager use)
-            self._stats_probe = self._new_probe(x.device)
-        return self._stats_probe
-
-    def _draws_uniform(self, probe: torch.Tensor | None) -> bool:
-        """Whether this forward draws the sampling uniforms: when a backward will run, and in training mode always,
-        as dropout draws. A reentrant activation checkpoint runs the first forward without grad and recomputes it
-        with the RNG state restored: drawing in both keeps the global RNG where an unchecked step leaves it.
-        Evaluation (eval() without grad) leaves the RNG untouched."""
-        return probe is not None or self.training
-
-    def _new_probe(self, device: torch.device) -> torch.Tensor:
-        return torch.zeros(self._probe_size, dtype=self._probe_dtype, device=device, requires_grad=True)
-
     def _apply(self, fn, recurse=True):
-        # The probe is a leaf that is neither parameter nor buffer (its .grad carries the statistics and must not
-        # reach optimisers or state_dicts), so follow .to()/.cuda() here: a probe created inside forward would be a
-        # tensor created with requires_grad=True, which breaks torch.compile's graph on a freshly moved module.
-        module = super()._apply(fn, recurse)
-        if self._stats_probe.device != self.last_loads.device:
-            self._stats_probe = self._new_probe(self.last_loads.device)
+        module = super()._apply(fn, recurse)  # the probe follows (_PlanRecords)
         # The selection bias stays fp32 under .to(dtype), as transformers keeps it: its balancing updates are small
         # steps that bf16 would round away.
         if self.selection_bias and self.gate.e_score_correction_bias.dtype != torch.float32:
             self.gate.e_score_correction_bias = self.gate.e_score_correction_bias.float()
         return module
 
-    def stats(self) -> LRMoEStats:
-        """This step's statistics as tensors (see :class:`LRMoEStats`)."""
-        acc = self._stats_probe.grad
-        if acc is None:
-            acc = torch.zeros(N_BACKWARD_STATS, device=self.last_loads.device)
-        calls = acc[2]
-        return LRMoEStats(
-            loads=self.last_loads.clone(),
-            quotas=self.last_quotas.clone(),
-            retained_pairs=self.last_quotas.sum(),
-            total_pairs=self.last_loads.sum(),
-            score_mass_fraction=acc[0] / calls,
-            backward_calls=calls.clone(),
-        )
-
-    def reset_stats(self) -> None:
-        """Forget the accumulated backward statistics."""
-        self._stats_probe.grad = None
 
 
 def _option_property(group: str, name: str) -> property:

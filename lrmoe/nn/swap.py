@@ -85,6 +85,8 @@ def swap_experts(model: nn.Module, *, backward: BackwardOptions | None = None, *
     The parameters are the same objects, so state_dict names, loaded weights and an optimiser built before stay
     valid. At retain 1 the model's outputs and gradients are those of transformers' experts (up to summation
     order). The new modules are built on the meta device and take the old parameters: no copy, no allocation.
+    Each module's ``stats()`` gives the last step's loads and kept pairs and the backward statistics, as
+    LRMoE's does (``reset_stats()`` once per optimiser step).
 
     Call it before sharding (``fully_shard``, ``parallelize_module``): FSDP would keep gathering onto the old
     modules. Expert ids are used as given: transformers' own expert-parallel marker (id E for a token's expert held
@@ -120,6 +122,7 @@ def swap_experts(model: nn.Module, *, backward: BackwardOptions | None = None, *
         with torch.device("meta"):
             experts = SwiGLUExperts(n_exp, dim, two_f // 2, backward=backward)
         experts.gate_up_proj, experts.down_proj = module.gate_up_proj, module.down_proj
+        experts._init_records(n_exp, module.gate_up_proj.device)  # stats() on the weights' device
         experts.train(module.training)
         model.set_submodule(name, experts)
         swapped.append(name)
@@ -183,11 +186,9 @@ def from_transformers(block: nn.Module, **options) -> LRMoE:
     if shared is not None:
         for proj in ("gate_proj", "up_proj", "down_proj"):
             getattr(layer.shared_experts, proj).weight = getattr(shared, proj).weight
-    # The layer's own state (statistics, the backward probe) on the block's device.
-    device = gate.weight.device
-    layer.last_loads = torch.zeros(n_exp, dtype=torch.int64, device=device)
-    layer.last_quotas = torch.zeros(n_exp, dtype=torch.int64, device=device)
-    layer._stats_probe = layer._new_probe(device)
+    # The layer's own state (statistics, the backward probe), and its experts', on the block's device.
+    layer._init_records(n_exp, gate.weight.device)
+    layer.experts._init_records(n_exp, gate.weight.device)
     # The block's submodule order (transformers registers its experts before its router), so named_parameters()
     # and state_dict() list the tensors as the block did: an optimizer's state, saved by position, still fits.
     order = [name for name in block._modules if name in layer._modules]

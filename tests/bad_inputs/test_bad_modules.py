@@ -118,8 +118,6 @@ def test_refused_naming_the_argument(call, exc, match):
         call()
 
 
-@pytest.mark.xfail(strict=True, reason="SwiGLUExperts.forward (lrmoe/nn/lrmoe.py) enters torch.autocast on x's "
-                   "device before checking devices: meta x gives autocast's RuntimeError, naming no argument")
 def test_swiglu_experts_refuse_meta_tokens_naming_them():
     with pytest.raises(ValueError, match="x_TD on meta"):
         _experts()(torch.randn(3, D, device=META), _ids(), torch.rand(3, K))

@@ -180,6 +180,28 @@ def test_evaluation_leaves_the_rng_untouched():
             torch.testing.assert_close(out, want, rtol=1e-6, atol=1e-6)
 
 
+def test_swapped_experts_report_stats_as_lrmoe_does():
+    """What the swap path kept, as LRMoE's stats(): the last step's loads (from the model's own router), quotas
+    and kept pairs, and the backward statistics; an evaluation leaves the loads of the training step."""
+    block = _block("qwen3_moe")
+    swap_experts(block, retain=0.5)
+    x = torch.randn(T, D)
+    _, _, ids = block.gate(x)  # the block's own router: its [T, K] expert ids
+    want_loads = torch.bincount(ids.flatten(), minlength=E)
+    _run(block, x.view(2, T // 2, D), torch.randn(2, T // 2, D))
+    stats = block.experts.stats()
+    assert torch.equal(stats.loads, want_loads)
+    assert int(stats.total_pairs) == T * K and int(stats.retained_pairs) == T * K // 2  # floor(retain * P)
+    assert bool((stats.quotas <= stats.loads).all()) and int(stats.quotas.sum()) == T * K // 2
+    assert float(stats.backward_calls) == 1.0 and 0 < float(stats.score_mass_fraction) < 1
+    block.eval()
+    with torch.no_grad():
+        block(torch.randn(1, 1, D).expand(1, T, D))  # every token to the same K experts
+    assert torch.equal(block.experts.stats().loads, want_loads)
+    block.experts.reset_stats()
+    assert float(block.experts.stats().backward_calls) == 0.0
+
+
 def test_integer_gates_are_refused_not_cast():
     experts = SwiGLUExperts(E, D, FF)
     with pytest.raises((TypeError, ValueError), match="gates_TK"):
