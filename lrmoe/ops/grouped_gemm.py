@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import torch
 
-from lrmoe.ops._kernels import inline_when_compiled, kernel_module
+from lrmoe.ops._define import define_op
+from lrmoe.ops._kernels import kernel_module
 
 __all__ = ["gather_grouped_mm", "grouped_outer"]
 
@@ -93,14 +94,6 @@ def _grouped_mm_ok(*tensors: torch.Tensor) -> bool:
 # ---------------------------------------------------------------------------------------------- gather_grouped_mm
 
 
-@torch.library.custom_op("lrmoe::gather_grouped_mm", mutates_args=())
-def gather_grouped_mm(
-    x_NI: torch.Tensor, weight_EOI: torch.Tensor, rows_R: torch.Tensor | None, offsets_E: torch.Tensor
-) -> torch.Tensor:
-    return _loop_mm(x_NI, weight_EOI, rows_R, offsets_E)
-
-
-@gather_grouped_mm.register_kernel("cuda")
 def _gather_grouped_mm_cuda(x_NI, weight_EOI, rows_R, offsets_E):
     if not _grouped_mm_ok(x_NI, weight_EOI):
         kernels = kernel_module("grouped_gemm")
@@ -114,12 +107,6 @@ def _gather_grouped_mm_cuda(x_NI, weight_EOI, rows_R, offsets_E):
     if kernels is None:
         return torch.where(_valid_rows(offsets_E, y_RO.shape[0]), y_RO, 0)
     return kernels.zero_rows_past_last_offset_(y_RO, offsets_E)
-
-
-
-@gather_grouped_mm.register_fake
-def _(x_NI, weight_EOI, rows_R, offsets_E):
-    return x_NI.new_empty(_n_rows(x_NI, rows_R), weight_EOI.shape[1])
 
 
 def _gather_grouped_mm_setup(ctx, inputs, output):
@@ -140,20 +127,17 @@ def _gather_grouped_mm_backward(ctx, grad_y_RO):
     return grad_x, grad_w, None, None
 
 
-gather_grouped_mm.register_autograd(_gather_grouped_mm_backward, setup_context=_gather_grouped_mm_setup)
 # Inlined under compile on the torch._grouped_mm path only: the Triton path autotunes, which Inductor would redo.
-inline_when_compiled(gather_grouped_mm, _gather_grouped_mm_cuda,
-                     when=lambda x, w, *_: _grouped_mm_ok(x, w))
+@define_op("lrmoe::gather_grouped_mm", cuda=_gather_grouped_mm_cuda,
+           fake=lambda x_NI, weight_EOI, rows_R, offsets_E: x_NI.new_empty(_n_rows(x_NI, rows_R), weight_EOI.shape[1]),
+           grad=(_gather_grouped_mm_setup, _gather_grouped_mm_backward), inline=lambda x, w, *_: _grouped_mm_ok(x, w))
+def gather_grouped_mm(
+    x_NI: torch.Tensor, weight_EOI: torch.Tensor, rows_R: torch.Tensor | None, offsets_E: torch.Tensor
+) -> torch.Tensor:
+    return _loop_mm(x_NI, weight_EOI, rows_R, offsets_E)
 
 
 # -------------------------------------------------------------------------------------------------- grouped_outer
-
-
-@torch.library.custom_op("lrmoe::grouped_outer", mutates_args=())
-def grouped_outer(
-    a_RO: torch.Tensor, b_NI: torch.Tensor, rows_R: torch.Tensor | None, offsets_E: torch.Tensor
-) -> torch.Tensor:
-    return _loop_outer(a_RO, b_NI, rows_R, offsets_E)
 
 
 def _loop_outer(a_RO, b_NI, rows_R, offsets_E):
@@ -163,7 +147,6 @@ def _loop_outer(a_RO, b_NI, rows_R, offsets_E):
     return w_EOI
 
 
-@grouped_outer.register_kernel("cuda")
 def _grouped_outer_cuda(a_RO, b_NI, rows_R, offsets_E):
     if not _grouped_mm_ok(a_RO, b_NI):
         kernels = kernel_module("grouped_gemm")
@@ -190,11 +173,6 @@ def _transpose_in_place(a_RO: torch.Tensor) -> torch.Tensor:
     return a_RO.t()
 
 
-@grouped_outer.register_fake
-def _(a_RO, b_NI, rows_R, offsets_E):
-    return a_RO.new_empty(offsets_E.shape[0], a_RO.shape[1], b_NI.shape[1])
-
-
 def _grouped_outer_setup(ctx, inputs, output):
     a_RO, b_NI, rows_R, offsets_E = inputs
     ctx.save_for_backward(a_RO, b_NI, rows_R, offsets_E)
@@ -215,5 +193,10 @@ def _grouped_outer_backward(ctx, grad_w_EOI):
     return grad_a, grad_b, None, None
 
 
-grouped_outer.register_autograd(_grouped_outer_backward, setup_context=_grouped_outer_setup)
-inline_when_compiled(grouped_outer, _grouped_outer_cuda, when=lambda a, b, *_: _grouped_mm_ok(a, b))
+@define_op("lrmoe::grouped_outer", cuda=_grouped_outer_cuda,
+           fake=lambda a_RO, b_NI, rows_R, offsets_E: a_RO.new_empty(offsets_E.shape[0], a_RO.shape[1], b_NI.shape[1]),
+           grad=(_grouped_outer_setup, _grouped_outer_backward), inline=lambda a, b, *_: _grouped_mm_ok(a, b))
+def grouped_outer(
+    a_RO: torch.Tensor, b_NI: torch.Tensor, rows_R: torch.Tensor | None, offsets_E: torch.Tensor
+) -> torch.Tensor:
+    return _loop_outer(a_RO, b_NI, rows_R, offsets_E)
