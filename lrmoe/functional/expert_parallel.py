@@ -1,7 +1,7 @@
 """Expert-parallel planning: pure functions of the all-gathered [W, E] load matrix (docs/design.md, "Expert
 parallelism"). No communication here: every rank calls them with the same input and gets the same plan, which
 is what lets a source rank select its own pairs in backward before any communication. The collectives are in
-lrmoe.nn._transport; the ParallelStyle in lrmoe.nn.expert_parallel; the plan's custom op in lrmoe.ops.ep_plan.
+lrmoe.nn._transport; the ParallelStyle in lrmoe.nn.expert_parallel; the plan's custom op in lrmoe.functional.ep_plan.
 
 Shapes: W EP ranks, S source ranks (S == W: source s is rank s), E experts, L = E / W owned experts per rank,
 R replica slots per rank (``max_replicas``), I = L + R instance slots per rank, G = W * I instances, K top-k,
