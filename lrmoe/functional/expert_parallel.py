@@ -24,6 +24,7 @@ from lrmoe.functional._checks import check_replica_slots, check_tensor
 from lrmoe.functional.quotas import plan_quotas
 from lrmoe.functional.replicas import balanced_capacity, instance_experts, place_hot_replicas, route_to_replicas
 from lrmoe.ops import argsort_ids
+from lrmoe.ops._torch_internals import register_dataclass
 
 __all__ = ["PLACEMENT_POLICIES", "ExpertParallelPlan", "ExpertParallelStats", "PlacementPolicy", "backward_capacity",
            "block_rows", "check_placement", "check_replication", "expert_major_order", "instance_slots",
@@ -92,7 +93,7 @@ class ExpertParallelPlan:
     uniform: torch.Tensor | None = None
 
 
-torch.utils._pytree.register_dataclass(ExpertParallelPlan)
+register_dataclass(ExpertParallelPlan)
 
 
 def check_replication(max_replicas: int, capacity_factor: float | None,

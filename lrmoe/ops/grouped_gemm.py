@@ -27,6 +27,7 @@ import torch
 
 from lrmoe.ops._define import define_op
 from lrmoe.ops._kernels import kernel_module
+from lrmoe.ops._torch_internals import grouped_mm
 
 __all__ = ["gather_grouped_mm", "grouped_outer"]
 
@@ -101,7 +102,7 @@ def _gather_grouped_mm_cuda(x_NI, weight_EOI, rows_R, offsets_E):
             return _loop_mm(x_NI, weight_EOI, rows_R, offsets_E)
         return kernels.gather_grouped_mm_triton(x_NI, weight_EOI, _identity_rows(x_NI, rows_R), offsets_E)
     offs = offsets_E.int().contiguous()  # a strided column of group ends is read as a flat array otherwise
-    y_RO = torch._grouped_mm(_rows_in_order(x_NI, rows_R), weight_EOI.transpose(-2, -1), offs=offs)
+    y_RO = grouped_mm(_rows_in_order(x_NI, rows_R), weight_EOI.transpose(-2, -1), offs)
     # _grouped_mm leaves rows past the last offset uninitialised: zero them (only them, with the Triton kernel).
     kernels = kernel_module("grouped_gemm")
     if kernels is None:
@@ -156,7 +157,7 @@ def _grouped_outer_cuda(a_RO, b_NI, rows_R, offsets_E):
     # Rows past the last offset belong to no group, and _grouped_mm's grouped-K form reads none of them (NaN there
     # cannot leak: tests/ops/test_grouped_gemm.py), so no masking pass.
     offs = offsets_E.int().contiguous()
-    return torch._grouped_mm(_transpose_in_place(a_RO), _rows_in_order(b_NI, rows_R), offs=offs)
+    return grouped_mm(_transpose_in_place(a_RO), _rows_in_order(b_NI, rows_R), offs)
 
 
 def _transpose_in_place(a_RO: torch.Tensor) -> torch.Tensor:
