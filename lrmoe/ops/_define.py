@@ -1,4 +1,5 @@
-"""``define_op``: one lrmoe custom op from its parts, the way every module of lrmoe.ops registers its ops.
+"""``define_op``: one lrmoe custom op from its parts, the way every lrmoe op is registered (lrmoe.ops, and
+lrmoe.functional.ep_plan; tests/ops/test_define.py finds no other registration).
 
 An op is a ``torch.library.custom_op`` (schema, CPU kernel) with a fake implementation, an autograd registration,
 usually a CUDA kernel that falls back to the reference, sometimes inlining under torch.compile or an ordered
