@@ -1,5 +1,6 @@
 """Pure functional primitives of lrmoe: tensors in, tensors out, static shapes, no host synchronisation."""
 
+from lrmoe.functional import ep_plan as _ep_plan  # noqa: F401  (registers the op lrmoe::ep_plan)
 from lrmoe.functional.expert_parallel import (
     ExpertParallelPlan,
     plan_expert_parallel,

@@ -8,9 +8,9 @@ or factor any real number that is not a bool (``numbers.Real``: Python and NumPy
 returns the value as a Python int or float, so that what a caller stores and computes with is a Python number
 (float32 arithmetic on a NumPy scalar could round ``retain * pairs`` differently from the planner's float64).
 
-Checking mode (``lrmoe.checks``, or ``LRMOE_CHECK=1`` in the environment) adds the checks that do read tensor
-contents: the data-dependent contracts (loads >= 0, ids in range, offsets nondecreasing, ...) that the fast path
-leaves to the caller, since on a GPU each one waits for the device. Off by default. Each primitive asks
+Checking mode (``with lrmoe.checks():``, or ``LRMOE_CHECK=1`` in the environment) adds the checks that do read
+tensor contents: the data-dependent contracts (loads >= 0, ids in range, offsets nondecreasing, ...) that the fast
+path leaves to the caller, since on a GPU each one waits for the device. Off by default. Each primitive asks
 ``checking()`` in a plain Python branch: off, or while torch.compile traces, nothing runs and nothing is traced
 (the checks run in eager code only, so a compiled graph is the same with checking on or off).
 """
@@ -246,32 +246,37 @@ _checking = os.environ.get("LRMOE_CHECK", "") not in ("", "0")
 
 
 class checks:
-    """Switch checking mode on (default) or off: ``lrmoe.checks(True)`` for the rest of the process, or a block::
+    """Checking mode on (default) or off for a block::
 
         with lrmoe.checks():
             loss = model(x).sum()   # every lrmoe primitive validates its data-dependent contracts
             loss.backward()
 
-    The previous setting comes back when the block ends. The initial setting is ``LRMOE_CHECK`` from the
-    environment (``1``: on; unset, empty or ``0``: off). Under checking, a primitive given out-of-contract values
-    (negative loads, ids out of range, decreasing offsets, ...) raises ValueError naming the argument, where the
-    fast path would compute something wrong or fail with a raw index error. Each check reads tensor values: a
-    host sync on a GPU. Checks run in eager code only; torch.compile traces none of them.
+    Only the block: ``lrmoe.checks()`` without ``with`` changes nothing. The previous setting comes back when the
+    block ends; outside every block it is ``LRMOE_CHECK`` from the environment (``1``: on; unset, empty or ``0``:
+    off). The setting holds for the whole process while the block runs, not for its thread alone: autograd runs
+    the backward of CUDA tensors on threads of its own, whose checks (the selection's) belong to the block. Under
+    checking, a primitive given out-of-contract values (negative loads, ids out of range, decreasing offsets, ...)
+    raises ValueError naming the argument, where the fast path would compute something wrong or fail with a raw
+    index error. Each check reads tensor values: a host sync on a GPU. Checks run in eager code only;
+    torch.compile traces none of them.
     """
 
     def __init__(self, enabled: bool = True):
-        global _checking
         if not isinstance(enabled, bool):
             raise TypeError(f"enabled must be a bool, got {type(enabled).__name__}")
-        self._previous = _checking
-        _checking = enabled
+        self._enabled = enabled
+        self._previous: list[bool] = []  # one per entry: a checks object may be entered again inside its block
 
     def __enter__(self) -> checks:
+        global _checking
+        self._previous.append(_checking)
+        _checking = self._enabled
         return self
 
     def __exit__(self, *exc_info) -> None:
         global _checking
-        _checking = self._previous
+        _checking = self._previous.pop()
 
 
 def checking() -> bool:

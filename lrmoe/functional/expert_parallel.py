@@ -1,7 +1,7 @@
 """Expert-parallel planning: pure functions of the all-gathered [W, E] load matrix (docs/design.md, "Expert
 parallelism"). No communication here: every rank calls them with the same input and gets the same plan, which
 is what lets a source rank select its own pairs in backward before any communication. The collectives are in
-lrmoe.nn._transport; the ParallelStyle in lrmoe.nn.expert_parallel; the plan's custom op in lrmoe.ops.ep_plan.
+lrmoe.nn._transport; the ParallelStyle in lrmoe.nn.expert_parallel; the plan's custom op in lrmoe.functional.ep_plan.
 
 Shapes: W EP ranks, S source ranks (S == W: source s is rank s), E experts, L = E / W owned experts per rank,
 R replica slots per rank (``max_replicas``), I = L + R instance slots per rank, G = W * I instances, K top-k,
@@ -24,6 +24,7 @@ from lrmoe.functional._checks import check_replica_slots, check_tensor
 from lrmoe.functional.quotas import plan_quotas
 from lrmoe.functional.replicas import balanced_capacity, instance_experts, place_hot_replicas, route_to_replicas
 from lrmoe.ops import argsort_ids
+from lrmoe.ops._torch_internals import register_dataclass
 
 __all__ = ["PLACEMENT_POLICIES", "ExpertParallelPlan", "ExpertParallelStats", "PlacementPolicy", "backward_capacity",
            "block_rows", "check_placement", "check_replication", "expert_major_order", "instance_slots",
@@ -92,7 +93,7 @@ class ExpertParallelPlan:
     uniform: torch.Tensor | None = None
 
 
-torch.utils._pytree.register_dataclass(ExpertParallelPlan)
+register_dataclass(ExpertParallelPlan)
 
 
 def check_replication(max_replicas: int, capacity_factor: float | None,

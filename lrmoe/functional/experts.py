@@ -39,6 +39,7 @@ from lrmoe.functional.quotas import plan_quotas
 from lrmoe.functional.rng import sampling_uniforms
 from lrmoe.functional.routing import expert_loads
 from lrmoe.functional.transport import N_BACKWARD_STATS, IdentityTransport
+from lrmoe.ops._torch_internals import register_dataclass
 
 __all__ = ["ExpertPlan", "backward_capacity_rows", "plan_experts", "retained_rows_bound", "selective_swiglu_experts"]
 
@@ -71,7 +72,7 @@ class ExpertPlan:
     retain: float | None = None
 
 
-torch.utils._pytree.register_dataclass(ExpertPlan)
+register_dataclass(ExpertPlan)
 
 
 def retained_rows_bound(n_pairs: int, n_experts: int, retain: float) -> int:

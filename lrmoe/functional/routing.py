@@ -25,6 +25,7 @@ from lrmoe.functional._checks import (
     check_top_k,
     checking,
 )
+from lrmoe.ops._torch_internals import register_dataclass
 from lrmoe.ops.routing import topk_ids
 
 __all__ = ["Routing", "route_topk", "expert_loads", "router_logits"]
@@ -135,7 +136,7 @@ class Routing:
     scores: torch.Tensor
 
 
-torch.utils._pytree.register_dataclass(Routing)
+register_dataclass(Routing)
 
 
 def route_topk(

@@ -28,6 +28,7 @@ from lrmoe.functional._checks import (
     check_tensor,
     checking,
 )
+from lrmoe.ops._torch_internals import register_dataclass
 from lrmoe.ops.selection import MODES
 from lrmoe.ops.selection import inclusion_probabilities as inclusion_probabilities_op
 from lrmoe.ops.selection import select_within_quota as select_within_quota_op
@@ -53,7 +54,7 @@ class Selection:
     offsets: torch.Tensor
 
 
-torch.utils._pytree.register_dataclass(Selection)
+register_dataclass(Selection)
 
 
 def select_within_quota(

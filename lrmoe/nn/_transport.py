@@ -14,13 +14,15 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
 from torch.fx.experimental.symbolic_shapes import guard_or_false
 
 from lrmoe.functional.expert_parallel import ExpertParallelPlan, block_rows, expert_major_order
 from lrmoe.functional.retained_rows import block_slots, pad_to_blocks, retained_dy, take_rows
 from lrmoe.functional.transport import Combined, Dispatched, Exchanged, Transport
 from lrmoe.ops import gather_scale_rows
+from lrmoe.ops._torch_internals import functional_collectives, torch_check
+
+funcol = functional_collectives()
 
 # Backward statistics leave as the gradient of a float64 probe (float64: byte counts stay exact past 2**24):
 # score-mass fraction kept, retained pairs sent, backward dispatch bytes, backward combine bytes, backward calls.
@@ -111,7 +113,7 @@ def host_splits(plan: ExpertParallelPlan, ep: EPGroup, n_local: int, misrouted_W
     # ("Could not guard on data-dependent expression"). In eager they are plain ints and the checks are no-ops.
     for counts in host:
         for n in counts:
-            torch._check(n >= 0)
+            torch_check(n >= 0)
     n_block = host.pop()[0] if blocked else 0
     fwd_send, fwd_recv, bwd_send, bwd_recv, pairs, misrouted = host[:6]
     rep_send, rep_recv = host[6:] if n_rep else ([], [])

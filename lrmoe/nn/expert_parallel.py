@@ -62,6 +62,7 @@ from lrmoe.functional.expert_parallel import (  # noqa: F401  (backward_capacity
     plan_to,
 )
 from lrmoe.functional.expert_kernels import choose_kernels
+from lrmoe.functional.ep_plan import plan_step
 from lrmoe.functional.expert_step import StepConfig, selective_step
 from lrmoe.functional.options import BackwardOptions
 from lrmoe.functional.replicas import place_hot_replicas
@@ -79,7 +80,6 @@ from lrmoe.nn._transport import (
     peer_bytes,
 )
 from lrmoe.nn.lrmoe import UNGATHERED_EXPERTS, LRMoE, SwiGLUExperts, compute_dtype
-from lrmoe.ops.ep_plan import plan_step
 
 __all__ = ["ExpertParallel", "ExpertParallelPlan", "ExpertParallelStats", "backward_capacity", "plan_expert_parallel"]
 
@@ -114,8 +114,8 @@ class ExpertParallel(ParallelStyle):
         placement_policy: ``(loads_WE, max_replicas) -> replicas_WR`` (see lrmoe.functional.replicas), or the name
             of one registered with ``lrmoe.functional.expert_parallel.register_placement_policy``; must be
             deterministic. Default :func:`~lrmoe.functional.place_hot_replicas` (registered as "hot"). A registered
-            policy runs inside the plan's op (lrmoe.ops.ep_plan: the same eager kernels on every rank, compiled or
-            not); a callable that is not registered runs before it, in the layer's (compiled) graph. Its output
+            policy runs inside the plan's op (lrmoe.functional.ep_plan: the same eager kernels on every rank, compiled
+            or not); a callable that is not registered runs before it, in the layer's (compiled) graph. Its output
             is checked at every plan (values only on the host: see ``plan_expert_parallel``).
         plan_on: where the per-step plan (``plan_expert_parallel`` on the [W, E] load matrix: ~20 tiny integer
             ops for the dense backward without replicas, ~170-480 with a capacity or replicas at W = 2) runs.
@@ -316,7 +316,7 @@ def _ep_step(module: nn.Module, experts: nn.Module, run_experts: Callable[..., t
         splits = host_splits(plan_host, ep, n_local, counts_host[:, n_exp], rep.backward_blocks)
         plan = plan_to(plan_host, loads_WE)
     else:
-        plan = _plan(loads_WE, opts, rep)  # opaque to the compiler (lrmoe.ops.ep_plan says why)
+        plan = _plan(loads_WE, opts, rep)  # opaque to the compiler (lrmoe.functional.ep_plan says why)
         # the step's one host synchronisation
         splits = host_splits(plan, ep, n_local, counts_WX[:, n_exp], rep.backward_blocks)
     _check_step(splits, opts, n_exp, runs_backward=probe is not None)

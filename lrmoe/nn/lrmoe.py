@@ -29,6 +29,7 @@ from lrmoe.functional.transport import N_BACKWARD_STATS
 from lrmoe.functional.experts import ExpertPlan, plan_experts, selective_swiglu_experts
 from lrmoe.functional.options import BackwardOptions, RoutingOptions, option_names, resolve_options, split_options
 from lrmoe.functional.routing import Routing, route_topk, router_logits
+from lrmoe.ops._torch_internals import current_graph_task_id
 
 __all__ = ["LRMoE", "LRMoEStats", "SwiGLUExperts", "SwiGLUMLP"]
 
@@ -75,7 +76,7 @@ def recomputing() -> bool:
     """True while autograd recomputes a forward inside a backward (activation checkpointing, eagerly): the layers
     then keep their last forward's plan (``stats()``, ``update_selection_bias``) instead of the recomputed
     micro-batch's. A compiled graph's recompute never reruns the buffer writes, so it is False there."""
-    return not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1
+    return not torch.compiler.is_compiling() and current_graph_task_id() != -1
 
 
 def _shown(options) -> str:

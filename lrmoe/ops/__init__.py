@@ -1,9 +1,10 @@
 """torch.library registrations (namespace ``lrmoe``): schema, fake, autograd, CPU reference, CUDA launch.
 
-Importing this package registers the ops; the functional API calls them, so Dynamo's graph holds one op per
-kernel. On CUDA, AOTAutograd then traces the kernel ops into their Triton kernels (and PyTorch ops), which
-Inductor launches itself (lrmoe.ops._kernels.inline_when_compiled); on CPU each stays one opaque op (the
-reference).
+One module per group of ops, each op defined from its parts by lrmoe.ops._define.define_op. Importing this package
+registers the ops; the functional API calls them, so Dynamo's graph holds one op per kernel. On CUDA, AOTAutograd
+then traces the kernel ops into their Triton kernels (and PyTorch ops), which Inductor launches itself
+(lrmoe.ops._kernels.inline_when_compiled); on CPU each stays one opaque op (the reference). The expert-parallel
+plan's op, lrmoe::ep_plan, is defined in lrmoe.functional.ep_plan (its kernel is the functional planner).
 """
 
 from lrmoe.ops.grouped_gemm import gather_grouped_mm, grouped_outer

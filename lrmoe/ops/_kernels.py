@@ -25,7 +25,7 @@ import torch
 
 from lrmoe.ops._torch_internals import export_keeps_custom_ops, register_functional_rule, traced_tensor_types
 
-__all__ = ["forward_only", "inline_when_compiled", "kernel_module"]
+__all__ = ["INLINED", "inline_when_compiled", "kernel_module"]
 
 _PACKAGE = "lrmoe_kernels"
 
@@ -48,12 +48,12 @@ def kernel_module(name: str) -> ModuleType | None:
 INLINED: dict[str, tuple[Callable[..., Any], Callable[..., bool] | None]] = {}
 
 
-def inline_when_compiled(op, cuda_kernel: Callable[..., Any], when: Callable[..., bool] | None = None) -> None:
-    """Let torch.compile see through CUDA calls of ``op``: its compiled graph then holds the Triton kernels (and
-    PyTorch ops) of ``cuda_kernel`` instead of one opaque op call, and Inductor launches them with its own
-    launcher. Measured on the H200's host: lrmoe::gather_sum_rows took 80 µs of host time per call, its Triton
-    launcher alone 44 µs, an aten index_select 20 µs; the compiled layer's step at retain 0.5 went from 4.7 to 2.9
-    ms of host time with the ops inlined (docs/performance.md).
+def inline_when_compiled(op, name: str, cuda_kernel: Callable[..., Any], when: Callable[..., bool] | None) -> None:
+    """Let torch.compile see through CUDA calls of ``op`` (the custom op ``name``): its compiled graph then holds
+    the Triton kernels (and PyTorch ops) of ``cuda_kernel`` instead of one opaque op call, and Inductor launches
+    them with its own launcher. Measured on the H200's host: lrmoe::gather_sum_rows took 80 µs of host time per
+    call, its Triton launcher alone 44 µs, an aten index_select 20 µs; the compiled layer's step at retain 0.5 went
+    from 4.7 to 2.9 ms of host time with the ops inlined (docs/performance.md).
 
     How (with PyTorch internals, lrmoe.ops._torch_internals says which and why): AOTAutograd functionalizes the
     graph it traces; for ``op`` with CUDA tensors only (and ``when(*args)``, if given), the functionalization runs
@@ -76,18 +76,5 @@ def inline_when_compiled(op, cuda_kernel: Callable[..., Any], when: Callable[...
         return mode.__torch_dispatch__(func, types, args, kwargs)
 
     register_functional_rule(op, decompose)
-    INLINED[op._qualname] = (cuda_kernel, when)
+    INLINED[name] = (cuda_kernel, when)
 
-
-def forward_only(op, n_inputs: int) -> None:
-    """Register for ``op`` an autograd formula that marks every output non-differentiable: ops that compute a
-    backward already, or whose caller differentiates them itself. A backward through their outputs then fails
-    loudly instead of giving zero gradients."""
-
-    def setup(ctx, inputs, output):
-        ctx.mark_non_differentiable(*(output if isinstance(output, tuple) else (output,)))
-
-    def backward(ctx, *grads):
-        return (None,) * n_inputs  # never called: the outputs are non-differentiable
-
-    op.register_autograd(backward, setup_context=setup)

@@ -1,7 +1,8 @@
-"""Every private PyTorch internal lrmoe.ops relies on, in one place, for torch 2.11 to 2.14.
+"""Every private PyTorch name lrmoe uses, in one place, for torch 2.11 to 2.14 (tests/test_private_torch_names.py
+fails on one used anywhere else in lrmoe/).
 
 Public ``torch.library`` API covers the rest of the ops (custom_op, register_kernel/fake/autograd,
-register_torch_dispatch, wrap_triton). It does not cover these two needs:
+register_torch_dispatch, wrap_triton). It does not cover these needs:
 
 1. Inlining an op's CUDA kernels under torch.compile, for CUDA tensors only (lrmoe.ops._kernels.
    inline_when_compiled). torch.library.triton_op is the public form of the idea, but it decomposes the op on every
@@ -13,30 +14,48 @@ register_torch_dispatch, wrap_triton). It does not cover these two needs:
    which has no output, must not be dropped). torch 2.13 has CustomOpDef.register_effect, whose argument type
    lives in torch._library.effects; torch 2.11 (the GPU machine's) only the private
    torch._higher_order_ops.effects._register_effectful_op.
+3. Private functions with no public form, called as they are (compiled code must see the torch function itself):
+   ``grouped_mm`` (torch._grouped_mm, the CUDA grouped GEMM of lrmoe.ops.grouped_gemm), ``torch_check``
+   (torch._check: unbacked row counts are >= 0, lrmoe.nn._transport), ``current_graph_task_id``
+   (torch._C._current_graph_task_id: whether autograd is running a backward, lrmoe.nn.lrmoe.recomputing),
+   ``register_dataclass`` (torch.utils._pytree's: the functional plans as pytrees) and
+   ``functional_collectives`` (torch.distributed._functional_collectives: traceable collectives, lrmoe.nn.
+   _transport).
 
-Each internal is looked up when first used and a missing one raises an error naming it and this torch version
-(lrmoe.ops registers its ops at import, so lrmoe's import fails then, not a compiled step later).
-tests/ops/test_torch_internals.py resolves all of them, so a torch upgrade that moves one fails there first.
+The internals of needs 1 and 2 are looked up when first used and a missing one raises an error naming it and this
+torch version (lrmoe.ops registers its ops at import, so lrmoe's import fails then, not a compiled step later).
+tests/ops/test_torch_internals.py resolves all of them, those of need 3 too, so a torch upgrade that moves one
+fails there first.
 """
 
 from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
+from types import ModuleType
 from typing import Any
 
 import torch
+import torch.utils._pytree
 
-__all__ = ["INTERNALS", "effect_internals", "export_keeps_custom_ops", "register_functional_rule",
-           "register_ordered_effect", "resolve", "traced_tensor_types"]
+__all__ = ["INTERNALS", "current_graph_task_id", "effect_internals", "export_keeps_custom_ops",
+           "functional_collectives", "grouped_mm", "register_dataclass", "register_functional_rule",
+           "register_ordered_effect", "resolve", "torch_check", "traced_tensor_types"]
 
-# What each need uses, as "module:attribute". Effects: one of the two forms suffices (see _effect_registrar).
+# What each need uses, as "module:attribute". Effects: one of the two forms suffices (see register_ordered_effect).
 INTERNALS = {
     "FunctionalTensorMode": "torch._subclasses.functional_tensor:FunctionalTensorMode",
     "FunctionalTensor": "torch._subclasses.functional_tensor:FunctionalTensor",
     "FakeTensor": "torch._subclasses.fake_tensor:FakeTensor",
     "export_decomposition_disabled": "torch.export._trace:custom_triton_ops_decomposition_disabled",
+    "grouped_mm": "torch:_grouped_mm",
+    "torch_check": "torch:_check",
+    "current_graph_task_id": "torch._C:_current_graph_task_id",
+    "register_dataclass": "torch.utils._pytree:register_dataclass",
+    "all_to_all_single": "torch.distributed._functional_collectives:all_to_all_single",
+    "wait_tensor": "torch.distributed._functional_collectives:wait_tensor",
 }
+_FUNCTIONAL_COLLECTIVES = "torch.distributed._functional_collectives"
 _EFFECTS_2_13 = "torch._library.effects:EffectType"
 _EFFECTS_2_11 = "torch._higher_order_ops.effects:_register_effectful_op"
 
@@ -78,6 +97,34 @@ def register_ordered_effect(op) -> None:
     effects = importlib.import_module("torch._higher_order_ops.effects")
     effect_type = getattr(effects, "_EffectType", None) or resolve("torch._higher_order_ops.effects:EffectType")
     register(op._opoverload, effect_type.ORDERED)
+
+
+def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """torch._grouped_mm(a, b, offs=offs): group g multiplies a's and b's rows (or columns) up to offs[g]."""
+    return torch._grouped_mm(a, b, offs=offs)
+
+
+def torch_check(condition) -> None:
+    """torch._check: ``condition`` holds (eager: raises if not; traced: the compiler may assume it)."""
+    torch._check(condition)
+
+
+def current_graph_task_id() -> int:
+    """torch._C._current_graph_task_id: the id of the backward autograd is running on this thread, -1 outside."""
+    return torch._C._current_graph_task_id()
+
+
+def register_dataclass(cls: type) -> type:
+    """torch.utils._pytree.register_dataclass: ``cls``'s fields are a pytree's children (torch.compile flattens
+    and rebuilds it); returns ``cls``."""
+    torch.utils._pytree.register_dataclass(cls)
+    return cls
+
+
+def functional_collectives() -> ModuleType:
+    """torch.distributed._functional_collectives: collectives that return tensors (waited on with wait_tensor),
+    which torch.compile traces."""
+    return importlib.import_module(_FUNCTIONAL_COLLECTIVES)
 
 
 def effect_internals(op) -> list[str]:

@@ -25,7 +25,9 @@ from __future__ import annotations
 
 import torch
 
-from lrmoe.ops._kernels import inline_when_compiled, kernel_module
+from lrmoe.ops._define import define_op
+from lrmoe.ops._kernels import kernel_module
+from lrmoe.ops._torch_internals import grouped_mm
 
 __all__ = ["gather_grouped_mm", "grouped_outer"]
 
@@ -93,14 +95,6 @@ def _grouped_mm_ok(*tensors: torch.Tensor) -> bool:
 # ---------------------------------------------------------------------------------------------- gather_grouped_mm
 
 
-@torch.library.custom_op("lrmoe::gather_grouped_mm", mutates_args=())
-def gather_grouped_mm(
-    x_NI: torch.Tensor, weight_EOI: torch.Tensor, rows_R: torch.Tensor | None, offsets_E: torch.Tensor
-) -> torch.Tensor:
-    return _loop_mm(x_NI, weight_EOI, rows_R, offsets_E)
-
-
-@gather_grouped_mm.register_kernel("cuda")
 def _gather_grouped_mm_cuda(x_NI, weight_EOI, rows_R, offsets_E):
     if not _grouped_mm_ok(x_NI, weight_EOI):
         kernels = kernel_module("grouped_gemm")
@@ -108,18 +102,12 @@ def _gather_grouped_mm_cuda(x_NI, weight_EOI, rows_R, offsets_E):
             return _loop_mm(x_NI, weight_EOI, rows_R, offsets_E)
         return kernels.gather_grouped_mm_triton(x_NI, weight_EOI, _identity_rows(x_NI, rows_R), offsets_E)
     offs = offsets_E.int().contiguous()  # a strided column of group ends is read as a flat array otherwise
-    y_RO = torch._grouped_mm(_rows_in_order(x_NI, rows_R), weight_EOI.transpose(-2, -1), offs=offs)
+    y_RO = grouped_mm(_rows_in_order(x_NI, rows_R), weight_EOI.transpose(-2, -1), offs)
     # _grouped_mm leaves rows past the last offset uninitialised: zero them (only them, with the Triton kernel).
     kernels = kernel_module("grouped_gemm")
     if kernels is None:
         return torch.where(_valid_rows(offsets_E, y_RO.shape[0]), y_RO, 0)
     return kernels.zero_rows_past_last_offset_(y_RO, offsets_E)
-
-
-
-@gather_grouped_mm.register_fake
-def _(x_NI, weight_EOI, rows_R, offsets_E):
-    return x_NI.new_empty(_n_rows(x_NI, rows_R), weight_EOI.shape[1])
 
 
 def _gather_grouped_mm_setup(ctx, inputs, output):
@@ -140,20 +128,17 @@ def _gather_grouped_mm_backward(ctx, grad_y_RO):
     return grad_x, grad_w, None, None
 
 
-gather_grouped_mm.register_autograd(_gather_grouped_mm_backward, setup_context=_gather_grouped_mm_setup)
 # Inlined under compile on the torch._grouped_mm path only: the Triton path autotunes, which Inductor would redo.
-inline_when_compiled(gather_grouped_mm, _gather_grouped_mm_cuda,
-                     when=lambda x, w, *_: _grouped_mm_ok(x, w))
+@define_op("lrmoe::gather_grouped_mm", cuda=_gather_grouped_mm_cuda,
+           fake=lambda x_NI, weight_EOI, rows_R, offsets_E: x_NI.new_empty(_n_rows(x_NI, rows_R), weight_EOI.shape[1]),
+           grad=(_gather_grouped_mm_setup, _gather_grouped_mm_backward), inline=lambda x, w, *_: _grouped_mm_ok(x, w))
+def gather_grouped_mm(
+    x_NI: torch.Tensor, weight_EOI: torch.Tensor, rows_R: torch.Tensor | None, offsets_E: torch.Tensor
+) -> torch.Tensor:
+    return _loop_mm(x_NI, weight_EOI, rows_R, offsets_E)
 
 
 # -------------------------------------------------------------------------------------------------- grouped_outer
-
-
-@torch.library.custom_op("lrmoe::grouped_outer", mutates_args=())
-def grouped_outer(
-    a_RO: torch.Tensor, b_NI: torch.Tensor, rows_R: torch.Tensor | None, offsets_E: torch.Tensor
-) -> torch.Tensor:
-    return _loop_outer(a_RO, b_NI, rows_R, offsets_E)
 
 
 def _loop_outer(a_RO, b_NI, rows_R, offsets_E):
@@ -163,7 +148,6 @@ def _loop_outer(a_RO, b_NI, rows_R, offsets_E):
     return w_EOI
 
 
-@grouped_outer.register_kernel("cuda")
 def _grouped_outer_cuda(a_RO, b_NI, rows_R, offsets_E):
     if not _grouped_mm_ok(a_RO, b_NI):
         kernels = kernel_module("grouped_gemm")
@@ -173,7 +157,7 @@ def _grouped_outer_cuda(a_RO, b_NI, rows_R, offsets_E):
     # Rows past the last offset belong to no group, and _grouped_mm's grouped-K form reads none of them (NaN there
     # cannot leak: tests/ops/test_grouped_gemm.py), so no masking pass.
     offs = offsets_E.int().contiguous()
-    return torch._grouped_mm(_transpose_in_place(a_RO), _rows_in_order(b_NI, rows_R), offs=offs)
+    return grouped_mm(_transpose_in_place(a_RO), _rows_in_order(b_NI, rows_R), offs)
 
 
 def _transpose_in_place(a_RO: torch.Tensor) -> torch.Tensor:
@@ -188,11 +172,6 @@ def _transpose_in_place(a_RO: torch.Tensor) -> torch.Tensor:
     if a_RO.dim() == 2 and a_RO.stride(1) == 1 and a_RO.stride(0) == a_RO.shape[1]:
         return a_RO.as_strided((a_RO.shape[1], a_RO.shape[0]), (1, a_RO.shape[1]))
     return a_RO.t()
-
-
-@grouped_outer.register_fake
-def _(a_RO, b_NI, rows_R, offsets_E):
-    return a_RO.new_empty(offsets_E.shape[0], a_RO.shape[1], b_NI.shape[1])
 
 
 def _grouped_outer_setup(ctx, inputs, output):
@@ -215,5 +194,10 @@ def _grouped_outer_backward(ctx, grad_w_EOI):
     return grad_a, grad_b, None, None
 
 
-grouped_outer.register_autograd(_grouped_outer_backward, setup_context=_grouped_outer_setup)
-inline_when_compiled(grouped_outer, _grouped_outer_cuda, when=lambda a, b, *_: _grouped_mm_ok(a, b))
+@define_op("lrmoe::grouped_outer", cuda=_grouped_outer_cuda,
+           fake=lambda a_RO, b_NI, rows_R, offsets_E: a_RO.new_empty(offsets_E.shape[0], a_RO.shape[1], b_NI.shape[1]),
+           grad=(_grouped_outer_setup, _grouped_outer_backward), inline=lambda a, b, *_: _grouped_mm_ok(a, b))
+def grouped_outer(
+    a_RO: torch.Tensor, b_NI: torch.Tensor, rows_R: torch.Tensor | None, offsets_E: torch.Tensor
+) -> torch.Tensor:
+    return _loop_outer(a_RO, b_NI, rows_R, offsets_E)

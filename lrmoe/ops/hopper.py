@@ -36,6 +36,7 @@ import importlib.util
 
 import torch
 
+from lrmoe.ops._define import define_op
 from lrmoe.ops.grouped_gemm import gather_grouped_mm, grouped_outer
 from lrmoe.ops.swiglu import swiglu_backward, swiglu_sqnorm
 
@@ -80,7 +81,20 @@ def _cu_seqlens(offsets_I: torch.Tensor) -> torch.Tensor:
 # --- gate/up with SwiGLU ----------------------------------------------------------------------------------------
 
 
-@torch.library.custom_op("lrmoe::hopper_gate_up", mutates_args=())
+def _gate_up_fake(x_ND, gate_up_IFD, rows_N, offsets_I):
+    n = x_ND.shape[0] if rows_N is None else rows_N.shape[0]
+    f2 = gate_up_IFD.shape[1]
+    return x_ND.new_empty(n, f2), x_ND.new_empty(n, f2 // 2), x_ND.new_empty(n, dtype=torch.float32)
+
+
+def _gate_up_cuda(x_ND, gate_up_IFD, rows_N, offsets_I):
+    idx = None if rows_N is None else rows_N.int()
+    h_NF2, phi_NF = _quack().gemm_gated(x_ND, gate_up_IFD.mT, activation="swiglu", cu_seqlens_m=_cu_seqlens(offsets_I),
+                                        A_idx=idx, concat_layout=("B",), tuned=False)
+    return h_NF2, phi_NF, phi_NF.float().square().sum(-1)
+
+
+@define_op("lrmoe::hopper_gate_up", fake=_gate_up_fake, cuda=_gate_up_cuda)
 def hopper_gate_up(x_ND: torch.Tensor, gate_up_IFD: torch.Tensor, rows_N: torch.Tensor | None,
                    offsets_I: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     h_N2F = gather_grouped_mm(x_ND, gate_up_IFD, rows_N, offsets_I)
@@ -88,64 +102,31 @@ def hopper_gate_up(x_ND: torch.Tensor, gate_up_IFD: torch.Tensor, rows_N: torch.
     return interleave_halves(h_N2F), phi_NF, phi_sq_N
 
 
-@hopper_gate_up.register_fake
-def _(x_ND, gate_up_IFD, rows_N, offsets_I):
-    n = x_ND.shape[0] if rows_N is None else rows_N.shape[0]
-    f2 = gate_up_IFD.shape[1]
-    return x_ND.new_empty(n, f2), x_ND.new_empty(n, f2 // 2), x_ND.new_empty(n, dtype=torch.float32)
-
-
-@hopper_gate_up.register_kernel("cuda")
-def _(x_ND, gate_up_IFD, rows_N, offsets_I):
-    idx = None if rows_N is None else rows_N.int()
-    h_NF2, phi_NF = _quack().gemm_gated(x_ND, gate_up_IFD.mT, activation="swiglu", cu_seqlens_m=_cu_seqlens(offsets_I),
-                                        A_idx=idx, concat_layout=("B",), tuned=False)
-    return h_NF2, phi_NF, phi_NF.float().square().sum(-1)
-
-
 # --- down projection --------------------------------------------------------------------------------------------
 
 
-@torch.library.custom_op("lrmoe::hopper_down", mutates_args=())
+def _down_cuda(phi_NF, down_IDF, offsets_I):
+    return _quack().gemm(phi_NF, down_IDF.mT, cu_seqlens_m=_cu_seqlens(offsets_I), tuned=False)
+
+
+@define_op("lrmoe::hopper_down", cuda=_down_cuda,
+           fake=lambda phi_NF, down_IDF, offsets_I: phi_NF.new_empty(phi_NF.shape[0], down_IDF.shape[1]))
 def hopper_down(phi_NF: torch.Tensor, down_IDF: torch.Tensor, offsets_I: torch.Tensor) -> torch.Tensor:
     return gather_grouped_mm(phi_NF, down_IDF, None, offsets_I)
-
-
-@hopper_down.register_fake
-def _(phi_NF, down_IDF, offsets_I):
-    return phi_NF.new_empty(phi_NF.shape[0], down_IDF.shape[1])
-
-
-@hopper_down.register_kernel("cuda")
-def _(phi_NF, down_IDF, offsets_I):
-    return _quack().gemm(phi_NF, down_IDF.mT, cu_seqlens_m=_cu_seqlens(offsets_I), tuned=False)
 
 
 # --- backward over retained rows --------------------------------------------------------------------------------
 
 
-@torch.library.custom_op("lrmoe::hopper_rows_backward", mutates_args=())
-def hopper_rows_backward(dy_RD: torch.Tensor, x_ND: torch.Tensor, rows_R: torch.Tensor | None,
-                         offsets_I: torch.Tensor, gate_up_IFD: torch.Tensor, down_IDF: torch.Tensor,
-                         h_RF2: torch.Tensor, need_dx: bool, need_gate_up: bool,
-                         need_down: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    dphi_RF = gather_grouped_mm(dy_RD, down_IDF.transpose(1, 2), None, offsets_I)
-    dh_R2F, phi_RF = swiglu_backward(split_interleaved(h_RF2), None, dphi_RF)
-    grad_down = grouped_outer(dy_RD, phi_RF, None, offsets_I) if need_down else dy_RD.new_empty(0)
-    grad_gu = grouped_outer(dh_R2F, x_ND, rows_R, offsets_I) if need_gate_up else dy_RD.new_empty(0)
-    dx_RD = gather_grouped_mm(dh_R2F, gate_up_IFD.transpose(1, 2), None, offsets_I) if need_dx else dy_RD.new_empty(0)
-    return dx_RD, grad_gu, grad_down
-
-
-@hopper_rows_backward.register_fake
-def _(dy_RD, x_ND, rows_R, offsets_I, gate_up_IFD, down_IDF, h_RF2, need_dx, need_gate_up, need_down):
+def _rows_backward_fake(dy_RD, x_ND, rows_R, offsets_I, gate_up_IFD, down_IDF, h_RF2, need_dx, need_gate_up,
+                        need_down):
     return (dy_RD.new_empty(dy_RD.shape if need_dx else (0,)),
             gate_up_IFD.new_empty(gate_up_IFD.shape if need_gate_up else (0,)),
             down_IDF.new_empty(down_IDF.shape if need_down else (0,)))
 
 
-@hopper_rows_backward.register_kernel("cuda")
-def _(dy_RD, x_ND, rows_R, offsets_I, gate_up_IFD, down_IDF, h_RF2, need_dx, need_gate_up, need_down):
+def _rows_backward_cuda(dy_RD, x_ND, rows_R, offsets_I, gate_up_IFD, down_IDF, h_RF2, need_dx, need_gate_up,
+                        need_down):
     q = _quack()
     cu = _cu_seqlens(offsets_I)
     # dh (interleaved, as h) and phi from one GEMM: dphi = dy @ down with the SwiGLU derivative in its epilogue.
@@ -160,4 +141,17 @@ def _(dy_RD, x_ND, rows_R, offsets_I, gate_up_IFD, down_IDF, h_RF2, need_dx, nee
         q.gemm(x_ND.mT, dh_RF2, out=grad_gu.mT, cu_seqlens_k=cu, A_idx=idx, concat_layout=("out",), tuned=False)
     if need_dx:  # dh's interleaved columns meet the weight's gate-then-up rows through the concat layout
         dx_RD = q.gemm(dh_RF2, gate_up_IFD, cu_seqlens_m=cu, concat_layout=("B",), tuned=False)
+    return dx_RD, grad_gu, grad_down
+
+
+@define_op("lrmoe::hopper_rows_backward", fake=_rows_backward_fake, cuda=_rows_backward_cuda)
+def hopper_rows_backward(dy_RD: torch.Tensor, x_ND: torch.Tensor, rows_R: torch.Tensor | None,
+                         offsets_I: torch.Tensor, gate_up_IFD: torch.Tensor, down_IDF: torch.Tensor,
+                         h_RF2: torch.Tensor, need_dx: bool, need_gate_up: bool,
+                         need_down: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    dphi_RF = gather_grouped_mm(dy_RD, down_IDF.transpose(1, 2), None, offsets_I)
+    dh_R2F, phi_RF = swiglu_backward(split_interleaved(h_RF2), None, dphi_RF)
+    grad_down = grouped_outer(dy_RD, phi_RF, None, offsets_I) if need_down else dy_RD.new_empty(0)
+    grad_gu = grouped_outer(dh_R2F, x_ND, rows_R, offsets_I) if need_gate_up else dy_RD.new_empty(0)
+    dx_RD = gather_grouped_mm(dh_R2F, gate_up_IFD.transpose(1, 2), None, offsets_I) if need_dx else dy_RD.new_empty(0)
     return dx_RD, grad_gu, grad_down

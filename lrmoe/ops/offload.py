@@ -64,8 +64,8 @@ import functools
 
 import torch
 
+from lrmoe.ops._define import define_op
 from lrmoe.ops._kernels import kernel_module
-from lrmoe.ops._torch_internals import register_ordered_effect
 
 __all__ = ["gather_host_rows", "offload_to_host", "offload_wait"]
 
@@ -80,13 +80,7 @@ def _side_stream(device_index: int) -> torch.cuda.Stream:
 # ------------------------------------------------------------------------------------------------ offload_to_host
 
 
-@torch.library.custom_op("lrmoe::offload_to_host", mutates_args=())
-def offload_to_host(x: torch.Tensor, join: bool = False) -> torch.Tensor:
-    return x.clone(memory_format=torch.contiguous_format)  # CPU: the host copy is a copy
-
-
-@offload_to_host.register_kernel("cuda")
-def _(x, join=False):
+def _offload_cuda(x, join=False):
     host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
     if x.numel() == 0:
         return host
@@ -101,11 +95,6 @@ def _(x, join=False):
     return host
 
 
-@offload_to_host.register_fake
-def _(x, join=False):
-    return x.new_empty(x.shape, device="cpu")
-
-
 def _offload_setup(ctx, inputs, output):
     ctx.device = inputs[0].device
 
@@ -114,37 +103,28 @@ def _offload_backward(ctx, grad_host):
     return grad_host.to(ctx.device), None
 
 
-offload_to_host.register_autograd(_offload_backward, setup_context=_offload_setup)
-
-
 # The forward's outputs do not depend on the host copy, only backward reads it, so AOTAutograd's partitioner would
 # move the op into the backward graph and save h on the device instead, undoing the policy. An effectful op stays in
 # the forward, where it was called, and its output is saved (torch.compile threads effect tokens through the graph).
-register_ordered_effect(offload_to_host)
+@define_op("lrmoe::offload_to_host", cuda=_offload_cuda, fake=lambda x, join=False: x.new_empty(x.shape, device="cpu"),
+           grad=(_offload_setup, _offload_backward), effect=True)
+def offload_to_host(x: torch.Tensor, join: bool = False) -> torch.Tensor:
+    return x.clone(memory_format=torch.contiguous_format)  # CPU: the host copy is a copy
 
 
 # --------------------------------------------------------------------------------------------------- offload_wait
 
 
-@torch.library.custom_op("lrmoe::offload_wait", mutates_args=())
-def offload_wait(x: torch.Tensor, host: torch.Tensor, after: torch.Tensor) -> None:
-    pass  # CPU: the copy was done when offload_to_host returned
-
-
-@offload_wait.register_kernel("cuda")
-def _(x, host, after):
+def _wait_cuda(x, host, after):
     torch.cuda.current_stream(x.device).wait_stream(_side_stream(x.device.index))  # on the GPU: no host sync
-
-
-@offload_wait.register_fake
-def _(x, host, after):
-    return None
 
 
 # Nothing reads an op without outputs, so the compiler would drop it (AOTAutograd does): the effect keeps it. Its
 # arguments, not the effect token, place it: Inductor 2.13 drops the token's ordering edge between effectful ops
 # (pytorch/pytorch#189209) and its peak-memory reordering hoists h's last use, which put the wait before the copy.
-register_ordered_effect(offload_wait)
+@define_op("lrmoe::offload_wait", cuda=_wait_cuda, fake=lambda x, host, after: None, grad=None, effect=True)
+def offload_wait(x: torch.Tensor, host: torch.Tensor, after: torch.Tensor) -> None:
+    pass  # CPU: the copy was done when offload_to_host returned
 
 
 # ----------------------------------------------------------------------------------------------- gather_host_rows
@@ -158,15 +138,7 @@ def _check_gather(host_NC: torch.Tensor, rows_R: torch.Tensor) -> None:
                          f"{tuple(rows_R.shape)} and dtype {rows_R.dtype}")
 
 
-@torch.library.custom_op("lrmoe::gather_host_rows", mutates_args=())
-def gather_host_rows(host_NC: torch.Tensor, rows_R: torch.Tensor) -> torch.Tensor:
-    _check_gather(host_NC, rows_R)
-    return host_NC.index_select(0, rows_R)
-
-
-@gather_host_rows.register_kernel("cuda")
-def _(host_NC, rows_R):
-    _check_gather(host_NC, rows_R)
+def _gather_cuda(host_NC, rows_R):
     device = rows_R.device
     if host_NC.device == device:  # nothing was offloaded
         return host_NC.index_select(0, rows_R)
@@ -180,12 +152,6 @@ def _(host_NC, rows_R):
     if host_NC.numel():  # point 2 of the module docstring: tell the pinned allocator this stream read the block
         torch.empty(1, 1, dtype=host_NC.dtype, device=device).copy_(host_NC[:1, :1], non_blocking=True)
     return out_RC
-
-
-@gather_host_rows.register_fake
-def _(host_NC, rows_R):
-    _check_gather(host_NC, rows_R)
-    return host_NC.new_empty(rows_R.shape[0], host_NC.shape[1], device=rows_R.device)
 
 
 def _gather_setup(ctx, inputs, output):
@@ -204,4 +170,8 @@ def _gather_backward(ctx, grad_out_RC):
     return grad_host, None
 
 
-gather_host_rows.register_autograd(_gather_backward, setup_context=_gather_setup)
+@define_op("lrmoe::gather_host_rows", check=_check_gather, cuda=_gather_cuda,
+           fake=lambda host_NC, rows_R: host_NC.new_empty(rows_R.shape[0], host_NC.shape[1], device=rows_R.device),
+           grad=(_gather_setup, _gather_backward))
+def gather_host_rows(host_NC: torch.Tensor, rows_R: torch.Tensor) -> torch.Tensor:
+    return host_NC.index_select(0, rows_R)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from lrmoe.ops._kernels import forward_only, inline_when_compiled, kernel_module
+from lrmoe.ops._define import define_op
 
 __all__ = ["one_hot", "per_rank", "waterfill", "waterfill_reference"]
 
@@ -91,26 +91,8 @@ def _check(loads_G: torch.Tensor, floors_G: torch.Tensor, budget: torch.Tensor) 
                          f"dtype {budget.dtype}")
 
 
-@torch.library.custom_op("lrmoe::waterfill", mutates_args=())
+@define_op("lrmoe::waterfill", check=_check, fake=lambda loads_G, floors_G, budget: torch.empty_like(loads_G),
+           kernels="quotas", cuda=lambda kernels, *args: kernels.waterfill_triton(*args),
+           reference_if=lambda kernels, loads_G, *_: loads_G.shape[0] > kernels.MAX_GROUPS, inline=True)
 def waterfill(loads_G: torch.Tensor, floors_G: torch.Tensor, budget: torch.Tensor) -> torch.Tensor:
-    _check(loads_G, floors_G, budget)
     return waterfill_reference(loads_G, floors_G, budget)
-
-
-@waterfill.register_kernel("cuda")
-def _waterfill_cuda(loads_G, floors_G, budget):
-    _check(loads_G, floors_G, budget)
-    kernels = kernel_module("quotas")
-    if kernels is None or loads_G.shape[0] > kernels.MAX_GROUPS:
-        return waterfill_reference(loads_G, floors_G, budget)
-    return kernels.waterfill_triton(loads_G, floors_G, budget)
-
-
-@waterfill.register_fake
-def _(loads_G, floors_G, budget):
-    _check(loads_G, floors_G, budget)
-    return torch.empty_like(loads_G)
-
-
-forward_only(waterfill, 3)
-inline_when_compiled(waterfill, _waterfill_cuda)

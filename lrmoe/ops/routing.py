@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from lrmoe.ops._kernels import forward_only, inline_when_compiled, kernel_module
+from lrmoe.ops._define import define_op
 
 __all__ = ["topk_ids"]
 
@@ -36,26 +36,12 @@ def _check(x_TE: torch.Tensor, k: int) -> None:
         raise ValueError(f"lrmoe::topk_ids: k must be in [1, E={x_TE.shape[1]}], got {k}")
 
 
-@torch.library.custom_op("lrmoe::topk_ids", mutates_args=())
+def _reference_on_cuda(kernels, x_TE, k) -> bool:
+    return x_TE.dtype == torch.float64 or x_TE.shape[1] > kernels.MAX_COLUMNS
+
+
+@define_op("lrmoe::topk_ids", check=_check, fake=lambda x_TE, k: x_TE.new_empty(x_TE.shape[0], k, dtype=torch.int64),
+           kernels="routing", cuda=lambda kernels, *args: kernels.topk_ids_triton(*args),
+           reference_if=_reference_on_cuda, inline=True)
 def topk_ids(x_TE: torch.Tensor, k: int) -> torch.Tensor:
-    _check(x_TE, k)
     return topk_ids_reference(x_TE, k)
-
-
-@topk_ids.register_kernel("cuda")
-def _topk_ids_cuda(x_TE, k):
-    _check(x_TE, k)
-    kernels = kernel_module("routing")
-    if kernels is None or x_TE.dtype == torch.float64 or x_TE.shape[1] > kernels.MAX_COLUMNS:
-        return topk_ids_reference(x_TE, k)
-    return kernels.topk_ids_triton(x_TE, k)
-
-
-@topk_ids.register_fake
-def _(x_TE, k):
-    _check(x_TE, k)
-    return x_TE.new_empty(x_TE.shape[0], k, dtype=torch.int64)
-
-
-forward_only(topk_ids, 2)
-inline_when_compiled(topk_ids, _topk_ids_cuda)

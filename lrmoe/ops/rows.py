@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 from torch.fx.experimental.symbolic_shapes import guard_or_false
 
-from lrmoe.ops._kernels import forward_only, inline_when_compiled, kernel_module
+from lrmoe.ops._define import define_op
 
 __all__ = ["gather_scale_rows"]
 
@@ -50,26 +50,16 @@ def _check(src_NC: torch.Tensor, rows_R: torch.Tensor, coef_R: torch.Tensor) -> 
                          f"rows_R ({rows_R.shape[0]}), got shape {tuple(coef_R.shape)} and dtype {coef_R.dtype}")
 
 
-@torch.library.custom_op("lrmoe::gather_scale_rows", mutates_args=())
-def gather_scale_rows(src_NC: torch.Tensor, rows_R: torch.Tensor, coef_R: torch.Tensor) -> torch.Tensor:
-    _check(src_NC, rows_R, coef_R)
-    return gather_scale_rows_reference(src_NC, rows_R, coef_R)
-
-
-@gather_scale_rows.register_kernel("cuda")
-def _gather_scale_rows_cuda(src_NC, rows_R, coef_R):
-    _check(src_NC, rows_R, coef_R)
-    kernels = kernel_module("offload")
-    if kernels is None or torch.float64 in (src_NC.dtype, coef_R.dtype):  # the kernel computes in fp32
-        return gather_scale_rows_reference(src_NC, rows_R, coef_R)
-    return kernels.gather_host_rows_triton(src_NC, rows_R, coef_R)
-
-
-@gather_scale_rows.register_fake
-def _(src_NC, rows_R, coef_R):
-    _check(src_NC, rows_R, coef_R)
+def _fake(src_NC, rows_R, coef_R):
     return src_NC.new_empty(rows_R.shape[0], src_NC.shape[1])
 
 
-forward_only(gather_scale_rows, 3)
-inline_when_compiled(gather_scale_rows, _gather_scale_rows_cuda)
+def _fp64(kernels, src_NC, rows_R, coef_R) -> bool:
+    """The kernel computes in fp32: fp64 takes the reference."""
+    return torch.float64 in (src_NC.dtype, coef_R.dtype)
+
+
+@define_op("lrmoe::gather_scale_rows", check=_check, fake=_fake, kernels="offload",
+           cuda=lambda kernels, *args: kernels.gather_host_rows_triton(*args), reference_if=_fp64, inline=True)
+def gather_scale_rows(src_NC: torch.Tensor, rows_R: torch.Tensor, coef_R: torch.Tensor) -> torch.Tensor:
+    return gather_scale_rows_reference(src_NC, rows_R, coef_R)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from lrmoe.ops._kernels import inline_when_compiled, kernel_module
+from lrmoe.ops._define import define_op
 
 __all__ = ["DETERMINISTIC_METRICS", "check_metric", "non_finite_mask", "score_pairs", "score_pairs_reference"]
 
@@ -65,37 +65,16 @@ def score_pairs_reference(
     return scores_TK.masked_fill(bad_TK, float("inf"))
 
 
-@torch.library.custom_op("lrmoe::score_pairs", mutates_args=())
-def score_pairs(
-    gates_TK: torch.Tensor, grad_out_TD: torch.Tensor, phi_sqnorm_TK: torch.Tensor, metric: str
-) -> torch.Tensor:
-    return score_pairs_reference(gates_TK, grad_out_TD, phi_sqnorm_TK, metric)
-
-
-@score_pairs.register_kernel("cuda")
-def _score_pairs_cuda(gates_TK, grad_out_TD, phi_sqnorm_TK, metric):
-    kernels = kernel_module("scoring")
-    if kernels is None:  # no Triton on this machine
-        return score_pairs_reference(gates_TK, grad_out_TD, phi_sqnorm_TK, metric)
-    check_metric(metric)
+def _cuda(kernels, gates_TK, grad_out_TD, phi_sqnorm_TK, metric):
     # The kernel reads phi_sqnorm with its own strides: a broadcastable [T, 1] (which the CPU reference
     # broadcasts) would be read past its rows; expanded, it is read as the reference reads it.
     return kernels.score_pairs_triton(gates_TK, grad_out_TD, phi_sqnorm_TK.expand_as(gates_TK), metric)
 
 
-@score_pairs.register_fake
-def _(gates_TK, grad_out_TD, phi_sqnorm_TK, metric):
-    check_metric(metric)
-    return gates_TK.new_empty(gates_TK.shape, dtype=torch.float32)
-
-
-def _score_pairs_setup(ctx, inputs, output):
-    ctx.mark_non_differentiable(output)
-
-
-def _score_pairs_backward(ctx, grad_scores_TK):
-    return None, None, None, None  # never called: the output is non-differentiable
-
-
-score_pairs.register_autograd(_score_pairs_backward, setup_context=_score_pairs_setup)
-inline_when_compiled(score_pairs, _score_pairs_cuda)
+@define_op("lrmoe::score_pairs", check=lambda gates_TK, grad_out_TD, phi_sqnorm_TK, metric: check_metric(metric),
+           fake=lambda gates_TK, *_: gates_TK.new_empty(gates_TK.shape, dtype=torch.float32),
+           kernels="scoring", cuda=_cuda, inline=True)
+def score_pairs(
+    gates_TK: torch.Tensor, grad_out_TD: torch.Tensor, phi_sqnorm_TK: torch.Tensor, metric: str
+) -> torch.Tensor:
+    return score_pairs_reference(gates_TK, grad_out_TD, phi_sqnorm_TK, metric)

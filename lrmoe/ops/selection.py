@@ -40,7 +40,8 @@ from __future__ import annotations
 
 import torch
 
-from lrmoe.ops._kernels import forward_only, inline_when_compiled, kernel_module
+from lrmoe.ops._define import define_op
+from lrmoe.ops._kernels import kernel_module
 
 __all__ = [
     "MODES",
@@ -305,7 +306,22 @@ def select_within_quota_triton(
 # ------------------------------------------------------------------------------------------------ the op
 
 
-@torch.library.custom_op("lrmoe::select_within_quota", mutates_args=())
+def _check(scores, group_ids, quotas, max_rows, mode, uniform, *_) -> None:
+    _check_mode(mode, uniform)
+
+
+def _fake(scores, group_ids, quotas, max_rows, mode, uniform, *_):
+    G = quotas.shape[0]
+    return (
+        scores.new_empty((max_rows,), dtype=torch.int64),
+        scores.new_empty((max_rows,), dtype=torch.float32),
+        scores.new_empty((G,), dtype=torch.int32),
+        scores.new_empty((G,), dtype=torch.int32),
+    )
+
+
+@define_op("lrmoe::select_within_quota", check=_check, fake=_fake, kernels="selection",
+           cuda=lambda kernels, *args: select_within_quota_triton(*args), inline=True)
 def select_within_quota(
     scores: torch.Tensor,
     group_ids: torch.Tensor,
@@ -321,52 +337,12 @@ def select_within_quota(
                                          group_ends_G=group_ends)
 
 
-@select_within_quota.register_kernel("cuda")
-def _select_within_quota_cuda(scores, group_ids, quotas, max_rows, mode, uniform, group_order=None,
-                              max_group_size=None, group_ends=None):
-    if kernel_module("selection") is None:  # no Triton on this machine
-        return select_within_quota_reference(scores, group_ids, quotas, max_rows, mode, uniform, group_order)
-    return select_within_quota_triton(scores, group_ids, quotas, max_rows, mode, uniform, group_order,
-                                      max_group_size, group_ends)
-
-
-@select_within_quota.register_fake
-def _(scores, group_ids, quotas, max_rows, mode, uniform, group_order=None, max_group_size=None, group_ends=None):
-    _check_mode(mode, uniform)
-    G = quotas.shape[0]
-    return (
-        scores.new_empty((max_rows,), dtype=torch.int64),
-        scores.new_empty((max_rows,), dtype=torch.float32),
-        scores.new_empty((G,), dtype=torch.int32),
-        scores.new_empty((G,), dtype=torch.int32),
-    )
-
-
-@torch.library.custom_op("lrmoe::inclusion_probabilities", mutates_args=())
+@define_op("lrmoe::inclusion_probabilities",
+           fake=lambda scores, group_ids, quotas: scores.new_empty(scores.shape, dtype=torch.float64))
 def inclusion_probabilities(scores: torch.Tensor, group_ids: torch.Tensor, quotas: torch.Tensor) -> torch.Tensor:
     """[P] fp64, mode "sample"'s inclusion probabilities (``probabilities``), on every device. An op so that a
     compiled graph holds it whole: traced, the reference's scan loops ceil(log2 P) times, so every new power of
-    two of P would recompile."""
+    two of P would recompile. Probabilities of a selection: no gradient flows through them."""
     gid_P = group_ids.long()
     sizes_G, starts_G, take_G = group_sizes(gid_P, quotas)
     return probabilities(nan_as_inf(scores), gid_P, take_G, sizes_G, starts_G)
-
-
-@inclusion_probabilities.register_fake
-def _(scores, group_ids, quotas):
-    return scores.new_empty(scores.shape, dtype=torch.float64)
-
-
-forward_only(inclusion_probabilities, 3)  # probabilities of a selection: no gradient flows through them
-
-
-def _select_setup(ctx, inputs, output):
-    ctx.mark_non_differentiable(*output)
-
-
-def _select_backward(ctx, *grads):
-    return (None,) * 9  # never called: the outputs are non-differentiable
-
-
-select_within_quota.register_autograd(_select_backward, setup_context=_select_setup)
-inline_when_compiled(select_within_quota, _select_within_quota_cuda)

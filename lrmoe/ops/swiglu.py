@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch.fx.experimental.symbolic_shapes import guard_or_false
 
-from lrmoe.ops._kernels import forward_only, inline_when_compiled, kernel_module
+from lrmoe.ops._define import define_op
 
 __all__ = ["swiglu", "swiglu_backward", "swiglu_sqnorm"]
 
@@ -73,31 +73,21 @@ def _check(h_N2F: torch.Tensor, rows_R: torch.Tensor | None, dphi_RF: torch.Tens
                          f"taken, F), got shape {tuple(dphi_RF.shape)} and dtype {dphi_RF.dtype}")
 
 
-@torch.library.custom_op("lrmoe::swiglu_backward", mutates_args=())
-def swiglu_backward(h_N2F: torch.Tensor, rows_R: torch.Tensor | None, dphi_RF: torch.Tensor
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    _check(h_N2F, rows_R, dphi_RF)
-    return swiglu_backward_reference(h_N2F, rows_R, dphi_RF)
-
-
-@swiglu_backward.register_kernel("cuda")
-def _swiglu_backward_cuda(h_N2F, rows_R, dphi_RF):
-    _check(h_N2F, rows_R, dphi_RF)
-    kernels = kernel_module("swiglu")
-    if kernels is None or h_N2F.dtype == torch.float64:  # the kernel computes in fp32
-        return swiglu_backward_reference(h_N2F, rows_R, dphi_RF)
-    return kernels.swiglu_backward_triton(h_N2F, rows_R, dphi_RF)
-
-
-@swiglu_backward.register_fake
-def _(h_N2F, rows_R, dphi_RF):
-    _check(h_N2F, rows_R, dphi_RF)
+def _fake_backward(h_N2F, rows_R, dphi_RF):
     n_out = dphi_RF.shape[0]
     return h_N2F.new_empty(n_out, h_N2F.shape[1]), h_N2F.new_empty(n_out, h_N2F.shape[1] // 2)
 
 
-forward_only(swiglu_backward, 3)  # a backward already
-inline_when_compiled(swiglu_backward, _swiglu_backward_cuda)
+def _fp64(kernels, h_N2F, *_) -> bool:
+    """The kernels compute in fp32: fp64 takes the reference."""
+    return h_N2F.dtype == torch.float64
+
+
+@define_op("lrmoe::swiglu_backward", check=_check, fake=_fake_backward, kernels="swiglu",
+           cuda=lambda kernels, *args: kernels.swiglu_backward_triton(*args), reference_if=_fp64, inline=True)
+def swiglu_backward(h_N2F: torch.Tensor, rows_R: torch.Tensor | None, dphi_RF: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    return swiglu_backward_reference(h_N2F, rows_R, dphi_RF)  # a backward already: forward only
 
 
 def swiglu_sqnorm_reference(h_N2F):
@@ -105,26 +95,12 @@ def swiglu_sqnorm_reference(h_N2F):
     return phi_NF, phi_NF.float().square().sum(-1)
 
 
-@torch.library.custom_op("lrmoe::swiglu_sqnorm", mutates_args=())
-def swiglu_sqnorm(h_N2F: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    _check_h("swiglu_sqnorm", h_N2F)
-    return swiglu_sqnorm_reference(h_N2F)
-
-
-@swiglu_sqnorm.register_kernel("cuda")
-def _swiglu_sqnorm_cuda(h_N2F):
-    _check_h("swiglu_sqnorm", h_N2F)
-    kernels = kernel_module("swiglu")
-    if kernels is None or h_N2F.dtype == torch.float64:  # the kernel computes in fp32
-        return swiglu_sqnorm_reference(h_N2F)
-    return kernels.swiglu_sqnorm_triton(h_N2F)
-
-
-@swiglu_sqnorm.register_fake
-def _(h_N2F):
-    _check_h("swiglu_sqnorm", h_N2F)
+def _fake_sqnorm(h_N2F):
     return h_N2F.new_empty(h_N2F.shape[0], h_N2F.shape[1] // 2), h_N2F.new_empty(h_N2F.shape[0], dtype=torch.float32)
 
 
-forward_only(swiglu_sqnorm, 1)
-inline_when_compiled(swiglu_sqnorm, _swiglu_sqnorm_cuda)
+@define_op("lrmoe::swiglu_sqnorm", check=lambda h_N2F: _check_h("swiglu_sqnorm", h_N2F), fake=_fake_sqnorm,
+           kernels="swiglu", cuda=lambda kernels, h_N2F: kernels.swiglu_sqnorm_triton(h_N2F), reference_if=_fp64,
+           inline=True)
+def swiglu_sqnorm(h_N2F: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return swiglu_sqnorm_reference(h_N2F)

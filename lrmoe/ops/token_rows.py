@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 from torch.fx.experimental.symbolic_shapes import guard_or_false
 
-from lrmoe.ops._kernels import forward_only, inline_when_compiled, kernel_module
+from lrmoe.ops._define import define_op
 from lrmoe.ops.rows import check_float_matrix
 from lrmoe.ops.scoring import check_metric, score_pairs_reference
 
@@ -87,29 +87,16 @@ def _scatter_rows(rows_TK: torch.Tensor, coef_TK: torch.Tensor, vec_TC: torch.Te
     return out_NC.to(dtype)
 
 
+def _fp64(kernels, src_NC, rows_TK, other_TX=None, *_) -> bool:
+    """The kernels accumulate in fp32: fp64 takes the reference."""
+    return _acc_dtype(src_NC, other_TX) == torch.float64
+
+
 # ------------------------------------------------------------------------------------------------ gather_sum_rows
 
 
-@torch.library.custom_op("lrmoe::gather_sum_rows", mutates_args=())
-def gather_sum_rows(src_NC: torch.Tensor, rows_TK: torch.Tensor, weights_TK: torch.Tensor | None = None
-                    ) -> torch.Tensor:
+def _check_sum(src_NC, rows_TK, weights_TK=None) -> None:
     _check("gather_sum_rows", src_NC, rows_TK, weights_TK, "weights_TK", None, any_lead=True)
-    return gather_sum_rows_reference(src_NC, rows_TK, weights_TK)
-
-
-@gather_sum_rows.register_kernel("cuda")
-def _gather_sum_rows_cuda(src_NC, rows_TK, weights_TK=None):
-    _check("gather_sum_rows", src_NC, rows_TK, weights_TK, "weights_TK", None, any_lead=True)
-    kernels = kernel_module("token_rows")
-    if kernels is None or _acc_dtype(src_NC, weights_TK) == torch.float64:  # the kernel accumulates in fp32
-        return gather_sum_rows_reference(src_NC, rows_TK, weights_TK)
-    return kernels.gather_sum_rows_triton(src_NC, rows_TK, weights_TK)
-
-
-@gather_sum_rows.register_fake
-def _(src_NC, rows_TK, weights_TK=None):
-    _check("gather_sum_rows", src_NC, rows_TK, weights_TK, "weights_TK", None, any_lead=True)
-    return src_NC.new_empty(*rows_TK.shape[:-1], src_NC.shape[1])
 
 
 def _sum_setup(ctx, inputs, output):
@@ -138,32 +125,20 @@ def _sum_backward(ctx, grad_TC):
     return grad_src, None, grad_w
 
 
-gather_sum_rows.register_autograd(_sum_backward, setup_context=_sum_setup)
-inline_when_compiled(gather_sum_rows, _gather_sum_rows_cuda)
+@define_op("lrmoe::gather_sum_rows", check=_check_sum,
+           fake=lambda src_NC, rows_TK, weights_TK=None: src_NC.new_empty(*rows_TK.shape[:-1], src_NC.shape[1]),
+           kernels="token_rows", cuda=lambda kernels, *args: kernels.gather_sum_rows_triton(*args),
+           reference_if=_fp64, grad=(_sum_setup, _sum_backward), inline=True)
+def gather_sum_rows(src_NC: torch.Tensor, rows_TK: torch.Tensor, weights_TK: torch.Tensor | None = None
+                    ) -> torch.Tensor:
+    return gather_sum_rows_reference(src_NC, rows_TK, weights_TK)
 
 
 # ------------------------------------------------------------------------------------------------ gather_dot_rows
 
 
-@torch.library.custom_op("lrmoe::gather_dot_rows", mutates_args=())
-def gather_dot_rows(src_NC: torch.Tensor, rows_TK: torch.Tensor, g_TC: torch.Tensor) -> torch.Tensor:
+def _check_dot(src_NC, rows_TK, g_TC) -> None:
     _check("gather_dot_rows", src_NC, rows_TK, g_TC, "g_TC", src_NC.shape[1])
-    return gather_dot_rows_reference(src_NC, rows_TK, g_TC)
-
-
-@gather_dot_rows.register_kernel("cuda")
-def _gather_dot_rows_cuda(src_NC, rows_TK, g_TC):
-    _check("gather_dot_rows", src_NC, rows_TK, g_TC, "g_TC", src_NC.shape[1])
-    kernels = kernel_module("token_rows")
-    if kernels is None or _acc_dtype(src_NC, g_TC) == torch.float64:
-        return gather_dot_rows_reference(src_NC, rows_TK, g_TC)
-    return kernels.gather_dot_rows_triton(src_NC, rows_TK, g_TC)
-
-
-@gather_dot_rows.register_fake
-def _(src_NC, rows_TK, g_TC):
-    _check("gather_dot_rows", src_NC, rows_TK, g_TC, "g_TC", src_NC.shape[1])
-    return src_NC.new_empty(rows_TK.shape, dtype=_acc_dtype(src_NC, g_TC))
 
 
 def _dot_setup(ctx, inputs, output):
@@ -182,8 +157,12 @@ def _dot_backward(ctx, grad_TK):
     return grad_src, None, grad_g
 
 
-gather_dot_rows.register_autograd(_dot_backward, setup_context=_dot_setup)
-inline_when_compiled(gather_dot_rows, _gather_dot_rows_cuda)
+@define_op("lrmoe::gather_dot_rows", check=_check_dot,
+           fake=lambda src_NC, rows_TK, g_TC: src_NC.new_empty(rows_TK.shape, dtype=_acc_dtype(src_NC, g_TC)),
+           kernels="token_rows", cuda=lambda kernels, *args: kernels.gather_dot_rows_triton(*args),
+           reference_if=_fp64, grad=(_dot_setup, _dot_backward), inline=True)
+def gather_dot_rows(src_NC: torch.Tensor, rows_TK: torch.Tensor, g_TC: torch.Tensor) -> torch.Tensor:
+    return gather_dot_rows_reference(src_NC, rows_TK, g_TC)
 
 
 # ---------------------------------------------------------------------------------------------- gather_dot_scores
@@ -200,29 +179,14 @@ def gather_dot_scores_reference(src_NC, rows_TK, g_TC, gates_TK, phi_sq_TK, metr
     return gather_dot_rows_reference(src_NC, rows_TK, g_TC), score_pairs_reference(gates_TK, g_TC, phi_sq_TK, metric)
 
 
-@torch.library.custom_op("lrmoe::gather_dot_scores", mutates_args=())
-def gather_dot_scores(src_NC: torch.Tensor, rows_TK: torch.Tensor, g_TC: torch.Tensor, gates_TK: torch.Tensor,
-                      phi_sq_TK: torch.Tensor, metric: str) -> tuple[torch.Tensor, torch.Tensor]:
-    _check_scores(src_NC, rows_TK, g_TC, gates_TK, phi_sq_TK, metric)
-    return gather_dot_scores_reference(src_NC, rows_TK, g_TC, gates_TK, phi_sq_TK, metric)
-
-
-@gather_dot_scores.register_kernel("cuda")
-def _gather_dot_scores_cuda(src_NC, rows_TK, g_TC, gates_TK, phi_sq_TK, metric):
-    _check_scores(src_NC, rows_TK, g_TC, gates_TK, phi_sq_TK, metric)
-    kernels = kernel_module("token_rows")
-    if kernels is None or _acc_dtype(src_NC, g_TC) == torch.float64:
-        return gather_dot_scores_reference(src_NC, rows_TK, g_TC, gates_TK, phi_sq_TK, metric)
-    return kernels.gather_dot_scores_triton(src_NC, rows_TK, g_TC, gates_TK, phi_sq_TK, metric)
-
-
-@gather_dot_scores.register_fake
-def _(src_NC, rows_TK, g_TC, gates_TK, phi_sq_TK, metric):
-    _check_scores(src_NC, rows_TK, g_TC, gates_TK, phi_sq_TK, metric)
+def _fake_scores(src_NC, rows_TK, g_TC, *_):
     return (src_NC.new_empty(rows_TK.shape, dtype=_acc_dtype(src_NC, g_TC)),
             src_NC.new_empty(rows_TK.shape, dtype=torch.float32))
 
 
 # Forward only: the selective layers call it in their backward, where neither output is differentiated.
-forward_only(gather_dot_scores, 6)
-inline_when_compiled(gather_dot_scores, _gather_dot_scores_cuda)
+@define_op("lrmoe::gather_dot_scores", check=_check_scores, fake=_fake_scores, kernels="token_rows",
+           cuda=lambda kernels, *args: kernels.gather_dot_scores_triton(*args), reference_if=_fp64, inline=True)
+def gather_dot_scores(src_NC: torch.Tensor, rows_TK: torch.Tensor, g_TC: torch.Tensor, gates_TK: torch.Tensor,
+                      phi_sq_TK: torch.Tensor, metric: str) -> tuple[torch.Tensor, torch.Tensor]:
+    return gather_dot_scores_reference(src_NC, rows_TK, g_TC, gates_TK, phi_sq_TK, metric)

@@ -6,6 +6,7 @@ docs/reliability.md). Off by default; never traced by torch.compile.
 from __future__ import annotations
 
 import importlib.util
+import threading
 
 import pytest
 import torch
@@ -109,21 +110,41 @@ def test_the_fast_path_keeps_its_documented_results_for_what_it_cannot_check():
                            compact_and_gemm(X, W, ROWS, torch.tensor([2, 4])))  # an end past R = 4 is clipped
 
 
-def test_checks_is_a_switch_and_a_block_that_restores_the_previous_setting():
+def test_checks_is_a_block_that_restores_the_previous_setting():
     assert not checking()
-    with lrmoe.checks():
+    block = lrmoe.checks()
+    with block:
         assert checking()
         with lrmoe.checks(False):
             assert not checking()
+            with block:  # the same object entered again inside its own block
+                assert checking()
+            assert not checking()
         assert checking()
     assert not checking()
-    lrmoe.checks(True)  # a call switches it for the rest of the process
-    try:
-        assert checking()
-    finally:
-        lrmoe.checks(False)
     with pytest.raises(TypeError, match="enabled must be a bool"):
         lrmoe.checks("yes")
+
+
+def test_checks_without_with_changes_nothing():
+    lrmoe.checks()
+    lrmoe.checks(True)
+    assert not checking()
+    with lrmoe.checks():
+        lrmoe.checks(False)
+        assert checking()
+    assert not checking()
+
+
+def test_a_block_holds_on_other_threads_too():
+    # Autograd runs the backward of CUDA tensors on threads of its own (the selection's checks run there), so the
+    # setting is the process's while the block runs (a contextvars.ContextVar, per thread, would not reach them).
+    seen = []
+    with lrmoe.checks():
+        worker = threading.Thread(target=lambda: seen.append(checking()))
+        worker.start()
+        worker.join()
+    assert seen == [True]
 
 
 @pytest.mark.parametrize("value, on", [("1", True), ("true", True), ("0", False), ("", False), (None, False)])

@@ -109,12 +109,13 @@ def test_triton_overflow_and_strided_gradient(kernels):
 def test_cuda_kernel_broadcasts_phi_as_the_reference_does(kernels):
     # The op's CPU reference broadcasts a [T, 1] ||phi||^2 over the K pairs; its CUDA kernel read it with its own
     # strides, past each row. Called here on the interpreter's CPU tensors where there is no GPU.
-    from lrmoe.ops.scoring import _score_pairs_cuda
+    from lrmoe.ops._kernels import INLINED
 
+    score_pairs_cuda = INLINED["lrmoe::score_pairs"][0]  # the op's CUDA kernel
     gates, grad, phi = _inputs(5, 3, 16, device=DEVICE)
     phi_T1 = phi[:, :1].contiguous()
     for metric in METRICS:
-        got = _score_pairs_cuda(gates, grad, phi_T1, metric)
+        got = score_pairs_cuda(gates, grad, phi_T1, metric)
         torch.testing.assert_close(got, score_pairs_reference(gates, grad, phi_T1, metric), rtol=1e-5, atol=0)
 
 

@@ -1,4 +1,4 @@
-"""The private PyTorch internals lrmoe.ops relies on (lrmoe/ops/_torch_internals.py) exist in this torch, so a torch
+"""The private PyTorch internals lrmoe relies on (lrmoe/ops/_torch_internals.py) exist in this torch, so a torch
 upgrade that moves one fails here, by name, before a compiled step misbehaves."""
 
 from __future__ import annotations

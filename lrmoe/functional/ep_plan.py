@@ -12,6 +12,9 @@ sums in the placement policy included). It is [W, E]-sized integer work: nothing
 The placement policy reaches the op by its registered name (``lrmoe.functional.expert_parallel.
 PLACEMENT_POLICIES``), or as its output: ``replicas_WR``, computed by a policy that is not registered before the
 op (then in the caller's graph, see ``ExpertParallel``'s ``placement_policy``).
+
+Every device runs the planner itself (no kernel of its own). The op is defined here, not in lrmoe.ops, because its
+kernel is this package's planner and imports run one way (lrmoe.ops never imports lrmoe.functional).
 """
 
 from __future__ import annotations
@@ -19,29 +22,12 @@ from __future__ import annotations
 import torch
 
 from lrmoe.functional.expert_parallel import PLACEMENT_POLICIES, ExpertParallelPlan, plan_expert_parallel
+from lrmoe.ops._define import define_op
 
 __all__ = ["ep_plan"]
 
 
-@torch.library.custom_op("lrmoe::ep_plan", mutates_args=())
-def ep_plan(
-    loads_WE: torch.Tensor, replicas_WR: torch.Tensor | None, retain: float, min_retain: float, policy: str,
-    max_replicas: int, capacity_factor: float | None, placement: str, quota_align: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(instances, routes, assignment, instance_quotas, quotas, capacity) of ``plan_expert_parallel`` with the
-    placement policy registered as ``placement``, or the placement ``replicas_WR`` when given; capacity is a [W]
-    tensor of -1 without ``capacity_factor``."""
-    placement_policy = PLACEMENT_POLICIES[placement] if replicas_WR is None else (lambda loads, r: replicas_WR)
-    plan = plan_expert_parallel(
-        loads_WE, retain, min_retain=min_retain, policy=policy, max_replicas=max_replicas,
-        capacity_factor=capacity_factor, placement_policy=placement_policy, quota_align=quota_align,
-    )
-    capacity_W = plan.capacity if plan.capacity is not None else torch.full_like(plan.loads[:, 0], -1)
-    return plan.instances, plan.routes, plan.assignment, plan.instance_quotas, plan.quotas, capacity_W
-
-
-@ep_plan.register_fake
-def _(loads_WE, replicas_WR, retain, min_retain, policy, max_replicas, capacity_factor, placement, quota_align):
+def _fake(loads_WE, replicas_WR, retain, min_retain, policy, max_replicas, capacity_factor, placement, quota_align):
     n_ranks, n_exp = loads_WE.shape
     n_inst = n_exp // n_ranks + max_replicas
 
@@ -50,6 +36,23 @@ def _(loads_WE, replicas_WR, retain, min_retain, policy, max_replicas, capacity_
 
     return (new(n_ranks, n_inst), new(n_ranks, n_exp, n_ranks), new(n_ranks, n_ranks, n_inst),
             new(n_ranks, n_ranks, n_inst), new(n_ranks, n_exp), new(n_ranks))
+
+
+@define_op("lrmoe::ep_plan", fake=_fake)
+def ep_plan(
+    loads_WE: torch.Tensor, replicas_WR: torch.Tensor | None, retain: float, min_retain: float, policy: str,
+    max_replicas: int, capacity_factor: float | None, placement: str, quota_align: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(instances, routes, assignment, instance_quotas, quotas, capacity) of ``plan_expert_parallel`` with the
+    placement policy registered as ``placement``, or the placement ``replicas_WR`` when given; capacity is a [W]
+    tensor of -1 without ``capacity_factor``. Integers: forward only."""
+    placement_policy = PLACEMENT_POLICIES[placement] if replicas_WR is None else (lambda loads, r: replicas_WR)
+    plan = plan_expert_parallel(
+        loads_WE, retain, min_retain=min_retain, policy=policy, max_replicas=max_replicas,
+        capacity_factor=capacity_factor, placement_policy=placement_policy, quota_align=quota_align,
+    )
+    capacity_W = plan.capacity if plan.capacity is not None else torch.full_like(plan.loads[:, 0], -1)
+    return plan.instances, plan.routes, plan.assignment, plan.instance_quotas, plan.quotas, capacity_W
 
 
 def plan_step(loads_WE: torch.Tensor, replicas_WR: torch.Tensor | None, retain: float, min_retain: float,
