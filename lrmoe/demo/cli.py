@@ -356,15 +356,14 @@ def run_demo(args: argparse.Namespace) -> int:
             f"threads {torch.get_num_threads()}, compile {train_cfg.compile}",
             flush=True,
         )
-        warmup(model_cfg, train_cfg)
+        run_cfgs = [replace(model_cfg, retain=r, backward_capacity=args.backward_capacity if r < 1.0 else None)
+                    for r in args.retain]
+        for run_cfg in run_cfgs:  # each run's own path (retain < 1 runs kernels retain 1 does not), outside the timing
+            warmup(run_cfg, train_cfg)
         bars = [_ProgressBar(retain, train_cfg.steps, enabled=not args.no_progress, position=i)
                 for i, retain in enumerate(args.retain)]
         try:
-            runs = [Run(replace(model_cfg, retain=retain,
-                                backward_capacity=args.backward_capacity if retain < 1.0 else None),
-                        train_cfg, corpus, log=bar)
-                    for retain, bar in zip(args.retain, bars)]
-            results = interleave(runs)
+            results = interleave([Run(run_cfg, train_cfg, corpus, log=bar) for run_cfg, bar in zip(run_cfgs, bars)])
         finally:
             for bar in bars:
                 bar.close()
