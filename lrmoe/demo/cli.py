@@ -33,7 +33,7 @@ then compare.
 Every run uses the same seed, so the same initial weights and the same batches; only --retain differs. The
 runs train interleaved, a step of each in turn, so that the final table's ms/step (the mean time of a training
 step) compares them under the same machine load. The default (two runs of 1,000 steps on the Python stdlib
-sources) takes about 2-3 minutes on two CPU cores and writes a JSON log of every step and PNG plots (training
+sources) takes about 2 minutes on two CPU cores and writes a JSON log of every step and PNG plots (training
 and held-out loss, the loss difference to the dense run, per-expert load before and after calibration in every
 layer) to --out: runs/demo by default, and runs/demo-quick with --quick (runs/demo-PRESET with --preset
 PRESET), so a smoke run never overwrites a full run's results. --quick is a few-second smoke run (CI)."""
@@ -253,8 +253,9 @@ _COLUMNS = (
 
 TIMING_NOTE = (
     "ms/step: the mean time of a training step (forward, backward, optimiser; evaluations not counted). The runs' "
-    "steps were interleaved, so load from other work on the machine slows every run alike and the column "
-    "compares the runs on this machine; on a CPU it does not show a GPU's speed-up."
+    "steps were interleaved, so other work on the machine slows every run alike and the column compares the runs "
+    "on this machine, at this model's size. The selective backward's speed-up is in large layers on a GPU, "
+    "compiled (docs/performance.md)."
 )
 
 
