@@ -1,7 +1,9 @@
 """The Python examples in README.md and docs/*.md against the library as it is. Every block parses; every name it
 imports from lrmoe exists; every call of an lrmoe function or class by name binds to that object's signature (a
 renamed or removed argument fails here, not in a user's hands); and the self-contained examples run, with their
-results checked: README's composition of the primitives, and docs/memory.md's planner.
+results checked: every README block (each a whole program, at sizes a CPU runs in seconds), and docs/memory.md's
+planner. The two maps a newcomer reads first name everything they map: docs/overview.md every page of docs/,
+README's layout every folder and example script.
 
 A doc's blocks build on each other (a later block may use what an earlier one imported), so a call is checked
 against the names every block of the same file imports, unless a block of that file also defines the name itself.
@@ -15,6 +17,7 @@ import ast
 import importlib
 import inspect
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -110,14 +113,65 @@ def test_the_signature_check_reads_custom_ops_and_skips_names_a_doc_defines():
     assert "plan_quotas" not in names
 
 
+def run_block(code: str, name: str) -> dict:
+    """Run one block as a whole program, in an empty namespace; returns the names it left."""
+    env = {}
+    exec(compile(code, name, "exec"), env)
+    return env
+
+
+def readme_block(*needles: str) -> str:
+    return next(code for code in DOC_BLOCKS["README.md"] if all(needle in code for needle in needles))
+
+
+@pytest.mark.parametrize("index", range(len(DOC_BLOCKS["README.md"])))
+def test_every_readme_block_is_a_small_whole_program(index):
+    """Each README block runs alone, as pasted, in an empty namespace: every name it uses, it imports or defines
+    (the first once used an undefined x and hf_model). And it runs at small sizes, the real ones in comments: the
+    modules it builds hold under a million parameters together (its GLM-4.5 line once built a 2.2-billion-parameter
+    fp32 block, 13.9 GB). Nothing is fetched: no from_pretrained outside the comments."""
+    code = DOC_BLOCKS["README.md"][index]
+    calls = {node.func.attr for node in ast.walk(ast.parse(code))
+             if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)}
+    assert "from_pretrained" not in calls
+    env = run_block(code, f"README.md block {index + 1}")
+    modules = [value for value in env.values() if isinstance(value, torch.nn.Module)]
+    assert sum(p.numel() for module in modules for p in module.parameters()) < 1_000_000
+
+
+def test_readme_layer_block_trains_its_layers_and_keeps_three_quarters_of_the_pairs(capsys):
+    env = run_block(readme_block("LRMoE(", "torch.compile(", "glm"), "README.md, the layer block")
+    moe, x, y, stats = env["moe"], env["x"], env["y"], env["stats"]
+    assert y.shape == x.shape and stats.total_pairs == x.shape[0] * x.shape[1] * moe.top_k
+    assert stats.retained_pairs == (3 * stats.total_pairs) // 4
+    kept = f"{int(stats.retained_pairs)} of {int(stats.total_pairs)} token-expert pairs kept in the backward\n"
+    assert capsys.readouterr().out == kept
+    for layer in (moe, env["glm"]):
+        assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in layer.parameters())
+    assert env["glm"].gate.e_score_correction_bias.abs().sum() > 0  # update_selection_bias moved it
+
+
+def test_readme_transformers_block_loads_a_block_and_swaps_the_experts(capsys):
+    """The Qwen3-MoE block: the block's state_dict, loaded into LRMoE, gives the block's output; swap_experts
+    names the swapped modules as its comment says, and the model's training step reaches its experts."""
+    code = readme_block("Qwen3MoeConfig(", "swap_experts(")
+    env = run_block(code, "README.md, the transformers block")
+    assert capsys.readouterr().out == "['model.layers.0.mlp.experts', 'model.layers.1.mlp.experts']\n"
+    assert "# ['model.layers.0.mlp.experts', 'model.layers.1.mlp.experts']" in code
+    hf_model, moe = env["hf_model"], env["moe"]
+    block = hf_model.model.layers[0].mlp
+    h = torch.randn(2, 8, hf_model.config.hidden_size)
+    with torch.no_grad():
+        torch.testing.assert_close(moe(h), block(h), rtol=1e-5, atol=1e-6)
+    assert all(p.grad is not None for p in block.experts.parameters())
+
+
 def test_readme_primitives_run_as_pasted_and_compute_the_retained_rows_input_gradient(capsys):
-    """README's second block, run as a whole program in an empty namespace (every name it uses, it defines):
+    """README's block of primitives, run as a whole program in an empty namespace (every name it uses, it defines):
     dphi_RF holds, for each kept pair (token t, expert e), alpha / p * (down[e]^T g_t) against a dense
     reference, zeros on the padding rows; the kept pairs are the planned quotas, 3/4 of the pairs."""
-    code = DOC_BLOCKS["README.md"][1]
-    assert "compact_and_gemm" in code and "select_within_quota" in code
-    env = {}
-    exec(compile(code, "README.md block 2", "exec"), env)
+    code = readme_block("compact_and_gemm", "select_within_quota")
+    env = run_block(code, "README.md, the primitives block")
 
     T, K, F = env["T"], env["K"], env["F"]
     sel, dphi_RF, routing = env["sel"], env["dphi_RF"], env["routing"]
@@ -147,3 +201,30 @@ def test_memory_doc_plan_fits_its_budget(capsys):
     assert 0 < plan.retain <= 1 and plan.headroom >= 0
     mem = env["layer_memory"](cfg, retain=plan.retain, replicas=plan.replicas)
     assert mem.peak <= 6 * 2**30
+
+
+def test_the_overview_maps_every_page_of_docs():
+    """docs/overview.md's table links every page of docs/ (it once left out torchtitan.md, e2e.md and
+    reliability.md)."""
+    overview = (ROOT / "docs" / "overview.md").read_text()
+    linked = set(re.findall(r"\]\(([\w.-]+\.md)(?:#[\w-]*)?\)", overview))
+    pages = {path.name for path in (ROOT / "docs").glob("*.md")} - {"overview.md"}
+    assert len(pages) >= 10 and not pages - linked, sorted(pages - linked)
+
+
+def test_the_readme_layout_names_every_folder_and_example():
+    """README's layout names every top-level folder, every folder of lrmoe/ and every script of examples/ that git
+    tracks (it once left out examples/train_torchtitan.py)."""
+    try:
+        tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        pytest.skip("not a git checkout")
+    readme = (ROOT / "README.md").read_text()
+    layout = readme[readme.index("## Layout"):]
+    paths = [Path(line) for line in tracked.splitlines()]
+    names = {f"{p.parts[0]}/" for p in paths if len(p.parts) > 1 and not p.parts[0].startswith(".")}
+    names |= {f"lrmoe/{p.parts[1]}/" for p in paths if p.parts[0] == "lrmoe" and len(p.parts) > 2}
+    names |= {p.name for p in paths if p.parts[0] == "examples" and p.suffix == ".py"}
+    assert {"examples/", "lrmoe/nn/", "train_ep.py"} <= names
+    missing = sorted(name for name in names if not re.search(rf"(^|\s){re.escape(name)}", layout, flags=re.M))
+    assert not missing, f"README's layout does not name {missing}"

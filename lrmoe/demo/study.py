@@ -17,7 +17,7 @@ steps and learning rate: the first call records them in ``settings.json`` and la
 ``report`` turns the logs into tables (mean over the run of the held-out perplexity gap to dense, with the spread
 across seeds) and plots.
 
-    python -m lrmoe study run --grid table2 figure5 --seeds 0 1 2 --device cuda --parallel 12 --out runs/study
+    python -m lrmoe study run --grid table2 figure5 --seeds 0 1 2 --device cuda --parallel 14 --out runs/study
     python -m lrmoe study report runs/study
 """
 

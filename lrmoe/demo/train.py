@@ -3,13 +3,15 @@
 AdamW, linear warmup then cosine decay, gradient clipping, optional ``torch.compile``, seeded so that a run is
 reproducible: the same seed gives the same initial weights, the same batches in the same order and, on one
 device with one thread count, the same losses. The loop only synchronises with the device on logging steps; the
-per-step values (loss, gradient norm, LRMoE statistics) stay tensors until the end of the run.
+per-step values (loss, gradient norm, LRMoE statistics) stay tensors until the end of the run. Runs to compare
+train interleaved, a step of each in turn (:func:`interleave`), so that their step times share the machine's load.
 
 Shapes: B batch, L sequence length (``_BL1``: L + 1 bytes, inputs plus the shifted targets), V vocab, S steps.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections.abc import Callable
@@ -23,7 +25,7 @@ from lrmoe.demo.data import Corpus, heldout_batches, sample_batch
 from lrmoe.demo.model import ModelConfig, MoELM, lrmoe_layers
 from lrmoe.functional.experts import backward_capacity_rows
 
-__all__ = ["TrainConfig", "StepMetrics", "lr_factor", "evaluate", "warmup", "train"]
+__all__ = ["TrainConfig", "StepMetrics", "Run", "lr_factor", "evaluate", "warmup", "train", "interleave"]
 
 
 @dataclass(frozen=True)
@@ -131,7 +133,7 @@ def warmup(model_cfg: ModelConfig, train_cfg: TrainConfig) -> None:
     """One throwaway training step of a fresh model on random bytes.
 
     The first step in a process pays one-off costs (lazy imports of torch internals by the optimizer and the
-    library, kernel and allocator warm-up). Paying them here, outside any timed run, keeps the wall times of
+    library, kernel and allocator warm-up). Paying them here, outside any timed run, keeps the step times of
     compared runs comparable. Leaves the caller's RNG state untouched.
     """
     device = torch.device(train_cfg.device)
@@ -159,13 +161,25 @@ def train(
 
     Returns a dict of summary numbers (``retain``, ``train_loss`` = mean of the last ``log_every`` steps,
     ``heldout_loss``, ``heldout_ppl``, ``initial_heldout_loss``, ``retained_fraction`` and
-    ``score_mass_fraction`` = means over steps, ``wall_s``, ``ms_per_step``) and ``history``: one record per
-    step (step, loss, lr, grad_norm, retained_fraction, score_mass_fraction).
+    ``score_mass_fraction`` = means over steps, ``ms_per_step``) and ``history``: one record per step (step,
+    loss, lr, grad_norm, retained_fraction, score_mass_fraction).
     """
-    device = torch.device(train_cfg.device)
-    with torch.random.fork_rng(devices=_rng_devices(device), device_type=device.type):
-        torch.manual_seed(train_cfg.seed)
-        return _train_seeded(model_cfg, train_cfg, corpus, device, log)
+    return interleave([Run(model_cfg, train_cfg, corpus, log)])[0]
+
+
+def interleave(runs: list[Run]) -> list[dict]:
+    """Train ``runs`` a step of each in turn (run 0's step 1, run 1's step 1, ..., run 0's step 2, ...) and return
+    their results, in order.
+
+    Runs compared side by side share whatever load the machine is under: a burst of other work slows the steps of
+    every run alike, instead of all the steps of whichever run was training then, so the runs' ``ms_per_step``
+    compare. Each run keeps its own RNG state, so a run computes the same losses interleaved as alone.
+    """
+    while not all(run.done for run in runs):
+        for run in runs:
+            if not run.done:
+                run.step()
+    return [run.result() for run in runs]
 
 
 @dataclass(frozen=True)
@@ -199,79 +213,152 @@ def _train_step(
                        stats.bwd_rows), stats
 
 
-def _train_seeded(
-    model_cfg: ModelConfig,
-    train_cfg: TrainConfig,
-    corpus: Corpus,
-    device: torch.device,
-    log: Callable[[dict], None] | None,
-) -> dict:
-    start = time.perf_counter()
-    model = MoELM(model_cfg).to(device)
-    if train_cfg.init_checkpoint is not None:
-        model.load_state_dict(torch.load(train_cfg.init_checkpoint, map_location=device, weights_only=True))
-    optimizer = _build_optimizer(model, train_cfg)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, train_cfg))
-    step_fn = torch.compile(model) if train_cfg.compile else model
-    data_gen = torch.Generator().manual_seed(train_cfg.seed)
-    eval_set = heldout_batches(corpus.heldout_N, train_cfg.batch_size, train_cfg.seq_len, train_cfg.eval_batches)
-    initial_heldout_loss = evaluate(model, eval_set, device)
+class _StepTimer:
+    """Time spent inside a run's own training steps: the host clock on a CPU; on a GPU, CUDA events around each
+    step (no host sync per step; :meth:`seconds` waits for the last one)."""
 
-    metrics_S: list[StepMetrics] = []
-    lr_S: list[float] = []
-    eval_curve = [(0, initial_heldout_loss)]
-    n_layers = len(list(lrmoe_layers(model)))
-    loads_LE = torch.zeros(n_layers, model_cfg.num_experts, dtype=torch.int64, device=device)
-    quotas_LE = torch.zeros_like(loads_LE)
-    loop_start = time.perf_counter()
-    eval_s = 0.0
-    for step in range(1, train_cfg.steps + 1):
-        batch_BL1 = sample_batch(corpus.train_N, train_cfg.batch_size, train_cfg.seq_len, data_gen).to(device)
-        lr_S.append(scheduler.get_last_lr()[0])
-        metrics, stats = _train_step(model, step_fn, optimizer, scheduler, batch_BL1, train_cfg)
-        metrics_S.append(metrics)
-        loads_LE += stats.loads_LE
-        quotas_LE += stats.quotas_LE
-        if train_cfg.eval_every and step % train_cfg.eval_every == 0 and step < train_cfg.steps:
-            eval_start = time.perf_counter()
-            eval_curve.append((step, evaluate(model, eval_set, device)))
-            eval_s += time.perf_counter() - eval_start
-        if log is not None and (step % train_cfg.log_every == 0 or step == train_cfg.steps):
-            ms_per_step = 1000.0 * (time.perf_counter() - loop_start - eval_s) / step
-            tokens_per_s = train_cfg.batch_size * train_cfg.seq_len * 1000.0 / max(ms_per_step, 1e-9)
-            log(_progress_record(model_cfg.retain, step, train_cfg.steps, lr_S[-1], metrics, ms_per_step,
-                                 tokens_per_s))
-    loop_s = time.perf_counter() - loop_start - eval_s
+    def __init__(self, device: torch.device):
+        self._cuda = device.type == "cuda"
+        self._seconds = 0.0
+        self._events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
 
-    heldout_loss = evaluate(model, eval_set, device)
-    eval_curve.append((train_cfg.steps, heldout_loss))
-    if train_cfg.save_checkpoint is not None:
-        torch.save(model.state_dict(), train_cfg.save_checkpoint)
-    wall_s = time.perf_counter() - start
-    history = _history(metrics_S, lr_S)
-    tail = history[-min(train_cfg.log_every, len(history)) :]
-    return {
-        "retain": model_cfg.retain,
-        "backward_capacity": model_cfg.backward_capacity,
-        "selection": model_cfg.selection,
-        "metric": model_cfg.metric,
-        "steps": train_cfg.steps,
-        "train_loss": _mean([r["loss"] for r in tail], skip_nan=False),
-        "initial_heldout_loss": initial_heldout_loss,
-        "heldout_loss": heldout_loss,
-        "heldout_ppl": math.exp(heldout_loss) if math.isfinite(heldout_loss) else float("nan"),
-        "retained_fraction": _mean([r["retained_fraction"] for r in history], skip_nan=False),
-        "bwd_rows_per_step": _mean([r["bwd_rows"] for r in history], skip_nan=False),
-        "eval_curve": [{"step": s, "heldout_loss": v} for s, v in eval_curve],
-        "mean_expert_loads": (loads_LE.double() / max(1, train_cfg.steps)).cpu().tolist(),
-        "mean_expert_quotas": (quotas_LE.double() / max(1, train_cfg.steps)).cpu().tolist(),
-        "score_mass_fraction": _mean([r["score_mass_fraction"] for r in history], skip_nan=True),
-        "wall_s": wall_s,
-        "ms_per_step": 1000.0 * loop_s / max(1, train_cfg.steps),
-        "model_config": asdict(model_cfg),
-        "train_config": asdict(train_cfg),
-        "history": history,
-    }
+    @contextlib.contextmanager
+    def __call__(self):
+        if self._cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            yield
+            end.record()
+            self._events.append((start, end))
+        else:
+            start = time.perf_counter()
+            yield
+            self._seconds += time.perf_counter() - start
+
+    def seconds(self) -> float:
+        if self._events:
+            self._events[-1][1].synchronize()
+            self._seconds += sum(start.elapsed_time(end) for start, end in self._events) / 1000.0
+            self._events.clear()
+        return self._seconds
+
+
+def _rng_state(device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    return torch.get_rng_state(), cuda
+
+
+def _set_rng_state(device: torch.device, state: tuple[torch.Tensor, torch.Tensor | None]) -> None:
+    torch.set_rng_state(state[0])
+    if state[1] is not None:
+        torch.cuda.set_rng_state(state[1], device)
+
+
+class Run:
+    """One training run, advanced a step at a time by :meth:`step` (:func:`interleave` alternates several), its
+    summary from :meth:`result` once :attr:`done`.
+
+    The model is built and the initial held-out loss measured here. The run seeds and keeps an RNG state of its
+    own, swapped in for each step inside :func:`torch.random.fork_rng`: the caller's RNG state is left untouched,
+    and runs interleaved with each other compute what they compute alone. ``ms_per_step`` counts the time inside
+    the run's own steps (forward, backward, optimiser), not evaluations.
+    """
+
+    def __init__(
+        self,
+        model_cfg: ModelConfig,
+        train_cfg: TrainConfig,
+        corpus: Corpus,
+        log: Callable[[dict], None] | None = None,
+    ):
+        self.model_cfg, self.train_cfg, self._log = model_cfg, train_cfg, log
+        self.device = device = torch.device(train_cfg.device)
+        with torch.random.fork_rng(devices=_rng_devices(device), device_type=device.type):
+            torch.manual_seed(train_cfg.seed)
+            self.model = MoELM(model_cfg).to(device)
+            if train_cfg.init_checkpoint is not None:
+                self.model.load_state_dict(torch.load(train_cfg.init_checkpoint, map_location=device,
+                                                      weights_only=True))
+            self._optimizer = _build_optimizer(self.model, train_cfg)
+            self._scheduler = torch.optim.lr_scheduler.LambdaLR(self._optimizer,
+                                                                 lambda step: lr_factor(step, train_cfg))
+            self._step_fn = torch.compile(self.model) if train_cfg.compile else self.model
+            self._data_gen = torch.Generator().manual_seed(train_cfg.seed)
+            self._eval_set = heldout_batches(corpus.heldout_N, train_cfg.batch_size, train_cfg.seq_len,
+                                             train_cfg.eval_batches)
+            self.initial_heldout_loss = evaluate(self.model, self._eval_set, device)
+            self._rng = _rng_state(device)
+        self._train_N = corpus.train_N
+        self._metrics_S: list[StepMetrics] = []
+        self._lr_S: list[float] = []
+        self._eval_curve = [(0, self.initial_heldout_loss)]
+        n_layers = len(list(lrmoe_layers(self.model)))
+        self._loads_LE = torch.zeros(n_layers, model_cfg.num_experts, dtype=torch.int64, device=device)
+        self._quotas_LE = torch.zeros_like(self._loads_LE)
+        self._timer = _StepTimer(device)
+        self.steps_done = 0
+
+    @property
+    def done(self) -> bool:
+        return self.steps_done >= self.train_cfg.steps
+
+    def step(self) -> None:
+        """One training step (and the held-out evaluation or the log call that falls on it)."""
+        cfg, device = self.train_cfg, self.device
+        step = self.steps_done + 1
+        with torch.random.fork_rng(devices=_rng_devices(device), device_type=device.type):
+            _set_rng_state(device, self._rng)
+            with self._timer():
+                batch_BL1 = sample_batch(self._train_N, cfg.batch_size, cfg.seq_len, self._data_gen).to(device)
+                self._lr_S.append(self._scheduler.get_last_lr()[0])
+                metrics, stats = _train_step(self.model, self._step_fn, self._optimizer, self._scheduler,
+                                             batch_BL1, cfg)
+                self._metrics_S.append(metrics)
+                self._loads_LE += stats.loads_LE
+                self._quotas_LE += stats.quotas_LE
+            if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps:
+                self._eval_curve.append((step, evaluate(self.model, self._eval_set, device)))
+            self._rng = _rng_state(device)
+        self.steps_done = step
+        if self._log is not None and (step % cfg.log_every == 0 or step == cfg.steps):
+            ms_per_step = 1000.0 * self._timer.seconds() / step
+            tokens_per_s = cfg.batch_size * cfg.seq_len * 1000.0 / max(ms_per_step, 1e-9)
+            self._log(_progress_record(self.model_cfg.retain, step, cfg.steps, self._lr_S[-1], metrics, ms_per_step,
+                                       tokens_per_s))
+
+    def result(self) -> dict:
+        """The final held-out evaluation (and checkpoint, if asked for) and the run's summary; see :func:`train`."""
+        if not self.done:
+            raise RuntimeError(f"the run has trained {self.steps_done} of its {self.train_cfg.steps} steps")
+        model_cfg, train_cfg = self.model_cfg, self.train_cfg
+        ms_per_step = 1000.0 * self._timer.seconds() / max(1, train_cfg.steps)
+        heldout_loss = evaluate(self.model, self._eval_set, self.device)
+        eval_curve = [*self._eval_curve, (train_cfg.steps, heldout_loss)]
+        if train_cfg.save_checkpoint is not None:
+            torch.save(self.model.state_dict(), train_cfg.save_checkpoint)
+        history = _history(self._metrics_S, self._lr_S)
+        tail = history[-min(train_cfg.log_every, len(history)) :]
+        return {
+            "retain": model_cfg.retain,
+            "backward_capacity": model_cfg.backward_capacity,
+            "selection": model_cfg.selection,
+            "metric": model_cfg.metric,
+            "steps": train_cfg.steps,
+            "train_loss": _mean([r["loss"] for r in tail], skip_nan=False),
+            "initial_heldout_loss": self.initial_heldout_loss,
+            "heldout_loss": heldout_loss,
+            "heldout_ppl": math.exp(heldout_loss) if math.isfinite(heldout_loss) else float("nan"),
+            "retained_fraction": _mean([r["retained_fraction"] for r in history], skip_nan=False),
+            "bwd_rows_per_step": _mean([r["bwd_rows"] for r in history], skip_nan=False),
+            "eval_curve": [{"step": s, "heldout_loss": v} for s, v in eval_curve],
+            "mean_expert_loads": (self._loads_LE.double() / max(1, train_cfg.steps)).cpu().tolist(),
+            "mean_expert_quotas": (self._quotas_LE.double() / max(1, train_cfg.steps)).cpu().tolist(),
+            "score_mass_fraction": _mean([r["score_mass_fraction"] for r in history], skip_nan=True),
+            "ms_per_step": ms_per_step,
+            "model_config": asdict(model_cfg),
+            "train_config": asdict(train_cfg),
+            "history": history,
+        }
 
 
 def _progress_record(

@@ -10,6 +10,7 @@ import contextlib
 import io
 import json
 import math
+import time
 from pathlib import Path
 
 import pytest
@@ -110,6 +111,56 @@ def test_other_seed_gives_other_losses(quick_run, tmp_path):
     assert run_main(argv)[0] == 0
     first, other = read_log(first_dir, "1"), read_log(tmp_path, "1")
     assert other["history"][0]["loss"] != first["history"][0]["loss"]
+
+
+def test_a_burst_of_load_slows_both_runs_alike(tmp_path, monkeypatch):
+    """Other work on the machine during the first half of the demo (here a 0.1 s sleep in each of the first 10
+    training steps the process takes, of 2 runs x 10 steps) slows the dense run and the retain 0.75 run alike: they
+    train interleaved. Run one after the other, the dense run took all of it and looked 6x slower."""
+    import lrmoe.demo.train as train_module
+
+    real_step, calls = train_module._train_step, []
+
+    def loaded_step(*args, **kwargs):
+        calls.append(None)
+        if len(calls) <= 10:
+            time.sleep(0.1)
+        return real_step(*args, **kwargs)
+
+    monkeypatch.setattr(train_module, "_train_step", loaded_step)
+    argv = ["demo", "--quick", "--steps", "10", "--threads", "1", "--no-progress", "--no-plots", "--out", str(tmp_path)]
+    status, text = run_main(argv)
+    assert status == 0 and len(calls) == 20
+    dense, sparse = read_log(tmp_path, "1")["ms_per_step"], read_log(tmp_path, "0.75")["ms_per_step"]
+    assert min(dense, sparse) > 50  # each run took half of the 1 s of load: 5 sleeps of 0.1 s over 10 steps
+    assert 0.5 < dense / sparse < 2, (dense, sparse)
+    header = [line for line in text.splitlines() if line.split()[:1] == ["retain"] and "held-out" in line][-1]
+    assert header.split()[-1] == "ms/step"
+    assert "ms/step: the mean time of a training step" in text and "interleaved" in text  # what the figure means
+
+
+def test_every_run_is_warmed_up_on_its_own_path_before_the_timed_steps(tmp_path, monkeypatch):
+    """The first step in a process pays one-off costs (lazy imports; on a GPU, Triton compiling the selection and
+    scoring kernels, which only retain < 1 runs). A throwaway step of each run's own configuration pays them before
+    any timed step; warming up the dense model alone left them in the retain 0.75 run's ms/step."""
+    import lrmoe.demo.cli as cli_module
+
+    events, real_warmup, real_interleave = [], cli_module.warmup, cli_module.interleave
+
+    def spy_warmup(model_cfg, train_cfg):
+        events.append(("warmup", model_cfg.retain, model_cfg.backward_capacity))
+        return real_warmup(model_cfg, train_cfg)
+
+    def spy_interleave(runs):
+        events.append(("train",))
+        return real_interleave(runs)
+
+    monkeypatch.setattr(cli_module, "warmup", spy_warmup)
+    monkeypatch.setattr(cli_module, "interleave", spy_interleave)
+    argv = ["demo", "--quick", "--steps", "2", "--retain", "1.0", "0.5", "--backward-capacity", "1.0", "--threads",
+            "1", "--no-progress", "--out", ""]
+    assert run_main(argv)[0] == 0
+    assert events == [("warmup", 1.0, None), ("warmup", 0.5, 1.0), ("train",)]
 
 
 def test_user_corpus(tmp_path):

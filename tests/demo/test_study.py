@@ -162,3 +162,17 @@ def test_study_run_refuses_to_resume_with_other_settings(tmp_path, capsys):
         with pytest.raises(SystemExit, match=named):
             main(base + extra)
     assert json.loads((tmp_path / "settings.json").read_text())["steps"] == 6  # not overwritten
+
+
+def test_readme_quotes_the_study_commands_its_help_prints():
+    """README's study commands are the ones `python -m lrmoe study --help` prints, options and values alike (the
+    help said --parallel 12 where the README said 14)."""
+    from pathlib import Path
+
+    from lrmoe.__main__ import build_parser
+
+    study = build_parser()._subparsers._group_actions[0].choices["study"]
+    helped = [line.strip() for line in study.format_help().splitlines() if line.strip().startswith("python -m lrmoe")]
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    quoted = [line.strip() for line in readme.splitlines() if line.strip().startswith("python -m lrmoe study")]
+    assert len(helped) == 2 and quoted == helped, (quoted, helped)
