@@ -78,8 +78,8 @@ def define_op(
         op = torch.library.custom_op(name, checked(reference), mutates_args=(), schema=schema)
         op.register_fake(checked(fake))
         if cuda is not None:
-            cuda_kernel = checked(cuda if kernels is None else _triton_or_reference(cuda, kernels, reference_if,
-                                                                                    reference))
+            cuda_kernel = checked(_with_defaults(
+                cuda if kernels is None else _triton_or_reference(cuda, kernels, reference_if, reference), reference))
             op.register_kernel("cuda")(cuda_kernel)
             if inline:
                 inline_when_compiled(op, name, cuda_kernel, None if inline is True else inline)
@@ -93,6 +93,21 @@ def define_op(
         return op
 
     return define
+
+
+def _with_defaults(kernel, reference):
+    """``kernel`` called with every argument of the op, positionally, the omitted ones at their defaults: a
+    kernel receives the arguments as the op was called (``gather_sum_rows(src, rows)`` leaves ``weights_TK``
+    out), and kernels are written for the whole signature."""
+    signature = inspect.signature(reference)
+
+    @functools.wraps(reference)
+    def run(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        return kernel(*bound.args)
+
+    return run
 
 
 def _triton_or_reference(cuda, module: str, reference_if, reference):

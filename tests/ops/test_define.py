@@ -27,6 +27,20 @@ def scaled(x: torch.Tensor, scale: float) -> torch.Tensor:
     return x * scale
 
 
+@define_op("lrmoe_test::shifted", fake=lambda x, shift=None: torch.empty_like(x),
+           cuda=lambda x, shift: x + (2.0 if shift is None else shift))  # the whole signature, as kernels are written
+def shifted(x: torch.Tensor, shift: float | None = None) -> torch.Tensor:
+    return x + (1.0 if shift is None else shift)
+
+
+def test_a_cuda_kernel_gets_omitted_arguments_at_their_defaults():
+    """The dispatcher hands a kernel the arguments as the op was called; the CUDA kernel of
+    lrmoe::gather_sum_rows (weights_TK left out by its callers) failed on the GPU with a missing argument."""
+    kernel = shifted._backend_fns["cuda"]  # the registered CUDA kernel (run here on CPU tensors)
+    x = torch.zeros(3)
+    assert torch.equal(kernel(x), x + 2) and torch.equal(kernel(x, 5.0), x + 5)
+
+
 def test_the_reference_is_the_cpu_kernel_and_checks_run_first():
     x = torch.arange(4.0)
     assert torch.equal(scaled(x, 2.0), x * 2)
