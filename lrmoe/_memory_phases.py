@@ -153,12 +153,14 @@ def backward_phases(config: MemoryConfig, rows: Rows, retain: float, b: int, pol
         t.mark("h_rows", x_rows=M * D * b if _gathers(config, D, 2 * F) and not blocked else 0,
                h_rows=M * 2 * F * b)
         t.alloc(h_rows=M * 2 * F * b)
-    else:  # the rows' index into the saved h (or its host copy), an argument of expert_rows_backward
+    # The rows' index into the saved h (or its host copy), an argument of expert_rows_backward; none where every
+    # pair is kept on one device with h saved: the rows are h's own, which lrmoe::swiglu_backward reads in place.
+    h_index = policy != "recompute" and not (dense and policy == "save" and config.world_size == 1 and not blocked)
+    if h_index:
         t.alloc(h_row_index=M * _INT64)
-        if policy == "offload":  # the retained rows read back from the host copy
-            t.mark("h_rows", h_rows=M * 2 * F * b)
-            t.alloc(h_rows=M * 2 * F * b)
-        # "save": lrmoe::swiglu_backward reads the saved h in place through the index
+    if policy == "offload":  # the retained rows read back from the host copy
+        t.mark("h_rows", h_rows=M * 2 * F * b)
+        t.alloc(h_rows=M * 2 * F * b)
     # The GEMMs below read their rows in place (rows_R=None): no gather copy.
     t.mark("dphi_gemm", dphi_rows=M * F * b)
     t.alloc(dphi_rows=M * F * b)
@@ -178,7 +180,7 @@ def backward_phases(config: MemoryConfig, rows: Rows, retain: float, b: int, pol
         t.free("x_rows")  # its coefficients stay until expert_rows_backward returns
     t.mark("dx_gemm", dx_rows=M * D * b)
     t.alloc(dx_rows=M * D * b)
-    t.free("dh_rows", *(["h_row_index"] if policy != "recompute" else []),  # gone when expert_rows_backward returns
+    t.free("dh_rows", *(["h_row_index"] if h_index else []),  # gone when expert_rows_backward returns
            *(["x_rows_coef"] if blocked else []))
     if config.world_size > 1:
         t.alloc(dx_source_major=M * D * b, dx_returned=R * D * b)

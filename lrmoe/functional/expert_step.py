@@ -153,8 +153,12 @@ class _SelectiveStep(torch.autograd.Function):
 
         forward = ForwardRecord(x_ND, y_PD.dtype, dest_P, inv_P, offsets_I, gate_up_IFD.shape[0], assign_SWI,
                                 quotas_SWI, h_of_row_P)
+        # Every pair kept on one device with h saved: the rows are h's own, in its order, so the backward reads h
+        # in place (no index, no gathered copy).
+        h_in_place = (cfg.dense and cfg.group_rows is None and cfg.activations == "save"
+                      and transport.selects_in_dispatch_order)
         exchanged = transport.exchange(BackwardRequest(g_TD, gates_TK, pair_R, weight_R, ends_G, forward, cfg.dense,
-                                                       cfg.group_rows, h_saved is not None))
+                                                       cfg.group_rows, h_saved is not None and not h_in_place))
         del forward
         # The instance side: the compact expert backward over the retained rows only.
         need_x, need_gu, need_down = ctx.needs_input_grad[:3]

@@ -73,7 +73,8 @@ class ForwardRecord:
 class BackwardRequest:
     """The source side's selection, to be sent to the instances: the incoming gradient and gates, the kept pairs
     (``pair_R``, -1 for padding) with their weights 1/p, the selection's group ends (None when every pair is kept,
-    in dispatch order), and whether the instances need each row's index into the saved h."""
+    in dispatch order), and whether the instances need each row's index into the saved h (False: no h was saved, or
+    the retained rows are h's own rows in order, so the backward reads h in place)."""
 
     g_TD: torch.Tensor
     gates_TK: torch.Tensor

@@ -32,7 +32,7 @@ def _run(layer, T=512, seed=1, fn=None):
     gen = torch.Generator(device="cuda").manual_seed(seed)
     x = torch.randn(T, D, device="cuda", dtype=torch.bfloat16, generator=gen, requires_grad=True)
     g = torch.randn(T, D, device="cuda", dtype=torch.bfloat16, generator=gen)
-    out = (fn or layer)(x)
+    out = (layer if fn is None else fn)(x)
     grads = torch.autograd.grad(out, [x, *layer.parameters()], g)
     return [out.detach(), *grads]
 
