@@ -130,11 +130,12 @@ BACKENDS: dict[str, ExpertKernels] = {"portable": PortableKernels(), "hopper": H
 
 
 def choose_kernels(requested: str, x: torch.Tensor, dim: int, hidden_dim: int, blocked: bool) -> str:
-    """The backend a step runs with (BackwardOptions.kernels): "portable" as asked; "hopper" where it can run (an
-    sm_90 GPU with quack installed, x in bf16 or fp16, ``dim`` and ``hidden_dim`` multiples of 8 for 16-byte rows,
-    no blocked backward), for "auto" and "hopper"; "hopper" asked where it cannot run raises, saying why. Decided
-    from shapes, dtypes and the device alone (a constant to torch.compile)."""
-    if requested == "portable":
+    """The backend a step runs with (BackwardOptions.kernels). "auto" is the backend measured fastest for the
+    step: "portable" everywhere for now (on one H100 the hopper backend's layer step took 1.05-1.15x the portable
+    one's, docs/performance.md). "hopper" where it can run (an sm_90 GPU with quack installed, x in bf16 or fp16,
+    ``dim`` and ``hidden_dim`` multiples of 8 for 16-byte rows, no blocked backward); asked where it cannot run,
+    it raises, saying why. Decided from shapes, dtypes and the device alone (a constant to torch.compile)."""
+    if requested != "hopper":
         return "portable"
     why = None
     if not x.is_cuda:
@@ -147,11 +148,9 @@ def choose_kernels(requested: str, x: torch.Tensor, dim: int, hidden_dim: int, b
         why = "backward_capacity's blocked backward is the portable backend's"
     elif not hopper_available(x.device.index or 0):
         why = "it needs an sm_90 GPU (H100/H200) and the quack-kernels package (pip install lrmoe[hopper])"
-    if why is None:
-        return "hopper"
-    if requested == "hopper":
+    if why is not None:
         raise ValueError(f"kernels='hopper' cannot run here: {why}; use kernels='auto' or 'portable'")
-    return "portable"
+    return "hopper"
 
 
 def expert_kernels(name: str) -> ExpertKernels:

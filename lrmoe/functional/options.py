@@ -59,10 +59,10 @@ class BackwardOptions:
         the step's routing (lrmoe.functional.rng), a function of the model and the batch, so a checkpoint resumes
         exactly and torch.compile traces it ("random" scores then come from the global RNG). A generator cannot be
         used under torch.compile: the call raises, naming it (docs/api.md, LRMoE's generator).
-    kernels: the backend that computes the experts (lrmoe.functional.expert_kernels): "auto" (default: "hopper"
-        where it can run: an sm_90 GPU with quack-kernels installed, bf16 or fp16, D and F multiples of 8, no
-        ``backward_capacity``; else "portable"), "portable" (lrmoe's own ops, every device) or "hopper" (refused
-        where it cannot run).
+    kernels: the backend that computes the experts (lrmoe.functional.expert_kernels): "auto" (default: the one
+        measured fastest, "portable" on every device measured so far), "portable" (lrmoe's own ops, every device) or
+        "hopper" (quack's fused grouped GEMMs: an sm_90 GPU with quack-kernels installed, bf16 or fp16, D and F
+        multiples of 8, no ``backward_capacity``; refused elsewhere).
     selective_in_eval: the modules' backward in eval() mode. False (default): exact, as if retain were 1, as
         eval() switches off dropout (input gradients for saliency or probing are then exact); True: the same
         selective backward as in training. Functional calls have no mode and ignore it.

@@ -297,8 +297,9 @@ class LRMoE(_PlanRecords, nn.Module):
             state is not part of the model's, and a generator cannot be compiled.
         selective_in_eval: in eval() mode the backward is exact (every pair kept, as at retain 1), as eval()
             switches off dropout; True keeps the selective backward there too.
-        kernels: the experts' kernels: "auto" (default: quack's fused Hopper GEMMs where they run, an sm_90 GPU
-            with quack-kernels installed and bf16/fp16; else lrmoe's portable ops), "portable" or "hopper".
+        kernels: the experts' kernels: "auto" (default: the backend measured fastest, lrmoe's portable ops on
+            every GPU measured so far), "portable", or "hopper" (quack's fused grouped GEMMs on an sm_90 GPU with
+            quack-kernels installed, bf16/fp16).
         activations: "save" (forward keeps every pair's gate/up projection), "recompute" (backward recomputes
             it for the retained rows only; less memory, one more grouped GEMM over the retained rows) or "offload"
             (forward copies it to pinned host memory on a side stream, backward reads back the retained rows

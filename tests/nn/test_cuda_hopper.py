@@ -1,8 +1,8 @@
 """The "hopper" backend (quack's CuTe-DSL grouped GEMMs, lrmoe.ops.hopper) on an sm_90 GPU against the portable
 backend: the same layer, weights and batch give the same output and, at retain 1, the same gradients (bf16
 tolerances: the two sum in different orders); at retain < 1 "save", "recompute" and "offload" agree bit for bit
-with each other; the compiled layer traces in one graph, equals eager, and never synchronises with the host; "auto"
-picks it. Skipped without such a GPU and quack (the GPU run carries quack)."""
+with each other; the compiled layer traces in one graph, equals eager, and never synchronises with the host.
+Skipped without such a GPU and quack (the GPU run carries quack)."""
 
 from __future__ import annotations
 
@@ -42,10 +42,12 @@ def _close(a, b, what, rel=2e-2):
     assert err < rel, f"{what}: relative error {err:.3g}"
 
 
-def test_auto_picks_hopper_here():
+def test_hopper_runs_here_where_asked_and_auto_keeps_the_faster_portable_backend():
     x = torch.zeros(8, D, device="cuda", dtype=torch.bfloat16)
-    assert choose_kernels("auto", x, D, F, blocked=False) == "hopper"
-    assert choose_kernels("auto", x.float(), D, F, blocked=False) == "portable"
+    assert choose_kernels("hopper", x, D, F, blocked=False) == "hopper"
+    assert choose_kernels("auto", x, D, F, blocked=False) == "portable"
+    with pytest.raises(ValueError, match="x is torch.float32"):
+        choose_kernels("hopper", x.float(), D, F, blocked=False)
 
 
 @pytest.mark.parametrize("T", [512, 1000])

@@ -92,6 +92,7 @@ def test_choose_kernels_keeps_the_portable_backend_where_hopper_cannot_run():
     x = torch.randn(4, 8)
     assert choose_kernels("auto", x, 8, 8, blocked=False) == "portable"
     assert choose_kernels("portable", x, 8, 8, blocked=False) == "portable"
+    assert choose_kernels("auto", x.bfloat16(), 8, 8, blocked=False) == "portable"
     with pytest.raises(ValueError, match="kernels='hopper' cannot run here: x is on cpu"):
         choose_kernels("hopper", x, 8, 8, blocked=False)
     with pytest.raises(ValueError, match="kernels must be one of"):
