@@ -1,13 +1,13 @@
 """The links and section references of README.md and docs/ against the files as they are.
 
-For README.md and every docs/**/*.md outside docs/archive/:
+For README.md and every docs/**/*.md:
 - every relative link ``[text](path)``, ``[text](path#anchor)``, ``[text](#anchor)`` and image ``![alt](path)``
   resolves to a file or folder inside the repository, and every anchor to a heading of the target file, slugged as
   GitHub slugs headings (lowercase; punctuation other than '-' and '_' removed; each space a '-'; a repeated slug
   gets -1, -2, ...);
 - every section reference ``docs/design.md, section 'Heading'`` (the convention docs/design.md states at its top;
   the short form ``docs/design.md, 'Heading'`` is read too) names a heading of docs/design.md;
-- no doc links ../shared or mentions DESIGN.md, no doc links into docs/archive/, and no doc speaks of sessions.
+- no doc links ../shared or mentions DESIGN.md, and no doc speaks of sessions.
 The same section references in the code (lrmoe/, kernels/, benchmarks/, examples/, tests/) must name a heading too.
 Links and references inside fenced code blocks and inline code spans are not read: they are examples, not links.
 """
@@ -22,13 +22,11 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 DESIGN = ROOT / "docs" / "design.md"
-ARCHIVE = ROOT / "docs" / "archive"
 
 
 def user_docs(root: Path = ROOT) -> list[Path]:
-    """README.md and docs/**/*.md, less docs/archive/."""
-    docs = sorted(p for p in (root / "docs").rglob("*.md") if (root / "docs" / "archive") not in p.parents)
-    return [root / "README.md", *docs]
+    """README.md and docs/**/*.md."""
+    return [root / "README.md", *sorted((root / "docs").rglob("*.md"))]
 
 
 FENCE = re.compile(r"^ {0,3}(```|~~~).*?^ {0,3}\1[^\n]*$", flags=re.M | re.S)
@@ -125,7 +123,6 @@ def rel(path: Path) -> str:
 def test_the_docs_are_found():
     names = {rel(p) for p in DOCS}
     assert {"README.md", "docs/design.md", "docs/performance.md", "docs/api.md"} <= names
-    assert not any(n.startswith("docs/archive/") for n in names)
 
 
 @pytest.mark.parametrize("doc", DOCS, ids=rel)
@@ -163,15 +160,10 @@ def test_code_section_references_name_a_heading():
 
 
 @pytest.mark.parametrize("doc", DOCS, ids=rel)
-def test_no_doc_points_outside_the_repository_or_into_the_archive(doc):
+def test_no_doc_points_outside_the_repository(doc):
     text = doc.read_text()
     assert "../shared" not in text, f"{rel(doc)} refers to ../shared, which is not in the repository"
     assert "DESIGN.md" not in text, f"{rel(doc)} cites DESIGN.md; the design is docs/design.md"
-    for m in LINK.finditer(prose(text)):
-        path_part = m.group(1).partition("#")[0]
-        if path_part and not SCHEME.match(path_part):
-            dest = (doc.parent / unquote(path_part)).resolve()
-            assert ARCHIVE.resolve() not in [dest, *dest.parents], f"{rel(doc)} links the archive: {m.group(1)}"
 
 
 @pytest.mark.parametrize("doc", DOCS, ids=rel)
