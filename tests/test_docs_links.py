@@ -27,6 +27,7 @@ benchmarks/, examples/ and tests/, less this file, whose checker tests plant bad
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import inspect
 import re
 from pathlib import Path
@@ -188,40 +189,67 @@ def joined_names(text: str) -> str:
     return re.sub(r"(?<=\w)\.\n[ \t]*(?:#[ \t]*)?(?=[a-z_])(?!lrmoe[.:_])", ".", text)
 
 
+class MissingDependency(Exception):
+    """A module of lrmoe that imports an optional dependency (torchtitan) this environment lacks."""
+
+
+def import_module(name: str) -> ModuleType:
+    """The module ``name``; MissingDependency where it exists but imports a package that is not installed."""
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as e:
+        missing = e.name or ""
+        itself = name == missing or name.startswith(missing + ".")  # the module asked for, or its package
+        if missing and not itself and not missing.startswith("lrmoe") and importlib.util.find_spec(
+            missing.split(".")[0]
+        ) is None:
+            raise MissingDependency(missing) from e
+        raise
+
+
 def resolve(name: str) -> str | None:
     """None where ``name`` (``lrmoe.functional.retained_rows.retained_dy``) resolves by import, as an attribute of
     the module it names, or as a registered op (``lrmoe.offload_to_host.default``, torch.ops.lrmoe's); else why
     not. A function or class must live in the module that the name puts it in: be defined there, or be in that
-    module's ``__all__``."""
+    module's ``__all__``. A name inside a module whose optional dependency is not installed is not checked."""
     parts = name.split(".")
     i = len(parts)
-    while True:
-        try:
-            obj = importlib.import_module(".".join(parts[:i]))
-            break
-        except ImportError:
-            i -= 1
-            if i == 0:
-                return f"{name}: no module {parts[0]}"
-    for k, attr in enumerate(parts[i:], start=i):
-        if isinstance(obj, ModuleType) and not hasattr(obj, attr):
+    try:
+        while True:
             try:
-                importlib.import_module(f"{obj.__name__}.{attr}")
+                obj = import_module(".".join(parts[:i]))
+                break
             except ImportError:
-                pass
-        if not hasattr(obj, attr):
-            if k == 1 and parts[0] == "lrmoe" and hasattr(torch.ops.lrmoe, attr):
-                op = getattr(torch.ops.lrmoe, attr)
-                if parts[2:] and not hasattr(op, parts[2]):  # an overload: lrmoe.x.default
-                    return f"{name}: op lrmoe::{attr} has no {parts[2]}"
-                return None
-            return f"{name}: {'.'.join(parts[:k])} has no {attr}"
-        child = getattr(obj, attr)
-        if isinstance(obj, ModuleType) and (inspect.isfunction(child) or inspect.isclass(child)):
-            home = getattr(child, "__module__", obj.__name__)
-            if home != obj.__name__ and attr not in getattr(obj, "__all__", ()):
-                return f"{name}: {attr} lives in {home}; {obj.__name__} only imports it"
-        obj = child
+                i -= 1
+                if i == 0:
+                    return f"{name}: no module {parts[0]}"
+        for k, attr in enumerate(parts[i:], start=i):
+            if isinstance(obj, ModuleType) and not hasattr(obj, attr):
+                try:
+                    import_module(f"{obj.__name__}.{attr}")
+                except ImportError:
+                    pass
+            if k == 1 and parts[0] == "lrmoe" and not hasattr(obj, attr) and hasattr(torch.ops.lrmoe, attr):
+                op = getattr(torch.ops.lrmoe, attr)  # an op by its graph name: lrmoe.x.default
+                overload_missing = parts[2:] and not hasattr(op, parts[2])
+                return f"{name}: op lrmoe::{attr} has no {parts[2]}" if overload_missing else None
+            if why := _resolve_attr(name, parts, k, obj, attr):
+                return why
+            obj = getattr(obj, attr)
+    except MissingDependency:
+        return None
+    return None
+
+
+def _resolve_attr(name: str, parts: list[str], k: int, obj, attr: str) -> str | None:
+    """Why ``obj.attr`` (the k-th part of ``name``) does not resolve, or None."""
+    if not hasattr(obj, attr):
+        return f"{name}: {'.'.join(parts[:k])} has no {attr}"
+    child = getattr(obj, attr)
+    if isinstance(obj, ModuleType) and (inspect.isfunction(child) or inspect.isclass(child)):
+        home = getattr(child, "__module__", obj.__name__)
+        if home != obj.__name__ and attr not in getattr(obj, "__all__", ()):
+            return f"{name}: {attr} lives in {home}; {obj.__name__} only imports it"
     return None
 
 
@@ -465,3 +493,14 @@ def test_checker_finds_unresolved_names():
     assert "lrmoe.ops.rows has no nope" in bad[5]
     assert "op lrmoe::swiglu_sqnorm has no nope" in bad[6]
     assert "lrmoe::no_such_op is no registered op" in bad[7]
+
+
+def test_checker_skips_names_behind_a_missing_dependency(tmp_path, monkeypatch):
+    """A module that imports an optional dependency that is not installed (torchtitan) cannot be checked here; one
+    whose import fails otherwise is reported."""
+    (tmp_path / "probe_optional.py").write_text("import no_such_dependency_xyz\ndef f(): pass\n")
+    (tmp_path / "probe_broken.py").write_text("from lrmoe.functional import no_such_name_xyz\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert resolve("probe_optional.f") is None
+    assert resolve("probe_broken.f") is not None
+    assert resolve("probe_absent.f") == "probe_absent.f: no module probe_absent"
