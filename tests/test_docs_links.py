@@ -18,7 +18,7 @@ benchmarks/, examples/ and tests/, less this file, whose checker tests plant bad
   and its sections have names, not numbers;
 - every path into the repository (``benchmarks/layer.py``, ``tests/nn/test_expert_parallel*.py``,
   ``docs/results/``), from the root or from the citing file's folder, names a file or folder that exists (a glob at
-  least one);
+  least one), and a test id ``tests/x.py::test_y`` a function or class of that file;
 - every dotted name ``lrmoe.a.b`` / ``lrmoe_kernels.a.b`` resolves by import (or as an op, ``torch.ops.lrmoe.x``),
   and where it names a function or class, that is where the function or class lives (defined there, or exported
   by that module's ``__all__``), not a module that merely imports it; every op ``lrmoe::x`` is registered.
@@ -57,7 +57,7 @@ QUOTED = re.compile(r"(['\"])([^'\"\n]+(?:\n[^'\"\n]+)?)\1")  # a name in either
 LIST_SEP = re.compile(r",?\s+(?:and|or)\s+(?:section\s+)?|,\s*(?:section\s+)?(?=['\"])")
 NUMBERED = re.compile(r"DESIGN\.md|\bsections?\s+\d+(?:\.\d+)*\b|§\s*\d")
 FOLDERS = ("lrmoe", "kernels", "benchmarks", "examples", "tests", "docs")
-PATH = re.compile(r"(?<![\w./-])((?:" + "|".join(FOLDERS) + r")/[\w./*-]*)")
+PATH = re.compile(r"(?<![\w./-])((?:" + "|".join(FOLDERS) + r")/[\w./*-]*)(?:::(\w+))?")  # path[::test name]
 DOTTED = re.compile(r"(?<![\w.])(lrmoe(?:_kernels)?(?:\.\w+)+)")
 OP = re.compile(r"(?<![\w:])lrmoe::(\w+)")
 SCHEME = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*:")
@@ -168,7 +168,8 @@ def numbered_sections(text: str) -> list[str]:
 
 def missing_paths(text: str, where: Path, root: Path = ROOT) -> list[str]:
     """One message per path into the repository's folders (``benchmarks/layer.py``, ``tests/nn/test_*.py``) that
-    names nothing, from the root or from ``where``'s folder and the folders above it up to the root."""
+    names nothing, from the root or from ``where``'s folder and the folders above it up to the root, and per
+    ``file.py::name`` (a test's id) whose file defines no function or class of that name."""
     bases = [root, *[d for d in where.parents if root in [d, *d.parents] and d != root]]
     bad = []
     for m in PATH.finditer(text):
@@ -179,6 +180,10 @@ def missing_paths(text: str, where: Path, root: Path = ROOT) -> list[str]:
             found = any((base / path).exists() for base in bases)
         if not found:
             bad.append(f"line {line_of(text, m.start())}: {path} names no file or folder")
+        elif m.group(2):
+            defined = re.compile(rf"^[ \t]*(?:async[ \t]+)?(?:def|class)[ \t]+{m.group(2)}\b", flags=re.M)
+            if not any((base / path).is_file() and defined.search((base / path).read_text()) for base in bases):
+                bad.append(f"line {line_of(text, m.start())}: {path} defines no {m.group(2)}")
     return bad
 
 
@@ -457,18 +462,20 @@ def test_checker_finds_missing_paths(tree):
     (tree / "benchmarks").mkdir()
     (tree / "benchmarks" / "layer.py").write_text("")
     (tree / "tests" / "nn").mkdir(parents=True)
-    (tree / "tests" / "nn" / "test_ep.py").write_text("")
+    (tree / "tests" / "nn" / "test_ep.py").write_text("def test_one():\n    pass\n")
     conftest = tree / "tests" / "conftest.py"
     good = ("python benchmarks/layer.py peers; docs/target.md, docs/data/ and docs/data/x.json.\n"
-            "tests/nn/test_ep*.py, tests/**/test_*.py, https://github.com/x/lrmoe/tree/main/docs/nope.md\n")
+            "tests/nn/test_ep*.py, tests/**/test_*.py, https://github.com/x/lrmoe/tree/main/docs/nope.md\n"
+            "tests/nn/test_ep.py::test_one.\n")
     assert missing_paths(good, tree / "README.md", root=tree) == []
     assert missing_paths('SLOW = ("nn/test_ep.py", "tests/nn/test_ep.py")', conftest, root=tree) == []
     bad = missing_paths("see benchmarks/backward_capacity_plan.py\n(docs/nope/) tests/nn/test_expert*.py "
-                        "lrmoe/x.py", tree / "README.md", root=tree)
+                        "lrmoe/x.py tests/nn/test_ep.py::test_two", tree / "README.md", root=tree)
     assert [m.split(": ")[1] for m in bad] == ["benchmarks/backward_capacity_plan.py names no file or folder",
                                                "docs/nope/ names no file or folder",
                                                "tests/nn/test_expert*.py names no file or folder",
-                                               "lrmoe/x.py names no file or folder"]
+                                               "lrmoe/x.py names no file or folder",
+                                               "tests/nn/test_ep.py defines no test_two"]
     assert bad[0].startswith("line 1:") and bad[1].startswith("line 2:")
     # From the citing file's folder, "tests/test_ep.py" is tests/tests/test_ep.py; from the root, not there either.
     assert len(missing_paths("tests/test_ep.py", conftest, root=tree)) == 1
