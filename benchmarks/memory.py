@@ -2,7 +2,7 @@
 
     PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python benchmarks/memory.py batch --budget-gib 16
     python benchmarks/memory.py batch --device cpu           # the model's column only: nothing is run
-    python benchmarks/memory.py breakdown --device cpu --out docs/memory_breakdown.png   # modelled only
+    python benchmarks/memory.py breakdown --device cpu --out docs/results/memory/memory_breakdown.png   # modelled only
     python benchmarks/memory.py breakdown --out memory_breakdown_h200.png                # + measured, one GPU
     PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python benchmarks/memory.py planner
     python benchmarks/memory.py planner --device cpu         # the plans only: nothing is run

@@ -234,7 +234,7 @@ def report(out_dir: Path) -> str:
 
 
 def _compact(results: dict) -> list[dict]:
-    """Every finished job without its per-step history: what a report needs, small enough to keep in docs/."""
+    """Every finished job without its per-step history: what a report needs, small enough to keep in docs/results/."""
     keep = ("heldout_loss", "heldout_ppl", "train_loss", "retained_fraction", "score_mass_fraction", "ms_per_step",
             "eval_curve")
     return [

@@ -1,5 +1,5 @@
 """The selective expert step: one autograd Function for one device and for expert parallelism
-(docs/design.md, "The selective backward" and "Expert parallelism").
+(docs/design.md, "One selective expert step" and "Expert parallelism").
 
 Shapes: T tokens, D model dim, F expert hidden dim, I expert instances on this rank (E on one device), K top-k,
 P = T * K pairs, N forward rows this rank's instances compute (N = P on one device), R retained rows this rank

@@ -1,5 +1,5 @@
-"""SwiGLU experts with an exact forward and a quota-bounded selective backward (docs/design.md, "The
-selective backward").
+"""SwiGLU experts with an exact forward and a quota-bounded selective backward (docs/design.md, "One
+selective expert step").
 
 Shapes: T tokens, D model dim, F expert hidden dim, E experts, K top-k, P = T*K pairs, R = retained-row buffer.
 

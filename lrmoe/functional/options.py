@@ -1,6 +1,7 @@
 """The options of a selective MoE layer, as two frozen dataclasses, each validated once, when it is built.
 
-:class:`BackwardOptions` is what the selective backward keeps and how (docs/design.md, "The selective backward");
+:class:`BackwardOptions` is what the selective backward keeps and how (docs/design.md, "The method" and
+"Selection rules");
 :class:`RoutingOptions` is how the router picks experts and gates. ``LRMoE`` takes them (``LRMoE(...,
 backward=BackwardOptions(retain=0.75))``) or their fields as flat keywords, which it turns into these objects;
 ``SwiGLUExperts``, ``selective_swiglu_experts``, ``swap_experts``, ``ExpertParallel`` and ``lrmoe.memory`` take the

@@ -4,7 +4,7 @@ Shapes: T tokens, K top-k, D model dim.
 
 For pair u = (t, e) with gate alpha_u, output gradient g_t and SwiGLU activation phi_u, the pair's term in the
 down projection's gradient is the rank-one matrix alpha_u g_t phi_u^T, whose squared Frobenius norm is the LRM
-score alpha_u^2 ||g_t||^2 ||phi_u||^2 (DESIGN.md section 3).
+score alpha_u^2 ||g_t||^2 ||phi_u||^2 (docs/design.md, "The metric").
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Shapes: P pairs, G groups (experts or expert instances), R = max_rows, the static size of the compact buffer.
 
-Two rules (DESIGN.md section 3):
+Two rules (docs/design.md, "Selection rules"):
 - "top": the quota highest scores of each group, ties to the lower pair id, weight 1 (the paper's rule).
 - "sample": pair u is kept with probability p_u proportional to sqrt(score_u), capped at 1 and summing to the
   quota; systematic sampling keeps exactly the quota; a kept pair carries weight 1/p_u, so the expert gradient

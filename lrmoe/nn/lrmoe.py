@@ -311,7 +311,7 @@ class LRMoE(_PlanRecords, nn.Module):
             floor(retain * P) / E times this factor (rounded up to 8 rows) in backward, and the backward runs on E
             blocks of C rows, zero-padded, with batched GEMMs (selective_swiglu_experts says more). The factor
             trades kept pairs for padding: 1.0 keeps the whole budget while the router stays balanced, 1.25 up to
-            a heaviest expert of about 2.5x the mean (docs/api.md; benchmarks/backward_capacity_plan.py for a
+            a heaviest expert of about 2.5x the mean (docs/api.md; benchmarks/plans.py capacity for a
             router's skew); past that, fewer pairs than retain asks (stats().retained_pairs says how many).
             Needs retain < 1, policy "waterfill" and quota_align 1; one device only (expert parallelism has
             capacity_factor).

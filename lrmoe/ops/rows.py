@@ -4,7 +4,7 @@ Shapes: N source rows, C columns, R rows out.
 
 ``lrmoe::gather_scale_rows(src_NC, rows_R, coef_R) -> out_RC``
     out[i] = src[rows[i]] * coef[i], computed in fp32 (or fp64 for fp64 inputs) and rounded once to src's dtype.
-    The expert backward's output-gradient rows: dy_i = alpha_i / p_i * g[token(i)] (lrmoe.functional.experts.
+    The expert backward's output-gradient rows: dy_i = alpha_i / p_i * g[token(i)] (lrmoe.functional.retained_rows.
     retained_dy). PyTorch needs three passes for it (gather, fp32 product, cast) and an fp32 copy of the rows,
     R * C * 4 bytes (512 MiB at the Qwen3 shape, retain 1); on CUDA this is one Triton kernel
     (lrmoe_kernels.offload's row gather, which also reads pinned host memory) and no temporary.

@@ -1,8 +1,8 @@
 """Properties of lrmoe.functional.quotas: plan_quotas and apportion.
 
-The contract (plan_quotas docstring, DESIGN.md section 4.1): 0 <= quota <= load; retain = 1 gives quota == load;
-the total equals the budget floor(retain * total) exactly unless the min_retain floors alone exceed it (then
-every expert keeps its floor); each expert's quota is split over sources in proportion to their loads
+The contract (plan_quotas docstring, docs/design.md, 'The five primitives'): 0 <= quota <= load; retain = 1 gives
+quota == load; the total equals the budget floor(retain * total) exactly unless the min_retain floors alone exceed it
+(then every expert keeps its floor); each expert's quota is split over sources in proportion to their loads
 (largest remainder); deterministic. Checks use exact rationals (fractions.Fraction) where they compare with a
 real-valued share.
 """

@@ -30,7 +30,7 @@ def tokens_of(rank: int, empty_rank: int | None = None) -> int:
 
 def _hot_unregistered(loads_WE, max_replicas):
     """The "hot" placement as a callable that is not registered: it runs before the plan op, in the layer's graph,
-    where lrmoe.functional.check_placement checks its output."""
+    where lrmoe.functional.expert_parallel.check_placement checks its output."""
     return place_hot_replicas(loads_WE, max_replicas)
 
 
