@@ -527,7 +527,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds (common.interleaved)")
     p.add_argument("--reps", type=int, default=20, help="back-to-back steps a round, their median")
     p.add_argument("--out", help="also write the table to OUT/layer.md")
-    p.add_argument("--json", help="also write the rows as JSON to this file")
+    p.add_argument("--json", help="also write the rows as JSON to this file, in the format of docs/results/peers.json")
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="after the table, each row's N largest kernels (torch.profiler, 5 steps)")
     p = sub.add_parser("imports", help="SonicMoE's first call after each import order, each in a fresh process")
