@@ -27,7 +27,13 @@ from lrmoe.functional._checks import (
 )
 from lrmoe.functional.transport import N_BACKWARD_STATS
 from lrmoe.functional.experts import ExpertPlan, plan_experts, selective_swiglu_experts
-from lrmoe.functional.options import BackwardOptions, RoutingOptions, option_names, resolve_options, split_options
+from lrmoe.functional.options import (
+    BackwardOptions,
+    RoutingOptions,
+    check_option_names,
+    option_names,
+    resolve_options,
+)
 from lrmoe.functional.routing import Routing, route_topk, router_logits
 from lrmoe.ops._torch_internals import current_graph_task_id
 
@@ -178,15 +184,17 @@ class SwiGLUExperts(_PlanRecords, nn.Module):
 
     Args:
         num_experts, dim, hidden_dim: E, D, F.
-        backward: the selective backward's options for every call (:class:`~lrmoe.functional.BackwardOptions`);
-            or its fields as keywords (``**options``: retain, selection, ...), not both. None: retain 1, the plain
-            dense backward. A call's own options override them. ``lrmoe.nn.swap_experts`` puts these modules, with
-            options, into a transformers model. Change them later with ``module.backward = replace(...)``.
+        backward: the selective backward's options for every call (:class:`~lrmoe.functional.BackwardOptions`,
+            which documents each); or its fields as keywords (``**options``: retain, selection, ...), not both.
+            None: retain 1, the plain dense backward. ``lrmoe.nn.swap_experts`` puts these modules, with options,
+            into a transformers model. Change them later with ``module.backward = replace(module.backward, ...)``.
 
     ``stats()`` and ``reset_stats()`` are LRMoE's (:class:`LRMoEStats`), for the calls the module plans (those
     without a ``plan``: a transformers model's calls after ``swap_experts``); an LRMoE's experts module leaves
     them to the layer.
     """
+
+    backward: BackwardOptions
 
     def __init__(self, num_experts: int, dim: int, hidden_dim: int, *, backward: BackwardOptions | None = None,
                  **options):
@@ -205,47 +213,58 @@ class SwiGLUExperts(_PlanRecords, nn.Module):
         return f"num_experts={self.num_experts}, dim={self.dim}, hidden_dim={self.hidden_dim}" + (
             f", {shown}" if shown else "")
 
-    def forward(self, x_TD: torch.Tensor, expert_ids_TK: torch.Tensor, gates_TK: torch.Tensor,
+    def forward(self, x_TD: torch.Tensor, expert_ids_TK: torch.Tensor, gates_TK: torch.Tensor, *,
+                backward: BackwardOptions | None = None, plan: ExpertPlan | None = None,
+                stats_probe: torch.Tensor | None = None, out_shape: tuple[int, ...] | torch.Size | None = None,
                 **options) -> torch.Tensor:
         """[T, D] tokens, their [T, K] experts and gates -> [T, D] gated sum of the experts' outputs:
         :func:`~lrmoe.functional.selective_swiglu_experts` with these weights and the gates in x's dtype, or
         under torch.autocast in its dtype (x, weights and gates cast to it, differentiably; the output in it), as
-        transformers' experts compute there; ``options`` are its keyword arguments (retain, plan, ...), over the
-        module's. The weights are cast as autocast would (LRMoE has checked the dtypes). In eval() with no
-        backward to run (no grad, or nothing requiring it) no sampling uniforms are drawn, as in LRMoE. A call
-        without a ``plan`` is planned here and its plan kept for ``stats()`` as LRMoE keeps its own (not an
-        evaluation's, not a recompute's), with its backward statistics unless the call brings a ``stats_probe``.
-        LRMoE runs its experts through this call, with its plan and probe, so a hook on this module (FSDP2's
-        ``fully_shard(layer.experts)`` gathering the weights) sees them."""
+        transformers' experts compute there. The weights are cast as autocast would (LRMoE has checked the
+        dtypes).
+
+        The options of the call: the module's (``self.backward``; exact in eval() mode unless
+        ``selective_in_eval``, as in LRMoE); or ``backward``, a BackwardOptions for this call instead (used as
+        given); or ``**options``, BackwardOptions' fields changed from the module's for this call (``retain=1.0``);
+        not both of the last two. The call's arguments, as selective_swiglu_experts takes them: ``plan``,
+        ``stats_probe`` and ``out_shape``.
+
+        A call without a ``plan`` is planned here and its plan kept for ``stats()`` as LRMoE keeps its own (not
+        an evaluation's, not a recompute's), with its backward statistics unless the call brings a
+        ``stats_probe``; in eval() with no backward to run (no grad, or nothing requiring it) no sampling uniforms
+        are drawn, as in LRMoE. LRMoE runs its experts through this call, with its plan and probe, so a hook on
+        this module (FSDP2's ``fully_shard(layer.experts)`` gathering the weights) sees them."""
         gate_up, down = self.gate_up_proj, self.down_proj
         if isinstance(gate_up, DTensor) or isinstance(down, DTensor):
             # The ops would refuse a mix of tensors and DTensors, naming none of this.
             raise RuntimeError(f"the experts' weights are DTensors: {UNGATHERED_EXPERTS}")
-        flat, call = split_options(BackwardOptions, options)
-        given = call.pop("backward", None)
-        if flat:  # the call's own options over the module's
-            opts = replace(self.backward if given is None else given, **flat)
-        else:
-            opts = self.backward if given is None else resolve_options(BackwardOptions, given, "SwiGLUExperts call")
-        if given is None and not flat:  # the module's own options: exact in eval mode (BackwardOptions.for_mode)
-            opts = opts.for_mode(self.training)
-        plans_here = call.get("plan") is None  # a caller with a plan (LRMoE) keeps the records itself
+        if options:  # the call's own fields over the module's
+            check_option_names(BackwardOptions, options, "SwiGLUExperts call")
+            if backward is not None:
+                raise TypeError(f"SwiGLUExperts call: pass the call's options either as a BackwardOptions "
+                                f"(backward=) or as fields changing the module's, not both (got a BackwardOptions "
+                                f"and {sorted(options)})")
+            opts = replace(self.backward, **options)
+        elif backward is not None:  # the call's own object, as given (checked to be one)
+            opts = resolve_options(BackwardOptions, backward, "SwiGLUExperts call")
+        else:  # the module's own options: exact in eval mode (BackwardOptions.for_mode)
+            opts = self.backward.for_mode(self.training)
+        plans_here = plan is None  # a caller with a plan (LRMoE) keeps the records itself
         if plans_here:
-            probe = call.get("stats_probe")
-            if probe is None:  # the backward statistics go to the module's probe, for stats()
-                probe = call["stats_probe"] = self._probe_for(x_TD, gates_TK)
+            if stats_probe is None:  # the backward statistics go to the module's probe, for stats()
+                stats_probe = self._probe_for(x_TD, gates_TK)
             # Evaluation (eval() with no backward to run) draws no sampling uniforms, as LRMoE does.
-            call["plan"] = plan_experts(expert_ids_TK, self.num_experts, draw_uniform=self._draws_uniform(probe),
-                                        backward=opts, source_ids_T=call.get("source_ids_T"),
-                                        num_sources=call.get("num_sources", 1))
+            plan = plan_experts(expert_ids_TK, self.num_experts, backward=opts,
+                                draw_uniform=self._draws_uniform(stats_probe))
         dtype = compute_dtype(x_TD)  # torch.autocast's (transformers' experts compute in it there), else x's
         if gates_TK.is_floating_point():  # others are refused, naming gates_TK, not cast
             gates_TK = gates_TK.to(dtype)
         with autocast_off(x_TD.device.type):  # the experts run in ``dtype`` exactly
             out = selective_swiglu_experts(x_TD.to(dtype), gate_up.to(dtype), down.to(dtype), expert_ids_TK,
-                                           gates_TK, backward=opts, **call)
+                                           gates_TK, backward=opts, plan=plan, stats_probe=stats_probe,
+                                           out_shape=out_shape)
         if plans_here:  # once the call's arguments have passed the checks
-            self._record_plan(call["plan"], probe)
+            self._record_plan(plan, stats_probe)
         return out
 
     def reset_parameters(self) -> None:

@@ -4,14 +4,15 @@ facade over them."""
 from __future__ import annotations
 
 import dataclasses
+import inspect
 
 import pytest
 import torch
 
 import lrmoe.functional._checks as checks
 import lrmoe.functional.options as options_module
-from lrmoe.functional import BackwardOptions, RoutingOptions, selective_swiglu_experts
-from lrmoe.nn import LRMoE, SwiGLUExperts
+from lrmoe.functional import BackwardOptions, RoutingOptions, plan_experts, selective_swiglu_experts
+from lrmoe.nn import LRMoE, SwiGLUExperts, from_transformers, replace_moe_blocks, swap_experts
 
 D, FF, E, K, T = 8, 6, 4, 2, 24
 
@@ -170,3 +171,59 @@ def test_a_layer_built_from_the_objects_compiles_fullgraph():
     got, want = _step(compiled), _step(layer)
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+
+
+def _fields(cls) -> dict[str, dataclasses.Field]:
+    return {f.name: f for f in dataclasses.fields(cls)}
+
+
+@pytest.mark.parametrize("function", [plan_experts, selective_swiglu_experts, SwiGLUExperts.__init__,
+                                      SwiGLUExperts.forward, swap_experts, from_transformers, replace_moe_blocks])
+def test_the_other_entry_points_take_the_fields_as_options_and_declare_none_again(function):
+    params = inspect.signature(function).parameters
+    declared = set(params) & (set(_fields(BackwardOptions)) | set(_fields(RoutingOptions)))
+    assert declared == set()
+    assert [p.name for p in params.values() if p.kind is p.VAR_KEYWORD] == ["options"]
+
+
+def test_the_functions_take_every_backward_field_as_a_keyword():
+    """plan_experts and selective_swiglu_experts take each BackwardOptions field as a keyword (kernels and
+    selective_in_eval included), as the object does, and refuse another name, naming it."""
+    torch.manual_seed(0)
+    x, w_gu, w_d = torch.randn(T, D), torch.randn(E, 2 * FF, D), torch.randn(E, D, FF)
+    ids = torch.stack([torch.randperm(E)[:K] for _ in range(T)])
+    gates, c = torch.rand(T, K), torch.randn(T, D)
+    flat = dict(retain=0.5, min_retain=0.1, metric="grad_l2", selection="sample", policy="proportional",
+                activations="recompute", quota_align=2, kernels="portable", selective_in_eval=True,
+                generator=None, backward_capacity=None)
+    assert set(flat) == set(_fields(BackwardOptions))
+    a, b = plan_experts(ids, E, **flat), plan_experts(ids, E, backward=BackwardOptions(**flat))
+    assert torch.equal(a.quotas, b.quotas) and torch.equal(a.uniform, b.uniform)
+    assert not torch.equal(a.quotas, plan_experts(ids, E, retain=0.5).quotas)  # proportional, aligned: others
+
+    def down_grad(**kwargs):
+        w = w_d.clone().requires_grad_(True)
+        (selective_swiglu_experts(x, w_gu, w, ids, gates, **kwargs) * c).sum().backward()
+        return w.grad
+
+    assert torch.equal(down_grad(**flat), down_grad(backward=BackwardOptions(**flat)))
+    for call in (lambda: plan_experts(ids, E, retian=0.5),
+                 lambda: selective_swiglu_experts(x, w_gu, w_d, ids, gates, retian=0.5)):
+        with pytest.raises(TypeError, match=r"unknown expert options \['retian'\]"):
+            call()
+
+
+def test_a_swiglu_experts_call_takes_its_arguments_explicitly_and_options_apart():
+    torch.manual_seed(0)
+    experts = SwiGLUExperts(E, D, FF, retain=0.5)
+    params = inspect.signature(SwiGLUExperts.forward).parameters
+    assert {name for name, p in params.items() if p.kind is p.KEYWORD_ONLY} == {
+        "backward", "plan", "stats_probe", "out_shape"}
+    x = torch.randn(T, D)
+    ids = torch.stack([torch.randperm(E)[:K] for _ in range(T)])
+    gates = torch.rand(T, K)
+    assert experts(x, ids, gates, out_shape=(2, T // 2, D)).shape == (2, T // 2, D)
+    with pytest.raises(TypeError, match=r"SwiGLUExperts call: unknown expert options \['out_shap'\]"):
+        experts(x, ids, gates, out_shap=(2, T // 2, D))
+    with pytest.raises(TypeError, match=r"either as a BackwardOptions \(backward=\) or as fields.*\['retain'\]"):
+        experts(x, ids, gates, backward=BackwardOptions(), retain=1.0)
