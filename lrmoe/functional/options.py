@@ -2,8 +2,9 @@
 
 :class:`BackwardOptions` is what the selective backward keeps and how (docs/design.md, "The selective backward");
 :class:`RoutingOptions` is how the router picks experts and gates. Each option is declared, defaulted, checked and
-documented here. ``LRMoE`` takes the objects (``LRMoE(..., backward=BackwardOptions(retain=0.75))``) or their
-fields as typed keywords of the same names and defaults; ``SwiGLUExperts``, ``swap_experts``, ``selective_swiglu_experts`` and ``plan_experts`` take
+documented here only. ``LRMoE`` takes the objects (``LRMoE(..., backward=BackwardOptions(retain=0.75))``) or their
+fields as typed keywords of the same names and defaults (tests/functional/test_options.py holds its signature to
+the fields); ``SwiGLUExperts``, ``swap_experts``, ``selective_swiglu_experts`` and ``plan_experts`` take
 ``backward=`` or ``BackwardOptions``' fields as ``**options``, turned into the object by :func:`resolve_options`;
 ``ExpertParallel`` and ``lrmoe.memory`` take the object. They hold Python values only (and a torch.Generator), so
 torch.compile(fullgraph=True) traces code that reads them, and ``dataclasses.replace`` gives a changed copy,
