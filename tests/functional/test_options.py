@@ -205,7 +205,8 @@ def test_lrmoe_keywords_are_the_options_fields_with_their_types_and_defaults():
     """LRMoE's flat keywords are a second spelling of BackwardOptions' and RoutingOptions' fields: the same names,
     types and defaults, none more, none missing (the next test plants drifts and sees each)."""
     assert not set(_fields(BackwardOptions)) & set(_fields(RoutingOptions))  # one flat namespace
-    assert option_keyword_drift(LRMoE.__init__, (BackwardOptions, RoutingOptions), LAYER_ARGUMENTS) == []
+    drift = option_keyword_drift(LRMoE.__init__, (BackwardOptions, RoutingOptions), LAYER_ARGUMENTS)
+    assert drift == [], "LRMoE's keywords drifted from the options' fields: " + "; ".join(drift)
 
 
 def _function_with_keywords(params: dict[str, tuple[object, object]]):
