@@ -115,8 +115,8 @@ def capture(model: MoELM, batch_BL1: torch.Tensor) -> list[dict]:
 def pair_view(record: dict) -> dict:
     """Gates, expert ids, choice rank and ‖φ‖² of every pair of one layer's batch."""
     layer, x_TD = record["layer"], record["x"]
-    routing = route_topk(layer.gate(x_TD), layer.top_k, score_func=layer.score_func,
-                         norm_topk_prob=layer.norm_topk_prob)
+    routing = route_topk(layer.gate(x_TD), layer.top_k, score_func=layer.routing.score_func,
+                         norm_topk_prob=layer.routing.norm_topk_prob)
     gate, up = torch.einsum("td,tkfd->tkf", x_TD, layer.experts.gate_up_proj[routing.expert_ids]).chunk(2, -1)
     phi_sq_TK = (torch.nn.functional.silu(gate) * up).square().sum(-1)
     return {"gates": routing.gates, "experts": routing.expert_ids, "phi_sq": phi_sq_TK, "g": record["g"],

@@ -105,9 +105,9 @@ def _step_stats(model: nn.Module, batch_BL1: torch.Tensor) -> _LayerStats:
     stats = [layer.stats() for layer in layers]
     retained = torch.stack([s.retained_pairs for s in stats]).sum()
     # Rows the expert backward's GEMMs run: the retained pairs, or with backward_capacity E padded blocks of C.
-    bwd_rows = sum(s.retained_pairs if layer.backward_capacity is None or layer.retain >= 1.0 else
+    bwd_rows = sum(s.retained_pairs if layer.backward.backward_capacity is None or layer.retain >= 1.0 else
                    layer.num_experts * backward_capacity_rows(n_tokens, layer.top_k, layer.num_experts, layer.retain,
-                                                              layer.backward_capacity)
+                                                              layer.backward.backward_capacity)
                    for layer, s in zip(layers, stats))
     total = torch.stack([s.total_pairs for s in stats]).sum()
     mass = torch.stack([s.score_mass_fraction.float() for s in stats]).nanmean()

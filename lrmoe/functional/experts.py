@@ -109,23 +109,17 @@ def plan_experts(
     expert_ids_TK: torch.Tensor,
     num_experts: int,
     *,
-    retain: float = 1.0,
-    min_retain: float = 0.0,
-    policy: str = "waterfill",
-    selection: str = "sample",
-    generator: torch.Generator | None = None,
+    backward: BackwardOptions | None = None,
     draw_uniform: bool = True,
     source_ids_T: torch.Tensor | None = None,
     num_sources: int = 1,
-    quota_align: int = 1,
-    backward_capacity: float | None = None,
-    backward: BackwardOptions | None = None,
+    **options,
 ) -> ExpertPlan:
     """Loads, quotas and sampling uniforms for one single-device MoE layer step.
 
-    ``backward``: the selective backward's options as one :class:`~lrmoe.functional.BackwardOptions`; or its
-    fields retain, min_retain, policy, selection, generator, quota_align and backward_capacity as keywords (not
-    both).
+    ``backward``: the selective backward's options (:class:`~lrmoe.functional.BackwardOptions`, which documents
+    each); or its fields as keywords (``**options``: retain, min_retain, policy, selection, ...), not both. The plan
+    reads retain, min_retain, policy, selection, generator, quota_align and backward_capacity.
 
     The sampling uniforms (selection "sample", retain < 1): from ``generator`` when one is given, else a hash of
     the step's routing (``lrmoe.functional.rng``: the same draws for the same model and batch, so a resumed run, a
@@ -138,16 +132,12 @@ def plan_experts(
     as one [S * E] draw in source-major order), and ``group_ids`` = expert * S + source. This is the plan
     expert parallelism uses when source s is EP rank s.
 
-    ``quota_align``: plan_quotas' ``align`` (trimmed experts' quotas in multiples of it, same total).
-
-    ``backward_capacity``: every expert keeps at most C = ``backward_capacity_rows(T, K, E, retain,
+    With ``backward_capacity`` every expert keeps at most C = ``backward_capacity_rows(T, K, E, retain,
     backward_capacity)`` pairs: plan_quotas with capacity C per expert, so what a capped expert cannot keep goes
-    to the experts below C, and the plan keeps min(floor(retain * P), sum of min(load, C)) pairs. Needs retain < 1,
-    policy "waterfill", ``quota_align`` 1 and pairs grouped by expert.
+    to the experts below C, and the plan keeps min(floor(retain * P), sum of min(load, C)) pairs (pairs grouped by
+    expert only).
     """
-    opts = resolve_options(BackwardOptions, backward, "plan_experts", retain=retain, min_retain=min_retain,
-                           policy=policy, selection=selection, generator=generator, quota_align=quota_align,
-                           backward_capacity=backward_capacity)
+    opts = resolve_options(BackwardOptions, backward, "plan_experts", **options)
     check_tensor("expert_ids_TK", expert_ids_TK, ndim=2, kind="int")
     num_experts = check_int("num_experts", num_experts)
     retain = opts.retain
@@ -190,21 +180,13 @@ def selective_swiglu_experts(
     expert_ids_TK: torch.Tensor,
     gates_TK: torch.Tensor,
     *,
-    retain: float = 1.0,
-    metric: str = "lrm",
-    selection: str = "sample",
-    policy: str = "waterfill",
-    min_retain: float = 0.0,
+    backward: BackwardOptions | None = None,
     plan: ExpertPlan | None = None,
-    generator: torch.Generator | None = None,
     stats_probe: torch.Tensor | None = None,
     source_ids_T: torch.Tensor | None = None,
     num_sources: int = 1,
-    activations: str = "save",
-    quota_align: int = 1,
-    backward_capacity: float | None = None,
-    backward: BackwardOptions | None = None,
     out_shape: tuple[int, ...] | torch.Size | None = None,
+    **options,
 ) -> torch.Tensor:
     """out_TD = sum_k gates[t, k] * SwiGLU_{expert_ids[t, k]}(x_t), with the selective backward.
 
@@ -213,38 +195,17 @@ def selective_swiglu_experts(
         gate_up_EFD: [E, 2F, D] gate half first (transformers' Qwen3-MoE ``experts.gate_up_proj``).
         down_EDF: [E, D, F] (``experts.down_proj``).
         expert_ids_TK: [T, K] integer expert of each pair; gates_TK: [T, K] float combine weights.
-        backward: the options below as one :class:`~lrmoe.functional.BackwardOptions` (validated when it was
-            built), instead of the keywords retain, metric, selection, policy, min_retain, generator, activations,
-            quota_align and backward_capacity (not both).
-        retain, metric, selection, policy, min_retain: see plan_quotas, score_pairs, select_within_quota.
-        quota_align: plan_quotas' ``align``, when planning here: trimmed experts keep multiples of it (128 lets
-            torch._grouped_mm's 128-row tiles run full in backward), the same total.
+        backward: the selective backward's options as one :class:`~lrmoe.functional.BackwardOptions` (validated
+            when it was built; it documents each); or its fields as keywords (``**options``: retain, metric,
+            selection, activations, backward_capacity, kernels, ...), not both. A function has no mode:
+            ``selective_in_eval`` plays no part here.
         plan: loads/quotas/uniforms from :func:`plan_experts`; planned here when None. A plan grouped by
             (source, expert) (``plan.group_ids`` set) makes every (source, expert) group keep its own quota.
             Pass the ``retain`` the plan was made for: a plan recording another (``plan.retain``) is refused.
-        source_ids_T, num_sources: when planning here, group the pairs by (source, expert) (see plan_experts).
-        generator: RNG for sampling uniforms and the "random" metric. None: the uniforms are a hash of the
-            routing (``plan_experts``), and "random" scores come from the global RNG. Not under torch.compile.
+            With ``backward_capacity`` a given plan's quotas are clamped to C.
         stats_probe: optional [3] fp32 leaf requiring grad; backward adds (fraction of score mass kept,
             retained pairs, 1) to its ``.grad``, which is how backward statistics leave without a sync.
-        activations: what forward keeps for backward. "save": the gate/up projection h of every pair
-            ([P, 2F]); backward gathers the retained rows. "recompute": not h; backward recomputes h for the
-            retained rows only (one grouped GEMM over them, from x, which is saved either way), so the saved
-            activations shrink by P*2F elements and the extra work scales with retain. "offload": h goes to
-            pinned host memory, copied on a side stream while forward goes on (lrmoe.ops.offload_to_host), and
-            backward reads back the retained rows only (lrmoe.ops.gather_host_rows): the device memory of
-            "recompute" without its GEMM, for P*2F elements over PCIe in forward and M*2F in backward. The same
-            gradients for all three; "offload" reads back the very values "save" keeps, so its gradients are
-            bit-identical to those of "save".
-        backward_capacity: None (default), or a factor >= 1: the backward's rows are laid out as E blocks of
-            C = ``backward_capacity_rows(T, K, E, retain, backward_capacity)`` rows (each expert's kept pairs, then
-            zero padding), and its four GEMMs run as batched GEMMs (torch.bmm) over E instead of grouped GEMMs. Each
-            expert keeps at most C pairs (plan_experts plans so; a given plan's quotas are clamped to C). Pays where
-            every expert's quota is near C (a balanced router): padding costs GEMM work and memory, a binding C
-            costs kept pairs. Needs retain < 1, policy "waterfill", ``quota_align`` 1 and pairs grouped by expert.
-            A padding row reads the output gradient of one real token times 0: an inf or NaN there makes the padded
-            experts' weight gradients NaN (the gradients are not finite in that step anyway).
-
+        source_ids_T, num_sources: when planning here, group the pairs by (source, expert) (see plan_experts).
         out_shape: the output's shape, [..., D] with T tokens in its leading dims (a layer passes its input's
             shape, of which x_TD is the reshape), or None for [T, D]. The output is written in that shape, a tensor
             of its own: reshaping a [T, D] one would make it a view, and an in-place op on a view drops the hooks
@@ -253,9 +214,7 @@ def selective_swiglu_experts(
     Returns: out_TD (in ``out_shape``, when given), dtype of x. This is the one-device case of the selective
     expert step (lrmoe.functional.expert_step): one rank, the identity transport.
     """
-    opts = resolve_options(BackwardOptions, backward, "selective_swiglu_experts", retain=retain, metric=metric,
-                           selection=selection, policy=policy, min_retain=min_retain, generator=generator,
-                           activations=activations, quota_align=quota_align, backward_capacity=backward_capacity)
+    opts = resolve_options(BackwardOptions, backward, "selective_swiglu_experts", **options)
     retain = opts.retain
     check_generator_not_traced(opts.generator)
     check_tensor("x_TD", x_TD, ndim=2, kind="float")

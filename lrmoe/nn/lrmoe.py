@@ -27,7 +27,13 @@ from lrmoe.functional._checks import (
 )
 from lrmoe.functional.transport import N_BACKWARD_STATS
 from lrmoe.functional.experts import ExpertPlan, plan_experts, selective_swiglu_experts
-from lrmoe.functional.options import BackwardOptions, RoutingOptions, option_names, resolve_options, split_options
+from lrmoe.functional.options import (
+    BackwardOptions,
+    RoutingOptions,
+    check_option_names,
+    option_names,
+    resolve_options,
+)
 from lrmoe.functional.routing import Routing, route_topk, router_logits
 from lrmoe.ops._torch_internals import current_graph_task_id
 
@@ -178,15 +184,17 @@ class SwiGLUExperts(_PlanRecords, nn.Module):
 
     Args:
         num_experts, dim, hidden_dim: E, D, F.
-        backward: the selective backward's options for every call (:class:`~lrmoe.functional.BackwardOptions`);
-            or its fields as keywords (``**options``: retain, selection, ...), not both. None: retain 1, the plain
-            dense backward. A call's own options override them. ``lrmoe.nn.swap_experts`` puts these modules, with
-            options, into a transformers model. Change them later with ``module.backward = replace(...)``.
+        backward: the selective backward's options for every call (:class:`~lrmoe.functional.BackwardOptions`,
+            which documents each); or its fields as keywords (``**options``: retain, selection, ...), not both.
+            None: retain 1, the plain dense backward. ``lrmoe.nn.swap_experts`` puts these modules, with options,
+            into a transformers model. Change them later with ``module.backward = replace(module.backward, ...)``.
 
     ``stats()`` and ``reset_stats()`` are LRMoE's (:class:`LRMoEStats`), for the calls the module plans (those
     without a ``plan``: a transformers model's calls after ``swap_experts``); an LRMoE's experts module leaves
     them to the layer.
     """
+
+    backward: BackwardOptions
 
     def __init__(self, num_experts: int, dim: int, hidden_dim: int, *, backward: BackwardOptions | None = None,
                  **options):
@@ -205,47 +213,58 @@ class SwiGLUExperts(_PlanRecords, nn.Module):
         return f"num_experts={self.num_experts}, dim={self.dim}, hidden_dim={self.hidden_dim}" + (
             f", {shown}" if shown else "")
 
-    def forward(self, x_TD: torch.Tensor, expert_ids_TK: torch.Tensor, gates_TK: torch.Tensor,
+    def forward(self, x_TD: torch.Tensor, expert_ids_TK: torch.Tensor, gates_TK: torch.Tensor, *,
+                backward: BackwardOptions | None = None, plan: ExpertPlan | None = None,
+                stats_probe: torch.Tensor | None = None, out_shape: tuple[int, ...] | torch.Size | None = None,
                 **options) -> torch.Tensor:
         """[T, D] tokens, their [T, K] experts and gates -> [T, D] gated sum of the experts' outputs:
         :func:`~lrmoe.functional.selective_swiglu_experts` with these weights and the gates in x's dtype, or
         under torch.autocast in its dtype (x, weights and gates cast to it, differentiably; the output in it), as
-        transformers' experts compute there; ``options`` are its keyword arguments (retain, plan, ...), over the
-        module's. The weights are cast as autocast would (LRMoE has checked the dtypes). In eval() with no
-        backward to run (no grad, or nothing requiring it) no sampling uniforms are drawn, as in LRMoE. A call
-        without a ``plan`` is planned here and its plan kept for ``stats()`` as LRMoE keeps its own (not an
-        evaluation's, not a recompute's), with its backward statistics unless the call brings a ``stats_probe``.
-        LRMoE runs its experts through this call, with its plan and probe, so a hook on this module (FSDP2's
-        ``fully_shard(layer.experts)`` gathering the weights) sees them."""
+        transformers' experts compute there. The weights are cast as autocast would (LRMoE has checked the
+        dtypes).
+
+        The options of the call: the module's (``self.backward``; exact in eval() mode unless
+        ``selective_in_eval``, as in LRMoE); or ``backward``, a BackwardOptions for this call instead (used as
+        given); or ``**options``, BackwardOptions' fields changed from the module's for this call (``retain=1.0``);
+        not both of the last two. The call's arguments, as selective_swiglu_experts takes them: ``plan``,
+        ``stats_probe`` and ``out_shape``.
+
+        A call without a ``plan`` is planned here and its plan kept for ``stats()`` as LRMoE keeps its own (not
+        an evaluation's, not a recompute's), with its backward statistics unless the call brings a
+        ``stats_probe``; in eval() with no backward to run (no grad, or nothing requiring it) no sampling uniforms
+        are drawn, as in LRMoE. LRMoE runs its experts through this call, with its plan and probe, so a hook on
+        this module (FSDP2's ``fully_shard(layer.experts)`` gathering the weights) sees them."""
         gate_up, down = self.gate_up_proj, self.down_proj
         if isinstance(gate_up, DTensor) or isinstance(down, DTensor):
             # The ops would refuse a mix of tensors and DTensors, naming none of this.
             raise RuntimeError(f"the experts' weights are DTensors: {UNGATHERED_EXPERTS}")
-        flat, call = split_options(BackwardOptions, options)
-        given = call.pop("backward", None)
-        if flat:  # the call's own options over the module's
-            opts = replace(self.backward if given is None else given, **flat)
-        else:
-            opts = self.backward if given is None else resolve_options(BackwardOptions, given, "SwiGLUExperts call")
-        if given is None and not flat:  # the module's own options: exact in eval mode (BackwardOptions.for_mode)
-            opts = opts.for_mode(self.training)
-        plans_here = call.get("plan") is None  # a caller with a plan (LRMoE) keeps the records itself
+        if options:  # the call's own fields over the module's
+            check_option_names(BackwardOptions, options, "SwiGLUExperts call")
+            if backward is not None:
+                raise TypeError(f"SwiGLUExperts call: pass the call's options either as a BackwardOptions "
+                                f"(backward=) or as fields changing the module's, not both (got a BackwardOptions "
+                                f"and {sorted(options)})")
+            opts = replace(self.backward, **options)
+        elif backward is not None:  # the call's own object, as given (checked to be one)
+            opts = resolve_options(BackwardOptions, backward, "SwiGLUExperts call")
+        else:  # the module's own options: exact in eval mode (BackwardOptions.for_mode)
+            opts = self.backward.for_mode(self.training)
+        plans_here = plan is None  # a caller with a plan (LRMoE) keeps the records itself
         if plans_here:
-            probe = call.get("stats_probe")
-            if probe is None:  # the backward statistics go to the module's probe, for stats()
-                probe = call["stats_probe"] = self._probe_for(x_TD, gates_TK)
+            if stats_probe is None:  # the backward statistics go to the module's probe, for stats()
+                stats_probe = self._probe_for(x_TD, gates_TK)
             # Evaluation (eval() with no backward to run) draws no sampling uniforms, as LRMoE does.
-            call["plan"] = plan_experts(expert_ids_TK, self.num_experts, draw_uniform=self._draws_uniform(probe),
-                                        backward=opts, source_ids_T=call.get("source_ids_T"),
-                                        num_sources=call.get("num_sources", 1))
+            plan = plan_experts(expert_ids_TK, self.num_experts, backward=opts,
+                                draw_uniform=self._draws_uniform(stats_probe))
         dtype = compute_dtype(x_TD)  # torch.autocast's (transformers' experts compute in it there), else x's
         if gates_TK.is_floating_point():  # others are refused, naming gates_TK, not cast
             gates_TK = gates_TK.to(dtype)
         with autocast_off(x_TD.device.type):  # the experts run in ``dtype`` exactly
             out = selective_swiglu_experts(x_TD.to(dtype), gate_up.to(dtype), down.to(dtype), expert_ids_TK,
-                                           gates_TK, backward=opts, **call)
+                                           gates_TK, backward=opts, plan=plan, stats_probe=stats_probe,
+                                           out_shape=out_shape)
         if plans_here:  # once the call's arguments have passed the checks
-            self._record_plan(call["plan"], probe)
+            self._record_plan(plan, stats_probe)
         return out
 
     def reset_parameters(self) -> None:
@@ -274,58 +293,29 @@ class LRMoE(_PlanRecords, nn.Module):
 
     Args:
         dim, hidden_dim, num_experts, top_k: D, F, E, K.
-        retain: fraction of routed pairs whose expert-path gradient backward keeps, in (0, 1]; 1 = dense.
-        metric: pair score, "lrm" (alpha^2 ||g||^2 ||phi||^2), "grad_l2", "grad_abs" or "random".
-        selection: "sample" (unbiased, default) or "top" (the paper's top-quota rule).
-        policy: quota policy, "waterfill" or "proportional". min_retain: per-expert floor, <= retain.
-        score_func, norm_topk_prob: router as in Qwen3-MoE (softmax, renormalised top-k).
-        routed_scaling_factor, n_group, topk_group, selection_bias: the rest of route_topk's routing, as in
-            GLM-4.5 and DeepSeek-V3: gates times routed_scaling_factor; experts chosen within the topk_group best of
-            n_group equal groups; with selection_bias, a [E] fp32 buffer ``gate.e_score_correction_bias`` (zeros)
-            added to the scores for the choice only, for aux-loss-free balancing (``update_selection_bias``).
-        router_dtype: None (default): the router's logits in the parameters' dtype, as transformers' Qwen3-MoE
-            computes them; torch.float32: the logits of fp32 copies of x and ``gate.weight``, as its GLM-4.5 and
-            DeepSeek-V3 routers compute them (in bf16 the two choose differently for a few tokens in a thousand);
-            for bf16 x and weights without the copies or fp32 GEMMs (lrmoe.functional.router_logits).
         shared_hidden_dim: None, or the hidden width of a dense SwiGLU ``shared_experts`` (SwiGLUMLP) whose output
             is added to the routed experts' for every token (GLM-4.5, DeepSeek-V3: moe_intermediate_size *
             n_shared_experts). Its backward is the ordinary dense one; under expert parallelism it stays
             replicated like the router.
-        generator: RNG for sampling. None (default): the uniforms are a hash of the step's routing
-            (lrmoe.functional.rng), so a run resumed from a checkpoint draws what the continued run draws, an
-            activation-checkpoint recompute what its forward drew, and torch.compile traces it. A generator's
-            state is not part of the model's, and a generator cannot be compiled.
-        selective_in_eval: in eval() mode the backward is exact (every pair kept, as at retain 1), as eval()
-            switches off dropout; True keeps the selective backward there too.
-        kernels: the experts' kernels: "auto" (default: the backend measured fastest, lrmoe's portable ops on
-            every GPU measured so far), "portable", or "hopper" (quack's fused grouped GEMMs on an sm_90 GPU with
-            quack-kernels installed, bf16/fp16).
-        activations: "save" (forward keeps every pair's gate/up projection), "recompute" (backward recomputes
-            it for the retained rows only; less memory, one more grouped GEMM over the retained rows) or "offload"
-            (forward copies it to pinned host memory on a side stream, backward reads back the retained rows
-            only; the device memory of "recompute" without its GEMM, the gradients of "save" bit for bit).
-        quota_align: backward quotas of trimmed experts in multiples of this many pairs, the same total
-            (plan_quotas' ``align``); 128 fills torch._grouped_mm's row tiles on an H200. 1: the plain plan.
-            Expert parallelism aligns each instance's quota (not with its capacity_factor).
-        backward_capacity: None, or a factor >= 1: every expert keeps at most C = the balanced quota
-            floor(retain * P) / E times this factor (rounded up to 8 rows) in backward, and the backward runs on E
-            blocks of C rows, zero-padded, with batched GEMMs (selective_swiglu_experts says more). The factor
-            trades kept pairs for padding: 1.0 keeps the whole budget while the router stays balanced, 1.25 up to
-            a heaviest expert of about 2.5x the mean (docs/api.md; benchmarks/plans.py capacity for a
-            router's skew); past that, fewer pairs than retain asks (stats().retained_pairs says how many).
-            Needs retain < 1, policy "waterfill" and quota_align 1; one device only (expert parallelism has
-            capacity_factor).
+        retain, min_retain, metric, selection, policy, activations, quota_align, backward_capacity, generator,
+            kernels, selective_in_eval: the selective backward's options, each the field of that name of
+            :class:`~lrmoe.functional.BackwardOptions` (its type, its default, its check; documented there).
+        score_func, norm_topk_prob, routed_scaling_factor, n_group, topk_group, selection_bias, router_dtype: the
+            router's options, each the field of that name of :class:`~lrmoe.functional.RoutingOptions`, likewise.
+            A selection bias is a [E] fp32 buffer ``gate.e_score_correction_bias`` (``update_selection_bias``).
+        backward: the backward options as one BackwardOptions instead of their keywords (not both: an object
+            together with a keyword changed from its default is a TypeError).
+        routing: the routing options as one RoutingOptions, likewise.
 
-        backward: the options above of the selective backward (retain, min_retain, metric, selection, policy,
-            activations, quota_align, backward_capacity, generator, selective_in_eval, kernels) as one
-            :class:`~lrmoe.functional.BackwardOptions`, instead of the keywords (not both).
-        routing: the routing options above (score_func, norm_topk_prob, routed_scaling_factor, n_group,
-            topk_group, selection_bias, router_dtype) as one :class:`~lrmoe.functional.RoutingOptions`, likewise.
-
-    ``layer.backward`` and ``layer.routing`` hold the options; ``layer.retain`` (and every other field) reads
-    them, and setting it replaces the object by a changed copy. Input [..., dim] -> output of the same shape and
-    dtype.
+    tests/functional/test_options.py holds these keywords to the two classes' fields (names, types, defaults).
+    ``layer.backward`` and ``layer.routing`` hold the options (``layer.routing.score_func``); change them with
+    ``layer.backward = dataclasses.replace(layer.backward, ...)`` (validated again). ``layer.retain`` reads and
+    sets ``layer.backward.retain`` (the option a retain schedule changes). Input [..., dim] -> output of the same
+    shape and dtype.
     """
+
+    backward: BackwardOptions
+    routing: RoutingOptions
 
     def __init__(
         self,
@@ -356,6 +346,9 @@ class LRMoE(_PlanRecords, nn.Module):
         backward: BackwardOptions | None = None,
         routing: RoutingOptions | None = None,
     ):
+        # The option keywords, read by the options classes' field names: no third list of them (a keyword the
+        # signature lacks fails here, as in the signature test).
+        given = locals()
         super().__init__()
         sizes = [("dim", dim), ("hidden_dim", hidden_dim), ("num_experts", num_experts)]
         if shared_hidden_dim is not None:
@@ -365,24 +358,29 @@ class LRMoE(_PlanRecords, nn.Module):
             shared_hidden_dim = shared[0]
         top_k = check_top_k(top_k, num_experts)
         # The flat keywords are a facade over the two options objects: each is validated once, when built.
-        self.backward = resolve_options(
-            BackwardOptions, backward, "LRMoE", retain=retain, metric=metric, selection=selection, policy=policy,
-            min_retain=min_retain, generator=generator, activations=activations, quota_align=quota_align,
-            selective_in_eval=selective_in_eval, kernels=kernels,
-            backward_capacity=backward_capacity)
-        self.routing = resolve_options(
-            RoutingOptions, routing, "LRMoE", score_func=score_func, norm_topk_prob=norm_topk_prob,
-            routed_scaling_factor=routed_scaling_factor, n_group=n_group, topk_group=topk_group,
-            selection_bias=selection_bias, router_dtype=router_dtype)
+        self.backward = resolve_options(BackwardOptions, backward, "LRMoE",
+                                        **{name: given[name] for name in option_names(BackwardOptions)})
+        self.routing = resolve_options(RoutingOptions, routing, "LRMoE",
+                                       **{name: given[name] for name in option_names(RoutingOptions)})
         check_group_routing(num_experts, top_k, self.routing.n_group, self.routing.topk_group)
         self.dim, self.hidden_dim, self.num_experts, self.top_k = dim, hidden_dim, num_experts, top_k
 
         self.gate = nn.Linear(dim, num_experts, bias=False)
-        if self.selection_bias:  # on the gate, where transformers' GLM-4.5 / DeepSeek-V3 routers keep it
+        if self.routing.selection_bias:  # on the gate, where transformers' GLM-4.5 / DeepSeek-V3 routers keep it
             self.gate.register_buffer("e_score_correction_bias", torch.zeros(num_experts, dtype=torch.float32))
         self.experts = SwiGLUExperts(num_experts, dim, hidden_dim)
         self.shared_experts = None if shared_hidden_dim is None else SwiGLUMLP(dim, shared_hidden_dim)
         self._init_records(num_experts)  # the last forward's plan and the backward statistics
+
+    @property
+    def retain(self) -> float:
+        """``self.backward.retain``. Setting it replaces ``self.backward`` by a copy with that retain, validated
+        again (a bad value raises, naming retain, and leaves the options as they were)."""
+        return self.backward.retain
+
+    @retain.setter
+    def retain(self, value: float) -> None:
+        self.backward = replace(self.backward, retain=value)
 
     def extra_repr(self) -> str:
         shown = ", ".join(part for part in (_shown(self.backward), _shown(self.routing)) if part)
@@ -436,11 +434,12 @@ class LRMoE(_PlanRecords, nn.Module):
     def route(self, x_TD: torch.Tensor) -> Routing:
         """[T, D] tokens -> their experts and gates: the gate's logits through route_topk with the layer's options
         (also the expert-parallel layer's routing)."""
-        logits_TE = router_logits(x_TD, self.gate.weight, self.router_dtype)
+        opts = self.routing
+        logits_TE = router_logits(x_TD, self.gate.weight, opts.router_dtype)
         return route_topk(
-            logits_TE, self.top_k, score_func=self.score_func, norm_topk_prob=self.norm_topk_prob,
-            bias_E=self.gate.e_score_correction_bias if self.selection_bias else None,
-            scaling=self.routed_scaling_factor, n_group=self.n_group, topk_group=self.topk_group,
+            logits_TE, self.top_k, score_func=opts.score_func, norm_topk_prob=opts.norm_topk_prob,
+            bias_E=self.gate.e_score_correction_bias if opts.selection_bias else None,
+            scaling=opts.routed_scaling_factor, n_group=opts.n_group, topk_group=opts.topk_group,
         )
 
     def reset_parameters(self) -> None:
@@ -453,7 +452,7 @@ class LRMoE(_PlanRecords, nn.Module):
         if self.shared_experts is not None:
             for linear in (self.shared_experts.gate_proj, self.shared_experts.up_proj, self.shared_experts.down_proj):
                 linear.reset_parameters()
-        if self.selection_bias:
+        if self.routing.selection_bias:
             with torch.no_grad():
                 self.gate.e_score_correction_bias.zero_()
 
@@ -465,7 +464,7 @@ class LRMoE(_PlanRecords, nn.Module):
         equal. On the device, no sync; call it after the optimiser step (it changes a buffer, not a parameter).
         Evaluation forwards (eval() with no backward to run, e.g. under torch.no_grad()) leave the loads of the last
         training forward in place, so a validation pass between the step and this call does not steer it."""
-        if not self.selection_bias:
+        if not self.routing.selection_bias:
             raise ValueError("update_selection_bias needs a layer built with selection_bias=True")
         check_scaling(rate, "rate")
         loads_E = self.last_loads.float()
@@ -480,27 +479,6 @@ class LRMoE(_PlanRecords, nn.Module):
         module = super()._apply(fn, recurse)  # the probe follows (_PlanRecords)
         # The selection bias stays fp32 under .to(dtype), as transformers keeps it: its balancing updates are small
         # steps that bf16 would round away.
-        if self.selection_bias and self.gate.e_score_correction_bias.dtype != torch.float32:
+        if self.routing.selection_bias and self.gate.e_score_correction_bias.dtype != torch.float32:
             self.gate.e_score_correction_bias = self.gate.e_score_correction_bias.float()
         return module
-
-
-
-def _option_property(group: str, name: str) -> property:
-    """LRMoE's ``layer.<name>``: a field of its ``layer.<group>`` options object. Setting it replaces the object
-    by a copy with that field changed (validated again)."""
-
-    def get(self):
-        return getattr(getattr(self, group), name)
-
-    def set_(self, value):
-        setattr(self, group, replace(getattr(self, group), **{name: value}))
-
-    return property(get, set_, doc=f"``self.{group}.{name}`` (see :class:`LRMoE`).")
-
-
-for _group, _cls in (("backward", BackwardOptions), ("routing", RoutingOptions)):
-    for _name in option_names(_cls):
-        setattr(LRMoE, _name, _option_property(_group, _name))
-del _group, _cls, _name
-

@@ -142,7 +142,8 @@ class TransformersRoutedLRMoE(LRMoE):
 
     def route(self, x_TD: torch.Tensor) -> Routing:
         logits_TE, gates_TK, expert_ids_TK = self.gate(x_TD)
-        scores_TE = logits_TE.float().sigmoid() if self.score_func == "sigmoid" else logits_TE.float().softmax(-1)
+        scores_TE = (logits_TE.float().sigmoid() if self.routing.score_func == "sigmoid"
+                     else logits_TE.float().softmax(-1))
         return Routing(expert_ids=expert_ids_TK, gates=gates_TK, scores=scores_TE)
 
 

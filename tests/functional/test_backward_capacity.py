@@ -73,7 +73,9 @@ def test_plan_keeps_at_most_c_per_expert_and_hands_the_rest_on(T, E, K, retain, 
     assert torch.equal(plan.loads, plain.loads)
     assert bool((plan.quotas >= 0).all() and (plan.quotas <= plan.loads).all() and (plan.quotas <= cap).all())
     # No pair wasted: the budget, or all the capacities hold, or the floors where they alone exceed the budget.
-    budget = math.floor(retain * T * K)
+    # floor(retain * P), a product that lands within rounding of an integer counted as that integer: in double
+    # 0.3333333333333333 * 75 is 24.999999999999996 in Python and 25.0 in torch, which the plan computes in.
+    budget = math.floor(retain * T * K + 1e-9)
     floors = torch.minimum((plan.loads.double() * min_retain - 1e-6).ceil().clamp(min=0).long(), plan.loads)
     hold = int(plan.loads.clamp(max=cap).sum())
     assert int(plan.quotas.sum()) == max(min(budget, hold), int(floors.clamp(max=cap).sum()))

@@ -40,14 +40,12 @@ def reference_forward(layer: LRMoE, x_TD, token_counts, uniform_SE=None):
     n_src = len(token_counts)
     source_ids_T = torch.repeat_interleave(torch.arange(n_src), torch.tensor(token_counts)).to(x_TD.device)
     routing = layer.route(x_TD)  # the layer's routing options (bias, groups, scaling) included
-    plan = plan_experts(routing.expert_ids, layer.num_experts, retain=layer.retain, min_retain=layer.min_retain,
-                        policy=layer.policy, selection=layer.selection, draw_uniform=False,
-                        source_ids_T=source_ids_T, num_sources=n_src, quota_align=layer.quota_align)
+    plan = plan_experts(routing.expert_ids, layer.num_experts, backward=layer.backward, draw_uniform=False,
+                        source_ids_T=source_ids_T, num_sources=n_src)
     plan = dataclasses.replace(plan, uniform=uniform_SE)
     out = selective_swiglu_experts(
         x_TD, layer.experts.gate_up_proj, layer.experts.down_proj, routing.expert_ids, routing.gates.to(x_TD.dtype),
-        retain=layer.retain, metric=layer.metric, selection=layer.selection, policy=layer.policy,
-        min_retain=layer.min_retain, plan=plan,
+        backward=layer.backward, plan=plan,
     )
     return layer.add_shared(x_TD, out)
 
@@ -61,12 +59,12 @@ def _matches_reference(rank, world, configs, layer_kwargs=None):
     for retain, selection, seed, align in configs:
         torch.manual_seed(seed)
         ref = LRMoE(D, FF, E, K, retain=retain, selection=selection, quota_align=align, **(layer_kwargs or {}))
-        if ref.selection_bias:  # the same seeded bias on every rank, large enough to change choices
+        if ref.routing.selection_bias:  # the same seeded bias on every rank, large enough to change choices
             with torch.no_grad():
                 ref.gate.e_score_correction_bias.copy_(torch.randn(E) * 0.3)
         x_all, c_all = torch.randn(sum(counts), D), torch.randn(sum(counts), D)
         layer = parallelize_module(copy.deepcopy(ref), mesh, ExpertParallel())
-        layer.generator = torch.Generator().manual_seed(1000 + rank)
+        layer.backward = dataclasses.replace(layer.backward, generator=torch.Generator().manual_seed(1000 + rank))
 
         x = x_all[rows].clone().requires_grad_(True)
         out = layer(x)
@@ -94,7 +92,7 @@ def _matches_reference(rank, world, configs, layer_kwargs=None):
             grad = getattr(layer.experts, name).grad
             assert grad.placements[0].is_shard(0)
             torch.testing.assert_close(grad.to_local(), getattr(ref.experts, name).grad[experts], **tol)
-        if layer.selection_bias:  # balancing from the global loads: the same step on every rank
+        if layer.routing.selection_bias:  # balancing from the global loads: the same step on every rank
             before = layer.gate.e_score_correction_bias.clone()
             layer.update_selection_bias(0.01)
             loads_E = layer.stats().loads.sum(0).float()

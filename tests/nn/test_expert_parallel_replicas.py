@@ -49,8 +49,8 @@ def reference_forward(layer: LRMoE, x_TD, token_counts, stats, uniform_SG=None):
     n_src = len(token_counts)
     inst_WI = stats.instances
     n_ranks, n_inst = inst_WI.shape
-    routing = route_topk(layer.gate(x_TD), layer.top_k, score_func=layer.score_func,
-                         norm_topk_prob=layer.norm_topk_prob)
+    routing = route_topk(layer.gate(x_TD), layer.top_k, score_func=layer.routing.score_func,
+                         norm_topk_prob=layer.routing.norm_topk_prob)
     slot = {(int(inst_WI[w, i]), w): i for w in range(n_ranks) for i in range(n_inst) if inst_WI[w, i] >= 0}
     n_x = n_src * n_ranks
     loads_XE = torch.zeros(n_x, E, dtype=torch.int64)
@@ -84,8 +84,7 @@ def reference_forward(layer: LRMoE, x_TD, token_counts, stats, uniform_SG=None):
                       group_ids=group_TK)
     return selective_swiglu_experts(
         x_TD, layer.experts.gate_up_proj, layer.experts.down_proj, ids, routing.gates.to(x_TD.dtype),
-        retain=layer.retain, metric=layer.metric, selection=layer.selection, policy=layer.policy,
-        min_retain=layer.min_retain, plan=plan,
+        backward=layer.backward, plan=plan,
     )
 
 
@@ -102,7 +101,7 @@ def _matches_reference(rank, world, configs, plan_on="device", backward_blocks=F
         style = ExpertParallel(max_replicas=2, capacity_factor=capacity_factor, plan_on=plan_on,
                                backward_blocks=backward_blocks)
         layer = parallelize_module(copy.deepcopy(ref), mesh, style)
-        layer.generator = torch.Generator().manual_seed(1000 + rank)
+        layer.backward = dataclasses.replace(layer.backward, generator=torch.Generator().manual_seed(1000 + rank))
 
         x = x_all[rows].clone().requires_grad_(True)
         out = layer(x)

@@ -4,6 +4,7 @@ contract: exact forward and router gradient, expert gradients restricted to the 
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -24,9 +25,9 @@ def dense_reference(layer: LRMoE, x: torch.Tensor, kept=None) -> torch.Tensor:
     """
     x_TD = x.reshape(-1, layer.dim)
     logits = x_TD @ layer.gate.weight.t()
-    probs = logits.float().softmax(-1) if layer.score_func == "softmax" else logits.float().sigmoid()
+    probs = logits.float().softmax(-1) if layer.routing.score_func == "softmax" else logits.float().sigmoid()
     top_w, top_i = probs.topk(layer.top_k, dim=-1)
-    if layer.norm_topk_prob:
+    if layer.routing.norm_topk_prob:
         top_w = top_w / top_w.sum(-1, keepdim=True)
     out = torch.zeros_like(x_TD)
     w_gu, w_d = layer.experts.gate_up_proj, layer.experts.down_proj
@@ -170,7 +171,7 @@ def test_sample_selection_is_unbiased():
     acc_x = torch.zeros_like(dense_gx)
     # The default draws are a hash of the routing: the same for the same weights and batch. Unbiasedness is a
     # property over the draws, so take them from a generator here (a training run's routing changes every step).
-    layer.generator = torch.Generator().manual_seed(123)
+    layer.backward = replace(layer.backward, generator=torch.Generator().manual_seed(123))
     for _ in range(n_draws):
         out, gx, gp = grads(layer, x, layer, c)
         acc_x += gx
@@ -349,10 +350,10 @@ def test_sample_draws_are_a_function_of_the_model_and_batch_unless_a_generator_i
     assert torch.equal(a["experts.down_proj"], b["experts.down_proj"])
     # (another routing draws anew: tests/functional/test_rng.py)
 
-    layer.generator = torch.Generator().manual_seed(3)
+    layer.backward = replace(layer.backward, generator=torch.Generator().manual_seed(3))
     _, _, g1 = grads(layer, x, layer, c)
     _, _, g2 = grads(layer, x, layer, c)  # the generator has moved on
-    layer.generator = torch.Generator().manual_seed(3)
+    layer.backward = replace(layer.backward, generator=torch.Generator().manual_seed(3))
     _, _, g3 = grads(layer, x, layer, c)
     assert torch.equal(g1["experts.down_proj"], g3["experts.down_proj"])
     assert not torch.equal(g1["experts.down_proj"], g2["experts.down_proj"])
@@ -484,10 +485,10 @@ def test_the_layer_leaves_the_global_rng_untouched_and_draws_from_a_generator_on
     # too: its backward is exact (selective_in_eval=False)
     for train, needs_grad, draws in ((False, False, False), (True, False, True), (False, True, False)):
         layer.train(train)
-        layer.generator = torch.Generator().manual_seed(5)
+        layer.backward = replace(layer.backward, generator=torch.Generator().manual_seed(5))
         with torch.set_grad_enabled(needs_grad):
             layer(x.detach().requires_grad_(needs_grad))
-        assert torch.equal(layer.generator.get_state(), torch.Generator().manual_seed(5).get_state()) != draws
+        assert torch.equal(layer.backward.generator.get_state(), torch.Generator().manual_seed(5).get_state()) != draws
 
 
 @pytest.mark.parametrize("retain, activations, backward_capacity",

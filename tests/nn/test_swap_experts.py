@@ -275,7 +275,7 @@ def test_from_transformers_shares_the_blocks_tensors_and_takes_lrmoe_options():
 
     hf = _block("glm4_moe")
     layer = from_transformers(hf, retain=0.5, selection="top")
-    assert layer.retain == 0.5 and layer.selection == "top" and layer.score_func == "sigmoid"
+    assert layer.retain == 0.5 and layer.backward.selection == "top" and layer.routing.score_func == "sigmoid"
     assert layer.experts.gate_up_proj is hf.experts.gate_up_proj and layer.gate is hf.gate
     assert layer.shared_experts.down_proj.weight is hf.shared_experts.down_proj.weight
     with pytest.raises(TypeError, match=r"takes its routing from the block; got \['top_k'\]"):
