@@ -71,7 +71,7 @@ class BackwardOptions:
         (torch.bmm) instead of grouped GEMMs. ``plan_experts`` plans within C (what a capped expert cannot keep
         goes to the experts below C); a given plan's quotas are clamped to C. The factor trades kept pairs for
         padding: 1.0 keeps the whole budget while the router stays balanced, 1.25 up to a heaviest expert of about
-        2.5x the mean (docs/api.md; benchmarks/backward_capacity_plan.py for a router's skew); past that, fewer
+        2.5x the mean (docs/api.md; benchmarks/plans.py capacity for a router's skew); past that, fewer
         pairs than retain asks (``stats().retained_pairs`` says how many). A padding row reads the output gradient
         of one real token times 0: an inf or NaN there makes the padded experts' weight gradients NaN. Needs
         retain < 1, policy "waterfill", quota_align 1 and pairs grouped by expert; one device only (expert
