@@ -186,6 +186,7 @@ def selective_swiglu_experts(
     source_ids_T: torch.Tensor | None = None,
     num_sources: int = 1,
     out_shape: tuple[int, ...] | torch.Size | None = None,
+    part_of_step: bool = False,
     **options,
 ) -> torch.Tensor:
     """out_TD = sum_k gates[t, k] * SwiGLU_{expert_ids[t, k]}(x_t), with the selective backward.
@@ -210,6 +211,11 @@ def selective_swiglu_experts(
             shape, of which x_TD is the reshape), or None for [T, D]. The output is written in that shape, a tensor
             of its own: reshaping a [T, D] one would make it a view, and an in-place op on a view drops the hooks
             on it (FSDP2's pre-backward hook on a sharded layer's output).
+        part_of_step: False (default): these pairs are the whole step, and a retain that keeps none of them where
+            a backward can run is refused (every expert gradient would be zero, silently). True: they are one
+            rank's part of a step whose ranks plan their quotas apart (torchtitan's expert parallelism), where a
+            rank that keeps none of its few pairs is valid, and a refusal on that rank alone would leave the
+            others waiting in the step's next collective.
 
     Returns: out_TD (in ``out_shape``, when given), dtype of x. This is the one-device case of the selective
     expert step (lrmoe.functional.expert_step): one rank, the identity transport.
@@ -258,8 +264,9 @@ def selective_swiglu_experts(
     n_pairs = n_tok * top_k
     differentiable = (x_TD, gate_up_EFD, down_EDF, gates_TK, stats_probe)
     runs_backward = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in differentiable)
-    if runs_backward and not hand_built:  # a forward alone is exact at any retain; a hand-built plan's budget is
-        check_keeps_pairs(retain, opts.min_retain, n_pairs, "selective_swiglu_experts")  # the caller's
+    if runs_backward and not hand_built and not part_of_step:  # a forward alone is exact at any retain; a
+        # hand-built plan's budget is the caller's, as is a rank's part of a step
+        check_keeps_pairs(retain, opts.min_retain, n_pairs, "selective_swiglu_experts")
     if plan is None:
         plan = plan_experts(expert_ids_TK, n_exp, source_ids_T=source_ids_T, num_sources=num_sources, backward=opts)
     quotas_G, uniform_G, group_ids_P = _flat_groups(plan, n_exp, expert_ids_TK)

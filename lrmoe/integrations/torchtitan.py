@@ -229,6 +229,10 @@ class _SelectiveExpertsMixin:
         _install(self, config.lrmoe_backward, config.lrmoe_compute_dtype, config.lrmoe_quota_blocks)
 
     def forward(self, x_RD: torch.Tensor, num_tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
+        # Under torchtitan's expert parallelism (the weights DTensors sharded on the experts) these rows are this
+        # rank's part of the step, and each rank plans its quotas from its own: one that keeps none of its few rows
+        # is valid, and refusing there alone would leave the other ranks waiting in the combine's all-to-all.
+        part_of_step = isinstance(self.w1_EFD, DTensor)
         w1_EFD, w2_EDF, w3_EFD = (_local_experts(name, getattr(self, name)) for name in ("w1_EFD", "w2_EDF", "w3_EFD"))
         n_exp, n_rows = w1_EFD.shape[0], x_RD.shape[0]
         device = x_RD.device.type
@@ -247,12 +251,12 @@ class _SelectiveExpertsMixin:
         if backward:  # without a backward the forward is the same at any retain: plan nothing, draw nothing
             opts = self.lrmoe_backward.for_mode(self.training)  # exact in eval() unless selective_in_eval, as LRMoE
             if self.lrmoe_quota_blocks > 1 and not opts.dense:
-                plan = _block_plan(expert_ids_R1, n_exp, self.lrmoe_quota_blocks, opts)
+                plan = _block_plan(expert_ids_R1, n_exp, self.lrmoe_quota_blocks, opts, part_of_step)
             if self.lrmoe_stats_probe.device == x_RD.device:
                 probe = self.lrmoe_stats_probe
         with torch.autocast(device, enabled=False):  # the experts run in ``dtype`` exactly
             y_RD = selective_swiglu_experts(x_RD.to(dtype), gate_up_EFD, w2_EDF.to(dtype), expert_ids_R1, gates_R1,
-                                            plan=plan, stats_probe=probe, backward=opts)
+                                            plan=plan, stats_probe=probe, backward=opts, part_of_step=part_of_step)
         return y_RD.type_as(x_RD)
 
     def _apply(self, fn, recurse=True):
@@ -324,14 +328,17 @@ def _local_experts(name: str, weight: torch.Tensor) -> torch.Tensor:
     return weight.to_local()
 
 
-def _block_plan(expert_ids_R1: torch.Tensor, n_exp: int, blocks: int, opts: BackwardOptions) -> ExpertPlan:
+def _block_plan(expert_ids_R1: torch.Tensor, n_exp: int, blocks: int, opts: BackwardOptions,
+                part_of_step: bool = False) -> ExpertPlan:
     """Quotas planned within each of ``blocks`` equal blocks of experts from its own rows, as each rank of
     torchtitan's expert parallelism over ``blocks`` ranks plans its experts' (plan_quotas per block). Sampling
     uniforms, one per expert: from ``opts.generator`` when one is given, else each block's keyed on that block's
     rows (block_routing_keys), which is the draw plan_experts makes on the rank holding the block (rows sorted by
     expert, keyed on the rank's own rows with local expert ids): a function of the batch, no RNG state read."""
-    # As plan_experts refuses for the quota_blocks=1 plan: a budget of no row (R is static, no sync).
-    check_keeps_pairs(opts.retain, opts.min_retain, expert_ids_R1.shape[0], "convert_moe's experts")
+    # As selective_swiglu_experts refuses for the quota_blocks=1 plan: a budget of no row (R is static, no sync),
+    # unless the rows are a rank's part of the step (``part_of_step``, see the forward).
+    if not part_of_step:
+        check_keeps_pairs(opts.retain, opts.min_retain, expert_ids_R1.shape[0], "convert_moe's experts")
     loads_E = expert_loads(expert_ids_R1, n_exp)
     quotas_E = torch.cat([
         plan_quotas(loads_L, opts.retain, min_retain=opts.min_retain, policy=opts.policy, align=opts.quota_align)

@@ -405,3 +405,37 @@ def test_expert_parallel_matches_single_device():
             opt.zero_grad()
         torch.testing.assert_close(torch.tensor(ep[selection]["losses"]), torch.tensor(losses), rtol=1e-5, atol=0)
         assert losses[-1] < losses[0]
+
+
+@pytest.mark.parametrize("quota_blocks", [1, 2])
+def test_a_rank_of_expert_parallelism_that_keeps_no_row_runs(quota_blocks, tmp_path):
+    """Under torchtitan's expert parallelism (the experts' weights DTensors sharded on the experts) a rank's rows
+    are its part of the step, planned apart from the others': a rank that keeps none of its few rows is valid, and
+    a refusal there alone would leave the other ranks waiting in the combine's all-to-all. One process, a 1-rank
+    mesh: 1 row at retain 0.3 keeps none and runs (the output is the dense one); the same experts with plain
+    weights are the whole step and refuse it."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    model = example.build_model(small_args(), torch.device("cpu"))
+    convert_moe(model, retain=0.3, compute_dtype=None, quota_blocks=quota_blocks)
+    experts = model.layers["0"].moe.routed_experts.inner_experts
+    x_RD = torch.randn(1, experts.w1_EFD.shape[2], requires_grad=True)
+    counts_E = torch.zeros(experts.w1_EFD.shape[0], dtype=torch.long)
+    counts_E[3] = 1
+    with pytest.raises(ValueError, match=r"retain=0\.3 keeps floor\(retain \* P\) = 0"):
+        experts(x_RD, counts_E)
+    with torch.no_grad():  # no backward: exact at any retain, the reference
+        dense = experts(x_RD, counts_E)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        for name in ("w1_EFD", "w2_EDF", "w3_EFD"):
+            weight = getattr(experts, name)
+            setattr(experts, name, torch.nn.Parameter(distribute_tensor(weight.detach(), mesh, [Shard(0)])))
+        out = experts(x_RD, counts_E)
+        torch.testing.assert_close(out, dense, rtol=0, atol=0)
+        out.sum().backward()
+        assert experts.w1_EFD.grad.to_local().abs().sum() == 0  # no row kept: no expert gradient
+    finally:
+        dist.destroy_process_group()
