@@ -13,33 +13,10 @@ import torch
 
 from lrmoe.functional import expert_kernels
 from lrmoe.functional.expert_kernels import BACKENDS, ExpertKernels, PortableKernels, expert_kernels as lookup
-from lrmoe.functional.expert_step import StepConfig, selective_step
-from lrmoe.functional.experts import plan_experts, retained_rows_bound
-from lrmoe.functional.options import BackwardOptions
 from lrmoe.functional.transport import IdentityTransport, Transport
+from step_case import run_step
 
 STEP = Path(__file__).resolve().parents[2] / "lrmoe" / "functional" / "expert_step.py"
-
-
-def _problem(T=24, D=8, F=12, E=4, K=2, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(T, D, generator=gen, dtype=torch.float64, requires_grad=True)
-    gate_up = torch.randn(E, 2 * F, D, generator=gen, dtype=torch.float64, requires_grad=True)
-    down = torch.randn(E, D, F, generator=gen, dtype=torch.float64, requires_grad=True)
-    ids = torch.rand(T, E, generator=gen).argsort(1)[:, :K]
-    gates = torch.rand(T, K, generator=gen, dtype=torch.float64, requires_grad=True)
-    return x, gate_up, down, ids, gates
-
-
-def _run(transport: Transport, kernels: str, retain: float):
-    x, gate_up, down, ids, gates = _problem()
-    opts = BackwardOptions(retain=retain, selection="top")
-    plan = plan_experts(ids, gate_up.shape[0], backward=opts)
-    cfg = StepConfig(dense=retain >= 1.0, metric=opts.metric, selection=opts.selection, generator=None,
-                     max_rows=retained_rows_bound(ids.numel(), gate_up.shape[0], retain), kernels=kernels)
-    out = selective_step(x, gate_up, down, gates, ids.reshape(-1), plan.quotas, plan.uniform, None, cfg, transport)
-    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(1), dtype=out.dtype)
-    return [out.detach(), *torch.autograd.grad(out, (x, gate_up, down, gates), g)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,8 +66,8 @@ def test_a_new_backend_and_transport_plug_in_and_give_the_portable_results(retai
     counting = _CountingKernels()
     monkeypatch.setitem(BACKENDS, "counting", counting)
     recording = _RecordingTransport()
-    got = _run(recording, "counting", retain)
-    want = _run(IdentityTransport(), "portable", retain)
+    got = run_step("counting", retain, transport=recording)
+    want = run_step("portable", retain)
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     assert counting.calls == ["gate_up", "down", "backward"]

@@ -10,12 +10,10 @@ import pytest
 import torch
 
 from lrmoe.functional.expert_kernels import choose_kernels
-from lrmoe.functional.expert_step import StepConfig, selective_step
-from lrmoe.functional.experts import plan_experts, retained_rows_bound
 from lrmoe.functional.options import BackwardOptions
-from lrmoe.functional.transport import IdentityTransport
 from lrmoe.ops import hopper_down, hopper_gate_up, hopper_rows_backward
 from lrmoe.ops.hopper import interleave_halves, split_interleaved
+from step_case import run_step
 
 
 def _weights(E=3, D=8, F=6, seed=0, dtype=torch.float64):
@@ -61,28 +59,10 @@ def test_gate_up_is_the_swiglu_of_each_rows_expert():
         torch.testing.assert_close(phi_sq[i], (phi[i].float() ** 2).sum())
 
 
-def _step(kernels: str, retain: float, activations: str, seed: int = 0):
-    T, D, F, E, K = 20, 8, 6, 4, 2
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(T, D, generator=gen, dtype=torch.float64, requires_grad=True)
-    gate_up = torch.randn(E, 2 * F, D, generator=gen, dtype=torch.float64, requires_grad=True)
-    down = torch.randn(E, D, F, generator=gen, dtype=torch.float64, requires_grad=True)
-    ids = torch.rand(T, E, generator=gen).argsort(1)[:, :K]
-    gates = torch.rand(T, K, generator=gen, dtype=torch.float64, requires_grad=True)
-    opts = BackwardOptions(retain=retain, selection="top")
-    plan = plan_experts(ids, E, backward=opts)
-    cfg = StepConfig(dense=retain >= 1.0, metric="lrm", selection="top", generator=None, activations=activations,
-                     max_rows=retained_rows_bound(T * K, E, retain), kernels=kernels)
-    out = selective_step(x, gate_up, down, gates, ids.reshape(-1), plan.quotas, plan.uniform, None, cfg,
-                         IdentityTransport())
-    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(1), dtype=out.dtype)
-    return [out.detach(), *torch.autograd.grad(out, (x, gate_up, down, gates), g)]
-
-
 @pytest.mark.parametrize("activations", ["save", "recompute"])
 @pytest.mark.parametrize("retain", [1.0, 0.5])
 def test_the_hopper_backend_gives_the_portable_backends_step(retain, activations):
-    got, want = _step("hopper", retain, activations), _step("portable", retain, activations)
+    got, want = run_step("hopper", retain, activations), run_step("portable", retain, activations)
     for name, a, b in zip(("out", "x", "gate_up", "down", "gates"), got, want):
         torch.testing.assert_close(a, b, msg=name)
     assert want[3].abs().sum() > 0
