@@ -67,9 +67,10 @@ from lrmoe.functional.expert_step import StepConfig, selective_step
 from lrmoe.functional.options import BackwardOptions
 from lrmoe.functional.replicas import place_hot_replicas
 from lrmoe.functional.rng import sampling_uniforms
+from lrmoe.functional.stats_probe import StatsProbe
 from lrmoe.nn._transport import (
     EXTRA_BYTES,
-    N_EP_BACKWARD_STATS,
+    EP_BACKWARD_STATS,
     AllToAllTransport,
     EPGroup,
     Splits,
@@ -225,8 +226,7 @@ class ExpertParallel(ParallelStyle):
         buffer("ep_instance_quotas", n_ranks, n_ranks, n_inst)
         buffer("ep_capacity", n_ranks)
         buffer("ep_forward_bytes", 4)  # dispatch, combine, replica weights, replica weight gradients
-        module._stats_probe = torch.zeros(module._probe_size, dtype=module._probe_dtype, device=device,
-                                          requires_grad=True)
+        module._stats_probe = StatsProbe(EP_BACKWARD_STATS, device)
         return module
 
     def _ep_mesh(self, mesh: DeviceMesh) -> DeviceMesh:
@@ -406,8 +406,6 @@ class _ExpertParallelMixin:
     ep_mesh: DeviceMesh
     _ep: EPGroup
     _replication: _Replication
-    _probe_size = N_EP_BACKWARD_STATS
-    _probe_dtype = torch.float64  # byte counts stay exact past 2**24
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check_input(x)
@@ -420,11 +418,9 @@ class _ExpertParallelMixin:
 
     def stats(self) -> ExpertParallelStats:
         """This step's statistics as tensors (see :class:`ExpertParallelStats`)."""
-        acc = self._stats_probe.grad
-        if acc is None:
-            acc = torch.zeros(N_EP_BACKWARD_STATS, dtype=torch.float64, device=self.ep_loads.device)
         return ExpertParallelStats.from_records(self.ep_loads, self.ep_quotas, self.ep_instances, self.ep_assignment,
-                                                self.ep_instance_quotas, self.ep_capacity, self.ep_forward_bytes, acc)
+                                                self.ep_instance_quotas, self.ep_capacity, self.ep_forward_bytes,
+                                                self._stats_probe.totals())
 
 
 class _ExpertParallelStandaloneMixin(_ExpertParallelExpertsMixin):
@@ -437,13 +433,7 @@ class _ExpertParallelStandaloneMixin(_ExpertParallelExpertsMixin):
     ep_mesh: DeviceMesh
     _ep: EPGroup
     _replication: _Replication
-    _probe_size = N_EP_BACKWARD_STATS
-    _probe_dtype = torch.float64
-    _draws_uniform = LRMoE._draws_uniform
-    _new_probe = LRMoE._new_probe
-    _probe_for = LRMoE._probe_for
     stats = _ExpertParallelMixin.stats
-    reset_stats = LRMoE.reset_stats
 
     def forward(self, x_TD: torch.Tensor, expert_ids_TK: torch.Tensor, gates_TK: torch.Tensor,
                 **options) -> torch.Tensor:
@@ -471,10 +461,3 @@ class _ExpertParallelStandaloneMixin(_ExpertParallelExpertsMixin):
         dtype = compute_dtype(x_TD)  # torch.autocast's, else x's: computed and sent in it, as the layer does
         with torch.autocast(x_TD.device.type, enabled=False):
             return _ep_step(self, self, run, x_TD.to(dtype), expert_ids_TK, gates_TK.to(dtype), probe)
-
-    def _apply(self, fn, recurse=True):
-        # The probe follows .to()/.cuda(), as LRMoE's does (a leaf that is neither parameter nor buffer).
-        module = super()._apply(fn, recurse)
-        if self._stats_probe.device != self.ep_loads.device:
-            self._stats_probe = self._new_probe(self.ep_loads.device)
-        return module

@@ -25,10 +25,11 @@ from lrmoe.functional._checks import (
     check_scaling,
     check_top_k,
 )
-from lrmoe.functional.transport import N_BACKWARD_STATS
 from lrmoe.functional.experts import ExpertPlan, plan_experts, selective_swiglu_experts
 from lrmoe.functional.options import BackwardOptions, RoutingOptions, option_names, resolve_options, split_options
 from lrmoe.functional.routing import Routing, route_topk, router_logits
+from lrmoe.functional.stats_probe import StatsProbe
+from lrmoe.functional.transport import BACKWARD_STATS
 from lrmoe.ops._torch_internals import current_graph_task_id
 
 __all__ = ["LRMoE", "LRMoEStats", "SwiGLUExperts", "SwiGLUMLP"]
@@ -91,28 +92,23 @@ class _PlanRecords:
     """The last forward's plan and the backward statistics of a module that plans its steps: ``stats()`` and
     ``reset_stats()`` of LRMoE, and of a SwiGLUExperts called without a plan (``swap_experts``' modules). The
     module holds ``last_loads`` and ``last_quotas`` ([E] int64 buffers, not checkpointed) and ``_stats_probe``, a
-    leaf whose ``.grad`` the backward adds its statistics to (selective_swiglu_experts' ``stats_probe``)."""
-
-    # Backward statistics probe: how many entries and in which dtype (a subclass may need more, or exact counts).
-    _probe_size = N_BACKWARD_STATS
-    _probe_dtype = torch.float32
+    :class:`~lrmoe.functional.stats_probe.StatsProbe` whose leaf the backward adds its statistics to
+    (selective_swiglu_experts' ``stats_probe``)."""
 
     def _init_records(self, num_experts: int, device: torch.device | None = None) -> None:
         """(Re)create the records, zero, on ``device`` (None: the default device, as at construction)."""
         # Non-persistent: for logging, not part of the checkpoint.
         for name in ("last_loads", "last_quotas"):
             self.register_buffer(name, torch.zeros(num_experts, dtype=torch.int64, device=device), persistent=False)
-        self._stats_probe = self._new_probe(self.last_loads.device)
+        self._stats_probe = StatsProbe(BACKWARD_STATS, self.last_loads.device)
 
     def _probe_for(self, x: torch.Tensor, *inputs: torch.Tensor) -> torch.Tensor | None:
-        """The backward-statistics probe, or None when no backward will run through this call (from x, the other
-        differentiable ``inputs`` of the call, or the parameters)."""
+        """The backward-statistics probe's leaf, or None when no backward will run through this call (from x, the
+        other differentiable ``inputs`` of the call, or the parameters)."""
         needs_grad = any(t.requires_grad for t in (x, *inputs)) or any(p.requires_grad for p in self.parameters())
         if not (torch.is_grad_enabled() and needs_grad):
             return None
-        if self._stats_probe.device != x.device:  # only when x is not where the module is (eager use)
-            self._stats_probe = self._new_probe(x.device)
-        return self._stats_probe
+        return self._stats_probe.follow(x.device)  # a new probe only when x is not where the module is (eager use)
 
     def _draws_uniform(self, probe: torch.Tensor | None) -> bool:
         """Whether this forward draws the sampling uniforms: when a backward will run, and in training mode always,
@@ -128,9 +124,6 @@ class _PlanRecords:
         validation batch's loads must not steer the balancing), and not a recompute inside a backward."""
         return self._draws_uniform(probe) and not recomputing()
 
-    def _new_probe(self, device: torch.device) -> torch.Tensor:
-        return torch.zeros(self._probe_size, dtype=self._probe_dtype, device=device, requires_grad=True)
-
     def _record_plan(self, plan: ExpertPlan, probe: torch.Tensor | None) -> None:
         """Keep ``plan``'s loads and quotas (an ExpertPlan's; summed over sources when grouped by (source, expert))
         for ``stats()``, when ``_records_plan``."""
@@ -144,32 +137,27 @@ class _PlanRecords:
             self.last_quotas.copy_(quotas)
 
     def _apply(self, fn, recurse=True):
-        # The probe is a leaf that is neither parameter nor buffer (its .grad carries the statistics and must not
-        # reach optimisers or state_dicts), so follow .to()/.cuda() here: a probe created inside forward would be a
-        # tensor created with requires_grad=True, which breaks torch.compile's graph on a freshly moved module.
+        # The probe is neither parameter nor buffer (StatsProbe says why), so it follows .to()/.cuda() here.
         module = super()._apply(fn, recurse)
-        if self._stats_probe.device != self.last_loads.device:
-            self._stats_probe = self._new_probe(self.last_loads.device)
+        self._stats_probe.follow(self.last_loads.device)
         return module
 
     def stats(self) -> LRMoEStats:
         """This step's statistics as tensors (see :class:`LRMoEStats`)."""
-        acc = self._stats_probe.grad
-        if acc is None:
-            acc = torch.zeros(N_BACKWARD_STATS, device=self.last_loads.device)
-        calls = acc[2]
+        backward = self._stats_probe.totals()
+        calls = backward["backward_calls"]
         return LRMoEStats(
             loads=self.last_loads.clone(),
             quotas=self.last_quotas.clone(),
             retained_pairs=self.last_quotas.sum(),
             total_pairs=self.last_loads.sum(),
-            score_mass_fraction=acc[0] / calls,
-            backward_calls=calls.clone(),
+            score_mass_fraction=backward["score_mass_fraction_sum"] / calls,
+            backward_calls=calls,
         )
 
     def reset_stats(self) -> None:
         """Forget the accumulated backward statistics."""
-        self._stats_probe.grad = None
+        self._stats_probe.reset()
 
 
 class SwiGLUExperts(_PlanRecords, nn.Module):
