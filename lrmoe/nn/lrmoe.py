@@ -10,6 +10,7 @@ Parameter names and shapes: ``gate.weight`` [E, D]; ``experts.gate_up_proj`` [E,
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
@@ -143,7 +144,9 @@ class _PlanRecords:
         return module
 
     def stats(self) -> LRMoEStats:
-        """This step's statistics as tensors (see :class:`LRMoEStats`)."""
+        """This step's statistics as tensors (see :class:`LRMoEStats`; expert-parallel: ExpertParallelStats)."""
+        if self._dispatcher is not None:
+            return self._dispatcher.stats(self._stats_probe)
         backward = self._stats_probe.totals()
         calls = backward["backward_calls"]
         return LRMoEStats(
@@ -187,14 +190,15 @@ class SwiGLUExperts(_PlanRecords, nn.Module):
         self.down_proj = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
         self.reset_parameters()
         self._init_records(num_experts)  # the plans of the calls it plans, and their backward statistics
+        self._dispatcher = None  # expert parallelism's, once ExpertParallel is applied to this module itself
 
     def extra_repr(self) -> str:
         shown = _shown(self.backward)
         return f"num_experts={self.num_experts}, dim={self.dim}, hidden_dim={self.hidden_dim}" + (
             f", {shown}" if shown else "")
 
-    def forward(self, x_TD: torch.Tensor, expert_ids_TK: torch.Tensor, gates_TK: torch.Tensor,
-                **options) -> torch.Tensor:
+    def forward(self, x_TD: torch.Tensor, expert_ids_TK: torch.Tensor, gates_TK: torch.Tensor, *,
+                step: Callable[..., torch.Tensor] | None = None, **options) -> torch.Tensor:
         """[T, D] tokens, their [T, K] experts and gates -> [T, D] gated sum of the experts' outputs:
         :func:`~lrmoe.functional.selective_swiglu_experts` with these weights and the gates in x's dtype, or
         under torch.autocast in its dtype (x, weights and gates cast to it, differentiably; the output in it), as
@@ -204,7 +208,18 @@ class SwiGLUExperts(_PlanRecords, nn.Module):
         without a ``plan`` is planned here and its plan kept for ``stats()`` as LRMoE keeps its own (not an
         evaluation's, not a recompute's), with its backward statistics unless the call brings a ``stats_probe``.
         LRMoE runs its experts through this call, with its plan and probe, so a hook on this module (FSDP2's
-        ``fully_shard(layer.experts)`` gathering the weights) sees them."""
+        ``fully_shard(layer.experts)`` gathering the weights) sees them.
+
+        ``step``: a caller's own computation on this module's weights, ``step(self, x_TD, expert_ids_TK,
+        gates_TK)``, run here (no options with it) so those hooks see it too: an expert-parallel LRMoE's dispatcher
+        passes the rank's part of its step. An experts module made expert-parallel itself (``ExpertParallel``
+        applied to it) hands its calls to its dispatcher."""
+        if step is not None:
+            if options:
+                raise TypeError(f"a call with a step takes no options, got {sorted(options)}")
+            return step(self, x_TD, expert_ids_TK, gates_TK)
+        if self._dispatcher is not None:
+            return self._dispatcher.experts_forward(self, x_TD, expert_ids_TK, gates_TK, options)
         gate_up, down = self.gate_up_proj, self.down_proj
         if isinstance(gate_up, DTensor) or isinstance(down, DTensor):
             # The ops would refuse a mix of tensors and DTensors, naming none of this.
@@ -371,6 +386,7 @@ class LRMoE(_PlanRecords, nn.Module):
         self.experts = SwiGLUExperts(num_experts, dim, hidden_dim)
         self.shared_experts = None if shared_hidden_dim is None else SwiGLUMLP(dim, shared_hidden_dim)
         self._init_records(num_experts)  # the last forward's plan and the backward statistics
+        self._dispatcher = None  # expert parallelism's (lrmoe.nn.expert_parallel), once ExpertParallel is applied
 
     def extra_repr(self) -> str:
         shown = ", ".join(part for part in (_shown(self.backward), _shown(self.routing)) if part)
@@ -409,9 +425,15 @@ class LRMoE(_PlanRecords, nn.Module):
         x_TD = x.reshape(-1, self.dim)
         routing = self.route(x_TD)
         probe = self._probe_for(x)
-        opts = self.backward.for_mode(self.training)
         dtype = compute_dtype(x)
         gates_TK = routing.gates.to(dtype)
+        if self._dispatcher is not None:  # expert parallelism: its dispatcher plans, the experts run its step
+            with autocast_off(x.device.type):  # the experts run in ``dtype`` exactly
+                x_in = x_TD.to(dtype)
+                step = self._dispatcher.plan(self, self.experts, x_in, routing.expert_ids, probe, x.shape)
+                out = self.experts(x_in, routing.expert_ids, gates_TK, step=step)
+            return self.add_shared(x_TD, out)
+        opts = self.backward.for_mode(self.training)
         plan = plan_experts(routing.expert_ids, self.num_experts, draw_uniform=self._draws_uniform(probe),
                             backward=opts)
         self._record_plan(plan, probe)
