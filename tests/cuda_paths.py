@@ -134,7 +134,7 @@ def _ep_rank(rank: int, world: int) -> None:
             rows = slice(sum(counts[:rank]), sum(counts[:rank + 1]))
             results[case] = _layer_step(layer, x[rows], c[rows])
             if case == "a rank keeping no pairs":
-                assert int(layer.ep_quotas[0].sum()) == 0 < int(layer.ep_loads[0].sum()), "not the case meant"
+                assert int(layer.stats().quotas[0].sum()) == 0 < int(layer.stats().loads[0].sum()), "not the case meant"
         return results
 
     want = run_all()

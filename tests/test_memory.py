@@ -269,7 +269,7 @@ def test_modelled_forward_and_backward_peaks_track_a_cpu_measurement(shape, dtyp
     grads = [torch.zeros_like(p) for p in layer.parameters()] if preallocated else []
     for p, grad in zip(layer.parameters(), grads):
         p.grad = grad
-    mode = _LiveStorages([*layer.parameters(), *layer.buffers(), layer._stats_probe, x, g, *grads])
+    mode = _LiveStorages([*layer.parameters(), *layer.buffers(), layer._stats_probe.tensor, x, g, *grads])
     with mode:
         out = layer(x)
         mode.mark()

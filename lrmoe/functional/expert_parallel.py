@@ -362,22 +362,3 @@ class ExpertParallelStats:
         rows_WI = self.instance_quotas.sum(0)
         slots_W = (block_rows(rows_WI) * rows_WI.shape[1]).double()
         return torch.where(slots_W > 0, 1 - rows_WI.sum(1).double() / slots_W.clamp(min=1), 0.0)
-
-    @staticmethod
-    def from_records(loads_WE, quotas_WE, instances_WI, assign_SWI, quotas_SWI, capacity_W, forward_bytes_4,
-                     backward_5) -> ExpertParallelStats:
-        """The statistics from a layer's records of its last forward (its ep_* buffers: the plan, and forward bytes
-        of dispatch, combine, replica weights and their gradients) and the backward accumulator (score-mass
-        fraction kept, retained pairs, backward dispatch and combine bytes, backward calls)."""
-        calls = backward_5[4]
-        return ExpertParallelStats(
-            loads=loads_WE.clone(), quotas=quotas_WE.clone(), instances=instances_WI.clone(),
-            assignment=assign_SWI.clone(), instance_quotas=quotas_SWI.clone(), capacity=capacity_W.clone(),
-            rank_loads=assign_SWI.sum((0, 2)), rank_backward_loads=quotas_SWI.sum((0, 2)),
-            total_pairs=loads_WE.sum(), retained_pairs=quotas_WE.sum(),
-            dispatch_bytes=forward_bytes_4[0].clone(), combine_bytes=forward_bytes_4[1].clone(),
-            replica_bytes=forward_bytes_4[2].clone(), replica_grad_bytes=forward_bytes_4[3].clone(),
-            backward_dispatch_bytes=backward_5[2].clone(), backward_combine_bytes=backward_5[3].clone(),
-            local_retained_pairs=backward_5[1].clone(), score_mass_fraction=backward_5[0] / calls,
-            backward_calls=calls.clone(),
-        )

@@ -27,8 +27,12 @@ import torch
 
 from lrmoe.functional.retained_rows import pad_to_blocks, retained_dy
 from lrmoe.functional.routing import expert_loads
+from lrmoe.functional.stats_probe import ProbeLayout
 
-N_BACKWARD_STATS = 3  # one device: score-mass fraction kept, retained pairs, backward calls
+# One device's backward statistics (lrmoe.functional.stats_probe): the fraction of score mass kept and the retained
+# pairs, each summed over the backward calls, and the calls.
+BACKWARD_STATS = ProbeLayout(("score_mass_fraction_sum", "retained_pairs", "backward_calls"), torch.float32)
+N_BACKWARD_STATS = BACKWARD_STATS.size
 
 
 @dataclass(frozen=True)
@@ -118,6 +122,11 @@ class Transport(abc.ABC):
         """True when every rank must compute its dx rows, whether or not x needs a gradient (the return is a
         collective every rank joins)."""
 
+    @property
+    @abc.abstractmethod
+    def probe_layout(self) -> ProbeLayout:
+        """The backward statistics ``probe_grad`` returns, by name: the layout of the stats probe the step takes."""
+
     @abc.abstractmethod
     def dispatch(self, x_TD: torch.Tensor, tok_P: torch.Tensor, dest_P: torch.Tensor, n_inst: int,
                  assign_SWI: torch.Tensor | None) -> Dispatched:
@@ -139,7 +148,8 @@ class Transport(abc.ABC):
 
     @abc.abstractmethod
     def probe_grad(self, mass_kept: torch.Tensor, exchanged: Exchanged) -> torch.Tensor:
-        """The step's backward statistics, as the stats probe's gradient."""
+        """The step's backward statistics, as the stats probe's gradient: packed by the transport's
+        ``probe_layout`` (a :class:`~lrmoe.functional.stats_probe.ProbeLayout`, a class attribute)."""
 
 
 @dataclass(frozen=True)
@@ -150,6 +160,7 @@ class IdentityTransport(Transport):
 
     selects_in_dispatch_order = True
     always_needs_dx = False
+    probe_layout = BACKWARD_STATS
 
     def dispatch(self, x_TD, tok_P, dest_P, n_inst, assign_SWI):
         return Dispatched(x_TD, tok_P, torch.cumsum(expert_loads(dest_P, n_inst), 0).int())
@@ -176,5 +187,5 @@ class IdentityTransport(Transport):
         return dx_RD
 
     def probe_grad(self, mass_kept, exchanged):
-        n_kept = exchanged.state
-        return torch.stack([mass_kept.float(), n_kept.float(), torch.ones_like(mass_kept)])
+        return BACKWARD_STATS.pack(score_mass_fraction_sum=mass_kept, retained_pairs=exchanged.state,
+                                   backward_calls=1.0)

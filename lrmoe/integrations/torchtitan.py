@@ -50,6 +50,8 @@ from lrmoe.functional import ExpertPlan, expert_loads, plan_quotas, selective_sw
 from lrmoe.functional._checks import check_keeps_pairs
 from lrmoe.functional.options import BackwardOptions, option_names
 from lrmoe.functional.rng import block_routing_keys, keyed_uniform
+from lrmoe.functional.stats_probe import StatsProbe
+from lrmoe.functional.transport import BACKWARD_STATS
 
 __all__ = ["SelectiveBackwardConverter", "backward_stats", "convert_moe", "is_converted"]
 
@@ -60,9 +62,6 @@ _OPTIONS = tuple(name for name in option_names(BackwardOptions) if name != "reta
 # is what the selective backward's quotas count. TorchAOTokenDispatcher pads every expert's rows, and the DeepEP,
 # HybridEP and minimal-async dispatchers hand over other layouts: refused.
 _DISPATCHERS = (LocalTokenDispatcher, AllToAllTokenDispatcher)
-
-_N_STATS = 3  # the stats probe: score-mass fraction kept (summed over backward calls), retained rows, calls
-
 
 def convert_moe(model: nn.Module, *, retain: float, compute_dtype: torch.dtype | None = torch.bfloat16,
                 quota_blocks: int = 1, **options) -> list[str]:
@@ -207,11 +206,11 @@ def backward_stats(model: nn.Module, *, reset: bool = True) -> dict[str, dict[st
         if not is_converted(module):
             continue
         probe = module.lrmoe_stats_probe
-        acc = probe.grad if probe.grad is not None else torch.zeros(_N_STATS, device=probe.device)
-        out[name] = {"score_mass_fraction": acc[0] / acc[2], "retained_rows": acc[1].clone(),
-                     "backward_calls": acc[2].clone()}
+        totals = probe.totals()
+        out[name] = {"score_mass_fraction": totals["score_mass_fraction_sum"] / totals["backward_calls"],
+                     "retained_rows": totals["retained_pairs"], "backward_calls": totals["backward_calls"]}
         if reset:
-            probe.grad = None
+            probe.reset()
     return out
 
 
@@ -222,7 +221,7 @@ class _SelectiveExpertsMixin:
     lrmoe_backward: BackwardOptions
     lrmoe_compute_dtype: torch.dtype | None
     lrmoe_quota_blocks: int
-    lrmoe_stats_probe: torch.Tensor
+    lrmoe_stats_probe: StatsProbe
 
     def __init__(self, config):  # built from a SelectiveBackwardConverter config (convert_moe swaps classes)
         super().__init__(config)
@@ -252,8 +251,8 @@ class _SelectiveExpertsMixin:
             opts = self.lrmoe_backward.for_mode(self.training)  # exact in eval() unless selective_in_eval, as LRMoE
             if self.lrmoe_quota_blocks > 1 and not opts.dense:
                 plan = _block_plan(expert_ids_R1, n_exp, self.lrmoe_quota_blocks, opts, part_of_step)
-            if self.lrmoe_stats_probe.device == x_RD.device:
-                probe = self.lrmoe_stats_probe
+            if self.lrmoe_stats_probe.tensor.device == x_RD.device:
+                probe = self.lrmoe_stats_probe.tensor
         with torch.autocast(device, enabled=False):  # the experts run in ``dtype`` exactly
             y_RD = selective_swiglu_experts(x_RD.to(dtype), gate_up_EFD, w2_EDF.to(dtype), expert_ids_R1, gates_R1,
                                             plan=plan, stats_probe=probe, backward=opts, part_of_step=part_of_step)
@@ -263,8 +262,8 @@ class _SelectiveExpertsMixin:
         # The probe (neither parameter nor buffer) follows .to()/.cuda()/to_empty() with the weights.
         module = super()._apply(fn, recurse)
         device = self.w1_EFD.device
-        if self.lrmoe_stats_probe.device != device and device.type != "meta":
-            self.lrmoe_stats_probe = _new_probe(device)
+        if device.type != "meta":
+            self.lrmoe_stats_probe.follow(device)
         return module
 
 
@@ -290,10 +289,11 @@ def _selective_class(cls: type) -> type:
     return _CLASSES[cls]
 
 
-def _new_probe(device: torch.device) -> torch.Tensor:
-    # A leaf whose .grad collects the backward statistics (selective_swiglu_experts' stats_probe); fp32 counts are
-    # exact to 2**24 rows per reset, far above what one layer keeps between logging steps.
-    return torch.zeros(_N_STATS, device=device if device.type != "meta" else "cpu", requires_grad=True)
+def _new_probe(device: torch.device) -> StatsProbe:
+    # The single-device layout (selective_swiglu_experts' stats_probe): fp32 counts are exact to 2**24 rows per
+    # reset, far above what one layer keeps between logging steps. On the CPU for a model built on meta: a probe
+    # there would hold no statistics, and to_empty moves it with the weights.
+    return StatsProbe(BACKWARD_STATS, device if device.type != "meta" else "cpu")
 
 
 def _check_convertible(where: str, experts, dispatcher, config: bool = False) -> None:

@@ -18,15 +18,18 @@ from torch.fx.experimental.symbolic_shapes import guard_or_false
 
 from lrmoe.functional.expert_parallel import ExpertParallelPlan, block_rows, expert_major_order
 from lrmoe.functional.retained_rows import block_slots, pad_to_blocks, retained_dy, take_rows
+from lrmoe.functional.stats_probe import ProbeLayout
 from lrmoe.functional.transport import Combined, Dispatched, Exchanged, Transport
 from lrmoe.ops import gather_scale_rows
 from lrmoe.ops._torch_internals import functional_collectives, torch_check
 
 funcol = functional_collectives()
 
-# Backward statistics leave as the gradient of a float64 probe (float64: byte counts stay exact past 2**24):
-# score-mass fraction kept, retained pairs sent, backward dispatch bytes, backward combine bytes, backward calls.
-N_EP_BACKWARD_STATS = 5
+# Expert parallelism's backward statistics (lrmoe.functional.stats_probe), each summed over the backward calls: the
+# fraction of this rank's score mass kept, the retained pairs it sent, the bytes it sent to its peers in the
+# backward dispatch and in the input-gradient return; and the calls. float64: byte counts stay exact past 2**24.
+EP_BACKWARD_STATS = ProbeLayout(("score_mass_fraction_sum", "retained_pairs", "backward_dispatch_bytes",
+                                 "backward_combine_bytes", "backward_calls"), torch.float64)
 # torch 2.13 renamed funcol.all_gather_tensor (deprecated there, a FutureWarning every step); 2.11 has only it.
 _all_gather = getattr(funcol, "all_gather_single", funcol.all_gather_tensor)
 EXTRA_BYTES = 4  # per row: fp32 ||phi||^2 in the combine, int32 row index in the backward dispatch (retain < 1)
@@ -202,6 +205,7 @@ class AllToAllTransport(Transport):
 
     selects_in_dispatch_order = False
     always_needs_dx = True  # the return is an all-to-all every rank joins
+    probe_layout = EP_BACKWARD_STATS
 
     def dispatch(self, x_TD, tok_P, dest_P, n_inst, assign_SWI):
         splits, ep = self.splits, self.ep
@@ -300,8 +304,8 @@ class AllToAllTransport(Transport):
         row_bytes, dx_row_bytes = exchanged.state.row_bytes, exchanged.state.dx_row_bytes
         splits, rank = self.splits, self.ep.rank
         # Host values written by fills (kernel arguments), not copied from host memory.
-        host = [float(sum(splits.bwd_send)), float(peer_bytes(splits.bwd_send, row_bytes, rank)),
-                float(peer_bytes(splits.bwd_recv, dx_row_bytes, rank)), 1.0]
-        return torch.stack([mass_kept.double()]
-                           + [torch.full((), v, dtype=torch.float64, device=mass_kept.device) for v in host])
+        return EP_BACKWARD_STATS.pack(
+            score_mass_fraction_sum=mass_kept, retained_pairs=float(sum(splits.bwd_send)),
+            backward_dispatch_bytes=float(peer_bytes(splits.bwd_send, row_bytes, rank)),
+            backward_combine_bytes=float(peer_bytes(splits.bwd_recv, dx_row_bytes, rank)), backward_calls=1.0)
 

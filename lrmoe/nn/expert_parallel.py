@@ -19,11 +19,15 @@ synchronisation (``plan_on="host"``: the load matrix is read instead and the pla
 step's global counts, on which every rank checks the step's data alike (``_check_step``); (5) replica weights (R >
 0) from their owners through one differentiable all-to-all, whose backward returns the replicas' weight gradients
 to the owners' shards; (6-9) the selective expert step (lrmoe.functional.expert_step) with the all-to-all transport
-(lrmoe.nn._transport): dispatch, grouped GEMMs on the local instances, combine. Steps 5-9 run in
-``layer.experts(...)`` (the experts' class is swapped for an expert-parallel subclass, as the layer's is), so hooks
-on that module see the weights used: FSDP2's ``fully_shard(layer.experts, mesh["dp"])`` gathers them there. Applied
-to a ``SwiGLUExperts`` of its own (a transformers model's experts after ``swap_experts``), steps 2-9 run in that
-call with the module's options.
+(lrmoe.nn._transport): dispatch, grouped GEMMs on the local instances, combine.
+
+By composition, as torchtitan's token dispatcher sits beside its experts: ``ExpertParallel`` installs an
+:class:`ExpertParallelDispatcher` as the module's ``_dispatcher``, and the module keeps its class. The layer's
+forward routes (step 1) and hands its tokens to the dispatcher, which runs steps 2-4 and returns steps 5-9 as a
+``step`` that ``layer.experts(..., step=step)`` runs in its own forward, so hooks on that module see the weights
+used: FSDP2's ``fully_shard(layer.experts, mesh["dp"])`` gathers them there. Applied to a ``SwiGLUExperts`` of its
+own (a transformers model's experts after ``swap_experts``), the module's forward hands its call to the dispatcher,
+and steps 2-9 run in that call with the module's options.
 
 Backward: the source scores and selects its own pairs; only the retained rows travel, to the instances that ran
 them, which run the compact backward and return the input-gradient rows. The router gradient is exact and local.
@@ -45,6 +49,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
+from lrmoe.functional._autocast import autocast_off
 from lrmoe.functional._checks import (check_generator_not_traced, check_keeps_pairs, check_replica_slots,
                                      check_same_device, check_same_size, check_tensor)
 from lrmoe.functional.expert_parallel import (  # noqa: F401  (backward_capacity: re-exported)
@@ -67,9 +72,10 @@ from lrmoe.functional.expert_step import StepConfig, selective_step
 from lrmoe.functional.options import BackwardOptions
 from lrmoe.functional.replicas import place_hot_replicas
 from lrmoe.functional.rng import sampling_uniforms
+from lrmoe.functional.stats_probe import StatsProbe
 from lrmoe.nn._transport import (
     EXTRA_BYTES,
-    N_EP_BACKWARD_STATS,
+    EP_BACKWARD_STATS,
     AllToAllTransport,
     EPGroup,
     Splits,
@@ -81,7 +87,8 @@ from lrmoe.nn._transport import (
 )
 from lrmoe.nn.lrmoe import UNGATHERED_EXPERTS, LRMoE, SwiGLUExperts, compute_dtype
 
-__all__ = ["ExpertParallel", "ExpertParallelPlan", "ExpertParallelStats", "backward_capacity", "plan_expert_parallel"]
+__all__ = ["ExpertParallel", "ExpertParallelDispatcher", "ExpertParallelPlan", "ExpertParallelStats", "backward_capacity",
+           "plan_expert_parallel"]
 
 
 @dataclass(frozen=True)
@@ -137,8 +144,9 @@ class ExpertParallel(ParallelStyle):
     Expert parameters become DTensors ``Shard(0)`` (rank w holds experts [w*E/W, (w+1)*E/W)); the router stays a
     plain replicated tensor. Parameters are replaced, so build the optimiser afterwards. With
     ``src_data_rank=0`` (parallelize_module's default) rank 0's expert weights are scattered; with None every rank
-    keeps its own slice. The layer's forward becomes the EP forward described in this module's docstring, and
-    ``layer.stats()`` returns :class:`ExpertParallelStats`.
+    keeps its own slice. The module keeps its class: its forward hands its step to the
+    :class:`ExpertParallelDispatcher` the style installs (``module._dispatcher``), which runs the EP forward
+    described in this module's docstring, and ``layer.stats()`` returns :class:`ExpertParallelStats`.
 
     Errors: a module that is not an LRMoE or a SwiGLUExperts, or is already expert-parallel, a mesh of more than
     one dimension without ``mesh_dim_name``, an unknown ``mesh_dim_name``, ``num_experts % W != 0``, and bad
@@ -170,12 +178,12 @@ class ExpertParallel(ParallelStyle):
         self.replication = _Replication(max_replicas, capacity_factor, policy, name, plan_on, backward_blocks)
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        if isinstance(module, (_ExpertParallelMixin, _ExpertParallelExpertsMixin)):
-            raise ValueError(f"this {type(module).__name__} is already expert-parallel")
         standalone = isinstance(module, SwiGLUExperts)  # experts called as experts(x, ids, gates) by their model
         if not standalone and not isinstance(module, LRMoE):
             raise TypeError("ExpertParallel applies to lrmoe.nn.LRMoE layers and to lrmoe.nn.SwiGLUExperts modules "
                             f"(swap_experts puts them into transformers models), got {type(module).__name__}")
+        if module._dispatcher is not None:
+            raise ValueError(f"this {type(module).__name__} is already expert-parallel")
         experts = module if standalone else module.experts
         opts = self.backward if self.backward is not None else module.backward
         _refuse_backward_capacity(opts.backward_capacity)
@@ -190,9 +198,7 @@ class ExpertParallel(ParallelStyle):
                 f"num_experts={experts.num_experts} is not divisible by the EP mesh size W={n_ranks}; every rank "
                 "must own the same number of experts (E % W == 0)"
             )
-        rep = self.replication
-        check_replica_slots("max_replicas", rep.max_replicas, experts.num_experts, n_ranks)
-        n_local = experts.num_experts // n_ranks
+        check_replica_slots("max_replicas", self.replication.max_replicas, experts.num_experts, n_ranks)
         device = experts.gate_up_proj.device if standalone else module.last_loads.device
         for name in ("gate_up_proj", "down_proj"):
             param = getattr(experts, name)
@@ -201,32 +207,10 @@ class ExpertParallel(ParallelStyle):
             sharded = distribute_tensor(param.detach(), ep_mesh, [Shard(0)], src_data_rank=self.src_data_rank)
             experts.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
         module.backward = opts
-
-        if standalone:
-            module.__class__ = _ep_class(type(module), _ExpertParallelStandaloneMixin)
-        else:
-            module.__class__ = _ep_class(type(module), _ExpertParallelMixin)
-            module.experts.__class__ = _ep_class(type(module.experts), _ExpertParallelExpertsMixin)
-        module.ep_mesh = ep_mesh
-        module._ep = EPGroup(group=ep_mesh.get_group(), rank=ep_mesh.get_local_rank(), size=n_ranks)
-        module._replication = rep
-        n_exp, n_inst = experts.num_experts, n_local + rep.max_replicas
-
-        def buffer(name, *shape):
-            module.register_buffer(name, torch.zeros(*shape, dtype=torch.int64, device=device), persistent=False)
-
-        if standalone:  # the layer has them: the last forward's loads and quotas, summed over ranks
-            buffer("last_loads", n_exp)
-            buffer("last_quotas", n_exp)
-        buffer("ep_loads", n_ranks, n_exp)
-        buffer("ep_quotas", n_ranks, n_exp)
-        buffer("ep_instances", n_ranks, n_inst)
-        buffer("ep_assignment", n_ranks, n_ranks, n_inst)
-        buffer("ep_instance_quotas", n_ranks, n_ranks, n_inst)
-        buffer("ep_capacity", n_ranks)
-        buffer("ep_forward_bytes", 4)  # dispatch, combine, replica weights, replica weight gradients
-        module._stats_probe = torch.zeros(module._probe_size, dtype=module._probe_dtype, device=device,
-                                          requires_grad=True)
+        if standalone:  # its records (the last forward's loads and quotas, summed over ranks) with its weights
+            module._init_records(experts.num_experts, device)
+        module._dispatcher = ExpertParallelDispatcher(ep_mesh, self.replication, experts.num_experts, device)
+        module._stats_probe = StatsProbe(EP_BACKWARD_STATS, device)
         return module
 
     def _ep_mesh(self, mesh: DeviceMesh) -> DeviceMesh:
@@ -246,20 +230,6 @@ def _refuse_backward_capacity(capacity: float | None) -> None:
     if capacity is not None:
         raise ValueError(f"backward_capacity={capacity} is the single-device layer's per-expert capacity; expert "
                          "parallelism bounds each rank's backward rows with ExpertParallel(capacity_factor=...)")
-
-
-# One expert-parallel subclass per (class, mixin), made once and reused, as FSDP2's fully_shard does for its
-# FSDP<cls> classes: every layer of a class gets the same subclass (isinstance, pickling and torch.compile's
-# guards on the class see one class, not one per module).
-_EP_CLASSES: dict[tuple[type, type], type] = {}
-
-
-def _ep_class(cls: type, mixin: type) -> type:
-    """The expert-parallel subclass of an LRMoE class or of its experts', so the module stays an instance of its
-    own class, with the EP forward."""
-    if (cls, mixin) not in _EP_CLASSES:
-        _EP_CLASSES[cls, mixin] = type(f"ExpertParallel{cls.__name__}", (mixin, cls), {})
-    return _EP_CLASSES[cls, mixin]
 
 
 def _plan(loads_WE: torch.Tensor, opts: BackwardOptions, rep: _Replication) -> ExpertParallelPlan:
@@ -292,161 +262,149 @@ def _check_step(splits: Splits, opts: BackwardOptions, n_exp: int, runs_backward
         check_keeps_pairs(opts.retain, opts.min_retain, sum(splits.pairs), "ExpertParallel (P over all EP ranks)")
 
 
-def _ep_step(module: nn.Module, experts: nn.Module, run_experts: Callable[..., torch.Tensor], x_TD: torch.Tensor,
-             expert_ids_TK: torch.Tensor, gates_TK: torch.Tensor, probe: torch.Tensor | None,
-             out_shape: torch.Size | None = None) -> torch.Tensor:
-    """Steps 2-9 of the module docstring for one forward: the load matrix, the plan, this rank's pair destinations
-    and the step's records on ``module`` (ep_* buffers, last_loads, last_quotas), then ``run_experts(x_TD, gates_TK,
-    group_P, plan, probe, cfg, transport)`` with ``module.backward``'s options (exact in eval mode, capacity too,
-    unless selective_in_eval) and ``experts``' sizes; x and the gates in the experts' compute dtype; the output in
-    ``out_shape`` (StepConfig.out_shape; None: [T, D])."""
-    ep, opts, n_exp = module._ep, module.backward.for_mode(module.training), experts.num_experts
-    rep = module._replication if opts is module.backward else replace(module._replication, capacity_factor=None)
-    check_generator_not_traced(opts.generator)  # an option: the same on every rank
-    # The tiny [W, E] load matrix, all-gathered (no host sync) with each rank's misrouted pairs as a last column,
-    # then the same plan on every rank.
-    counts_WX = all_gather_loads(pair_counts(expert_ids_TK, n_exp), ep)
-    loads_WE = counts_WX[:, :n_exp].contiguous()
-    n_local = n_exp // ep.size
-    if rep.plan_on == "host":
-        # HOST SYNC: the counts to the host (the one host read of this step, see ExpertParallel's plan_on); the
-        # split sizes below then read CPU tensors, and the plan goes to the device in one copy.
-        counts_host = counts_WX.cpu()
-        plan_host = _plan(counts_host[:, :n_exp].contiguous(), opts, rep)
-        splits = host_splits(plan_host, ep, n_local, counts_host[:, n_exp], rep.backward_blocks)
-        plan = plan_to(plan_host, loads_WE)
-    else:
-        plan = _plan(loads_WE, opts, rep)  # opaque to the compiler (lrmoe.functional.ep_plan says why)
-        # the step's one host synchronisation
-        splits = host_splits(plan, ep, n_local, counts_WX[:, n_exp], rep.backward_blocks)
-    _check_step(splits, opts, n_exp, runs_backward=probe is not None)
-    n_inst = plan.instances.shape[1]
-    dense = opts.retain >= 1.0 and rep.capacity_factor is None
-    if module._draws_uniform(probe) and opts.selection == "sample" and not dense:
-        uniform_G = sampling_uniforms(expert_ids_TK, ep.size * n_inst, stream=ep.rank,  # one per instance: the
-                                      generator=opts.generator)  # generator's, or a hash of this rank's routing
-        plan = replace(plan, uniform=uniform_G)
-
-    # Which instance runs each of this rank's pairs: g = w * I + i.
-    slots_EW = instance_slots(plan.instances, n_exp)
-    rank_P, slot_P = pair_destinations(expert_ids_TK, plan.routes[ep.rank], slots_EW)
-    group_P = rank_P * n_inst + slot_P
-
-    dtype = x_TD.dtype
-    dim, hidden_dim = x_TD.shape[1], experts.hidden_dim
-    weight_bytes = 3 * dim * hidden_dim * dtype.itemsize  # one instance's two matrices
-    row_bytes = dim * dtype.itemsize
-    if module._records_plan(probe):  # the last training forward's plan and bytes (not evaluation nor a recompute)
-        with torch.no_grad():
-            module.ep_loads.copy_(loads_WE)
-            module.ep_quotas.copy_(plan.quotas)
-            module.ep_instances.copy_(plan.instances)
-            module.ep_assignment.copy_(plan.assignment)
-            module.ep_instance_quotas.copy_(plan.instance_quotas)
-            if plan.capacity is None:
-                module.ep_capacity.fill_(-1)
-            else:
-                module.ep_capacity.copy_(plan.capacity)
-            module.last_loads.copy_(loads_WE.sum(0))
-            module.last_quotas.copy_(plan.quotas.sum(0))
-            module.ep_forward_bytes[0].fill_(peer_bytes(splits.fwd_send, row_bytes, ep.rank))
-            module.ep_forward_bytes[1].fill_(peer_bytes(splits.fwd_recv, row_bytes + EXTRA_BYTES, ep.rank))
-            if rep.max_replicas:
-                module.ep_forward_bytes[2].fill_(peer_bytes(splits.rep_send, weight_bytes, ep.rank))
-                module.ep_forward_bytes[3].fill_(peer_bytes(splits.rep_recv, weight_bytes, ep.rank))
-            else:  # written every step: after a build on the meta device and to_empty they held garbage
-                module.ep_forward_bytes[2:].zero_()
-
-    # No backward will run without a probe: then "offload" would copy h to the host for nothing.
-    activations = "recompute" if opts.activations == "offload" and probe is None else opts.activations
-    # The selection keeps exactly sum(quotas[rank]) rows (every group keeps min(quota, load) = quota), grouped by
-    # instance ascending, so by destination rank: its per-rank blocks are exactly splits.bwd_send.
-    kernels = choose_kernels(opts.kernels, x_TD, x_TD.shape[-1], experts.down_proj.shape[-1],
-                             blocked=rep.backward_blocks)
-    cfg = StepConfig(dense=dense, metric=opts.metric, selection=opts.selection, generator=opts.generator,
-                     activations=activations, max_rows=sum(splits.bwd_send), out_shape=out_shape and tuple(out_shape),
-                     group_rows=splits.block_rows if rep.backward_blocks else None, kernels=kernels)
-    return run_experts(x_TD, gates_TK, group_P, plan, probe, cfg, AllToAllTransport(ep, splits))
+# What an expert-parallel forward records of its plan (buffer name -> shape, for W ranks, E experts, I instance
+# slots per rank), and the bytes this rank sent to its peers in its all-to-alls (0-d): ExpertParallelStats' fields.
+def _plan_records(n_ranks: int, n_exp: int, n_inst: int) -> dict[str, tuple[int, ...]]:
+    return {"loads": (n_ranks, n_exp), "quotas": (n_ranks, n_exp), "instances": (n_ranks, n_inst),
+            "assignment": (n_ranks, n_ranks, n_inst), "instance_quotas": (n_ranks, n_ranks, n_inst),
+            "capacity": (n_ranks,)}
 
 
-class _ExpertParallelExpertsMixin:
-    """Forward of an expert-parallel layer's experts (steps 5-9 of the module docstring): the rank's instances,
-    replicas fetched from their owners, on the rows its pairs dispatch. The layer runs its experts through this
-    call, so hooks on ``layer.experts`` see it: FSDP2's ``fully_shard(layer.experts, mesh["dp"])`` gathers the
-    weights before it, frees them after, and reduce-scatters their gradients once x's gradient is done."""
+_FORWARD_BYTES = ("dispatch_bytes", "combine_bytes", "replica_bytes", "replica_grad_bytes")
 
-    def forward(self, x_TD: torch.Tensor, gates_TK: torch.Tensor, group_P: torch.Tensor, plan: ExpertParallelPlan,
-                probe: torch.Tensor | None, cfg: StepConfig, transport: AllToAllTransport) -> torch.Tensor:
-        ep = transport.ep
-        n_local = self.num_experts // ep.size
-        gate_up_LFD = self.gate_up_proj.to_local().to(x_TD.dtype)
-        down_LDF = self.down_proj.to_local().to(x_TD.dtype)
-        if gate_up_LFD.shape[0] != n_local or down_LDF.shape[0] != n_local:
-            # Sharded further and not gathered: the kernels would index past a shard (an IndexError on CPU,
-            # garbage on CUDA).
-            raise RuntimeError(f"this rank holds {gate_up_LFD.shape[0]} experts' weights, expected E/W = {n_local}: "
-                               f"{UNGATHERED_EXPERTS}")
-        if plan.instances.shape[1] > n_local:
-            # Replica weights from their owners, differentiably: their gradients return and sum into the shards.
-            flat_LX = torch.cat([gate_up_LFD.reshape(n_local, -1), down_LDF.reshape(n_local, -1)], dim=1)
-            flat_RX = fetch_replicas(flat_LX, plan, transport.splits, ep)
-            n_gu = gate_up_LFD[0].numel()
-            gate_up_IFD = torch.cat([gate_up_LFD, flat_RX[:, :n_gu].view(-1, *gate_up_LFD.shape[1:])])
-            down_IDF = torch.cat([down_LDF, flat_RX[:, n_gu:].view(-1, *down_LDF.shape[1:])])
+
+class ExpertParallelDispatcher(nn.Module):
+    """The expert-parallel step of one module, which ``ExpertParallel`` installs as its ``_dispatcher``: an LRMoE
+    layer, whose forward routes and then hands its tokens here, or a SwiGLUExperts module of a model's own, whose
+    forward hands it its call. The module keeps its class and its state_dict; this object holds the EP group, the
+    replica settings (Python values, fixed at parallelisation) and the last forward's records, which ``stats()``
+    reads: non-persistent int64 buffers named as :class:`ExpertParallelStats`' fields (not checkpointed; they follow
+    ``.to()`` and ``to_empty``, and every recorded forward writes all of them).
+
+    The experts know nothing of it: ``plan`` returns the step over the rank's instances, which the experts module
+    runs in its own forward (``experts(x_TD, expert_ids_TK, gates_TK, step=...)``) on its weights, so hooks on that
+    module see the weights used: FSDP2's ``fully_shard(layer.experts, mesh["dp"])`` gathers them there."""
+
+    def __init__(self, ep_mesh: DeviceMesh, replication: _Replication, num_experts: int,
+                 device: torch.device | None = None):
+        super().__init__()
+        n_ranks = ep_mesh.size()
+        self.ep_mesh, self.replication = ep_mesh, replication
+        self.group = EPGroup(group=ep_mesh.get_group(), rank=ep_mesh.get_local_rank(), size=n_ranks)
+        n_inst = num_experts // n_ranks + replication.max_replicas
+        shapes = {**_plan_records(n_ranks, num_experts, n_inst), **dict.fromkeys(_FORWARD_BYTES, ())}
+        for name, shape in shapes.items():
+            self.register_buffer(name, torch.zeros(shape, dtype=torch.int64, device=device), persistent=False)
+
+    def extra_repr(self) -> str:
+        rep = self.replication
+        return (f"ranks={self.group.size}, max_replicas={rep.max_replicas}, capacity_factor={rep.capacity_factor}, "
+                f"placement={rep.placement or rep.placement_policy!r}, plan_on={rep.plan_on!r}, "
+                f"backward_blocks={rep.backward_blocks}")
+
+    def plan(self, module: nn.Module, experts: nn.Module, x_TD: torch.Tensor, expert_ids_TK: torch.Tensor,
+             probe: torch.Tensor | None, out_shape: torch.Size | None = None) -> Callable[..., torch.Tensor]:
+        """Steps 2-4 of the module docstring for one forward of ``module`` (the layer, or the experts module on its
+        own): the load matrix, the plan, this rank's pair destinations and the step's records (here, and
+        ``module``'s last_loads and last_quotas), with ``module.backward``'s options (exact in eval mode, capacity
+        too, unless selective_in_eval) and ``experts``' sizes. Returns the rest of the step, ``step(experts, x_TD,
+        expert_ids_TK, gates_TK)`` (x and the gates in the experts' compute dtype; the output in ``out_shape``:
+        StepConfig.out_shape, None: [T, D]), for the experts' forward to run."""
+        ep, opts, n_exp = self.group, module.backward.for_mode(module.training), experts.num_experts
+        rep = self.replication if opts is module.backward else replace(self.replication, capacity_factor=None)
+        check_generator_not_traced(opts.generator)  # an option: the same on every rank
+        # The tiny [W, E] load matrix, all-gathered (no host sync) with each rank's misrouted pairs as a last
+        # column, then the same plan on every rank.
+        counts_WX = all_gather_loads(pair_counts(expert_ids_TK, n_exp), ep)
+        loads_WE = counts_WX[:, :n_exp].contiguous()
+        n_local = n_exp // ep.size
+        if rep.plan_on == "host":
+            # HOST SYNC: the counts to the host (the one host read of this step, see ExpertParallel's plan_on); the
+            # split sizes below then read CPU tensors, and the plan goes to the device in one copy.
+            counts_host = counts_WX.cpu()
+            plan_host = _plan(counts_host[:, :n_exp].contiguous(), opts, rep)
+            splits = host_splits(plan_host, ep, n_local, counts_host[:, n_exp], rep.backward_blocks)
+            plan = plan_to(plan_host, loads_WE)
         else:
-            gate_up_IFD, down_IDF = gate_up_LFD, down_LDF
-        return selective_step(x_TD, gate_up_IFD, down_IDF, gates_TK, group_P, plan.instance_quotas[ep.rank].reshape(-1),
-                              plan.uniform, probe, cfg, transport, assign_SWI=plan.assignment,
-                              quotas_SWI=plan.instance_quotas)
+            plan = _plan(loads_WE, opts, rep)  # opaque to the compiler (lrmoe.functional.ep_plan says why)
+            # the step's one host synchronisation
+            splits = host_splits(plan, ep, n_local, counts_WX[:, n_exp], rep.backward_blocks)
+        _check_step(splits, opts, n_exp, runs_backward=probe is not None)
+        n_inst = plan.instances.shape[1]
+        dense = opts.retain >= 1.0 and rep.capacity_factor is None
+        if module._draws_uniform(probe) and opts.selection == "sample" and not dense:
+            uniform_G = sampling_uniforms(expert_ids_TK, ep.size * n_inst, stream=ep.rank,  # one per instance: the
+                                          generator=opts.generator)  # generator's, or a hash of this rank's routing
+            plan = replace(plan, uniform=uniform_G)
 
+        # Which instance runs each of this rank's pairs: g = w * I + i.
+        slots_EW = instance_slots(plan.instances, n_exp)
+        rank_P, slot_P = pair_destinations(expert_ids_TK, plan.routes[ep.rank], slots_EW)
+        group_P = rank_P * n_inst + slot_P
 
-class _ExpertParallelMixin:
-    """Forward and statistics of an expert-parallel LRMoE (see the module docstring)."""
+        dtype = x_TD.dtype
+        dim, hidden_dim = x_TD.shape[1], experts.hidden_dim
+        if module._records_plan(probe):  # the last training forward's plan and bytes (not evaluation nor a recompute)
+            module._record_plan(plan, probe)  # its last_loads and last_quotas: the loads and quotas summed over ranks
+            weight_bytes = 3 * dim * hidden_dim * dtype.itemsize  # one instance's two matrices
+            row_bytes = dim * dtype.itemsize
+            self._record(plan, loads_WE, {
+                "dispatch_bytes": peer_bytes(splits.fwd_send, row_bytes, ep.rank),
+                "combine_bytes": peer_bytes(splits.fwd_recv, row_bytes + EXTRA_BYTES, ep.rank),
+                "replica_bytes": peer_bytes(splits.rep_send, weight_bytes, ep.rank) if rep.max_replicas else 0,
+                "replica_grad_bytes": peer_bytes(splits.rep_recv, weight_bytes, ep.rank) if rep.max_replicas else 0,
+            })
 
-    ep_mesh: DeviceMesh
-    _ep: EPGroup
-    _replication: _Replication
-    _probe_size = N_EP_BACKWARD_STATS
-    _probe_dtype = torch.float64  # byte counts stay exact past 2**24
+        # No backward will run without a probe: then "offload" would copy h to the host for nothing.
+        activations = "recompute" if opts.activations == "offload" and probe is None else opts.activations
+        # The selection keeps exactly sum(quotas[rank]) rows (every group keeps min(quota, load) = quota), grouped by
+        # instance ascending, so by destination rank: its per-rank blocks are exactly splits.bwd_send.
+        kernels = choose_kernels(opts.kernels, x_TD, dim, hidden_dim, blocked=rep.backward_blocks)
+        cfg = StepConfig(dense=dense, metric=opts.metric, selection=opts.selection, generator=opts.generator,
+                         activations=activations, max_rows=sum(splits.bwd_send),
+                         out_shape=out_shape and tuple(out_shape),
+                         group_rows=splits.block_rows if rep.backward_blocks else None, kernels=kernels)
+        return partial(_run_instances, group_P=group_P, plan=plan, probe=probe, cfg=cfg,
+                       transport=AllToAllTransport(ep, splits))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self._check_input(x)
-        x_TD = x.reshape(-1, self.dim)
-        routing, probe, dtype = self.route(x_TD), self._probe_for(x), compute_dtype(x)  # autocast's dtype, else x's
-        with torch.autocast(x.device.type, enabled=False):  # the experts run in ``dtype`` exactly
-            out = _ep_step(self, self.experts, self.experts, x_TD.to(dtype), routing.expert_ids,
-                           routing.gates.to(dtype), probe, x.shape)
-        return self.add_shared(x_TD, out)  # in x's shape as the experts wrote it, not a view (see LRMoE.forward)
+    @torch.no_grad()
+    def _record(self, plan: ExpertParallelPlan, loads_WE: torch.Tensor, forward_bytes: dict[str, int]) -> None:
+        """Keep this forward's plan and this rank's forward bytes (host values, written by fills) for ``stats()``.
+        Every record is written every time: after a build on the meta device and to_empty they held garbage."""
+        self.loads.copy_(loads_WE)
+        for name in ("quotas", "instances", "assignment", "instance_quotas"):
+            getattr(self, name).copy_(getattr(plan, name))
+        if plan.capacity is None:
+            self.capacity.fill_(-1)
+        else:
+            self.capacity.copy_(plan.capacity)
+        for name in _FORWARD_BYTES:
+            getattr(self, name).fill_(forward_bytes[name])
 
-    def stats(self) -> ExpertParallelStats:
-        """This step's statistics as tensors (see :class:`ExpertParallelStats`)."""
-        acc = self._stats_probe.grad
-        if acc is None:
-            acc = torch.zeros(N_EP_BACKWARD_STATS, dtype=torch.float64, device=self.ep_loads.device)
-        return ExpertParallelStats.from_records(self.ep_loads, self.ep_quotas, self.ep_instances, self.ep_assignment,
-                                                self.ep_instance_quotas, self.ep_capacity, self.ep_forward_bytes, acc)
+    def stats(self, probe: StatsProbe) -> ExpertParallelStats:
+        """The last recorded forward's statistics, and the backward statistics summed in ``probe`` since its last
+        reset (see :class:`ExpertParallelStats`)."""
+        backward = probe.totals()
+        calls = backward["backward_calls"]
+        return ExpertParallelStats(
+            loads=self.loads.clone(), quotas=self.quotas.clone(), instances=self.instances.clone(),
+            assignment=self.assignment.clone(), instance_quotas=self.instance_quotas.clone(),
+            capacity=self.capacity.clone(), rank_loads=self.assignment.sum((0, 2)),
+            rank_backward_loads=self.instance_quotas.sum((0, 2)), total_pairs=self.loads.sum(),
+            retained_pairs=self.quotas.sum(), **{name: getattr(self, name).clone() for name in _FORWARD_BYTES},
+            backward_dispatch_bytes=backward["backward_dispatch_bytes"],
+            backward_combine_bytes=backward["backward_combine_bytes"],
+            local_retained_pairs=backward["retained_pairs"],
+            score_mass_fraction=backward["score_mass_fraction_sum"] / calls, backward_calls=calls,
+        )
 
-
-class _ExpertParallelStandaloneMixin(_ExpertParallelExpertsMixin):
-    """Forward and statistics of a :class:`SwiGLUExperts` made expert-parallel on its own
-    (``parallelize_module(experts, mesh, ExpertParallel())``; e.g. a transformers model's experts after
-    ``swap_experts``), called as transformers calls its experts: ``experts(x_TD, expert_ids_TK, gates_TK)``. Steps
-    2-9 of the module docstring, with the module's options (retain, selection, ...); the caller's router chose the
-    experts and gates (step 1), and its gradient, like the router's, comes from this rank's tokens only."""
-
-    ep_mesh: DeviceMesh
-    _ep: EPGroup
-    _replication: _Replication
-    _probe_size = N_EP_BACKWARD_STATS
-    _probe_dtype = torch.float64
-    _draws_uniform = LRMoE._draws_uniform
-    _new_probe = LRMoE._new_probe
-    _probe_for = LRMoE._probe_for
-    stats = _ExpertParallelMixin.stats
-    reset_stats = LRMoE.reset_stats
-
-    def forward(self, x_TD: torch.Tensor, expert_ids_TK: torch.Tensor, gates_TK: torch.Tensor,
-                **options) -> torch.Tensor:
+    def experts_forward(self, experts: SwiGLUExperts, x_TD: torch.Tensor, expert_ids_TK: torch.Tensor,
+                        gates_TK: torch.Tensor, options: dict) -> torch.Tensor:
+        """Forward of a :class:`SwiGLUExperts` made expert-parallel on its own (``parallelize_module(experts, mesh,
+        ExpertParallel())``; e.g. a transformers model's experts after ``swap_experts``), called as transformers
+        calls its experts: ``experts(x_TD, expert_ids_TK, gates_TK)``. Steps 2-9 of the module docstring, with the
+        module's options (retain, selection, ...); the caller's router chose the experts and gates (step 1), and
+        its gradient, like the router's, comes from this rank's tokens only."""
         if options:
             raise TypeError(
                 f"this experts module is expert-parallel on its own (ExpertParallel applied to it) and plans every "
@@ -454,27 +412,51 @@ class _ExpertParallelStandaloneMixin(_ExpertParallelExpertsMixin):
                 "(SwiGLUExperts(..., retain=...), swap_experts(model, retain=...)); for an LRMoE layer apply "
                 "ExpertParallel to the layer, not to layer.experts"
             )
-        _refuse_backward_capacity(self.backward.backward_capacity)  # set after parallelize_module refused it
+        _refuse_backward_capacity(experts.backward.backward_capacity)  # set after parallelize_module refused it
         check_tensor("x_TD", x_TD, ndim=2, kind="float")
         check_tensor("expert_ids_TK", expert_ids_TK, ndim=2, kind="int")
         check_tensor("gates_TK", gates_TK, ndim=2, kind="float")  # integer gates refused, not cast
-        if x_TD.shape[1] != self.dim:
-            raise ValueError(f"x_TD must be [T, dim={self.dim}], got shape {tuple(x_TD.shape)}")
+        if x_TD.shape[1] != experts.dim:
+            raise ValueError(f"x_TD must be [T, dim={experts.dim}], got shape {tuple(x_TD.shape)}")
         check_same_size("expert_ids_TK", expert_ids_TK, 0, "x_TD", x_TD, 0)
         if gates_TK.shape != expert_ids_TK.shape:
             raise ValueError(f"gates_TK must have expert_ids_TK's shape {tuple(expert_ids_TK.shape)}, got "
                              f"{tuple(gates_TK.shape)}")
         check_same_device(x_TD=x_TD, expert_ids_TK=expert_ids_TK, gates_TK=gates_TK,
-                          gate_up_proj=self.gate_up_proj.to_local())
-        probe = self._probe_for(x_TD, gates_TK)
-        run = partial(_ExpertParallelExpertsMixin.forward, self)
+                          gate_up_proj=experts.gate_up_proj.to_local())
+        probe = experts._probe_for(x_TD, gates_TK)
         dtype = compute_dtype(x_TD)  # torch.autocast's, else x's: computed and sent in it, as the layer does
-        with torch.autocast(x_TD.device.type, enabled=False):
-            return _ep_step(self, self, run, x_TD.to(dtype), expert_ids_TK, gates_TK.to(dtype), probe)
+        with autocast_off(x_TD.device.type):
+            x_TD, gates_TK = x_TD.to(dtype), gates_TK.to(dtype)
+            step = self.plan(experts, experts, x_TD, expert_ids_TK, probe)
+            return step(experts, x_TD, expert_ids_TK, gates_TK)  # already inside the experts' forward
 
-    def _apply(self, fn, recurse=True):
-        # The probe follows .to()/.cuda(), as LRMoE's does (a leaf that is neither parameter nor buffer).
-        module = super()._apply(fn, recurse)
-        if self._stats_probe.device != self.ep_loads.device:
-            self._stats_probe = self._new_probe(self.ep_loads.device)
-        return module
+
+def _run_instances(experts: SwiGLUExperts, x_TD: torch.Tensor, expert_ids_TK: torch.Tensor, gates_TK: torch.Tensor,
+                   *, group_P: torch.Tensor, plan: ExpertParallelPlan, probe: torch.Tensor | None, cfg: StepConfig,
+                   transport: AllToAllTransport) -> torch.Tensor:
+    """Steps 5-9 of the module docstring, run by ``experts``' forward (``ExpertParallelDispatcher.plan`` binds the
+    keywords): the rank's instances, replicas fetched from their owners, on the rows its pairs dispatch, with
+    ``experts``' weights as its forward sees them (gathered there by an FSDP2 unit on the module). The expert ids are
+    already in ``group_P``."""
+    ep = transport.ep
+    n_local = experts.num_experts // ep.size
+    gate_up_LFD = experts.gate_up_proj.to_local().to(x_TD.dtype)
+    down_LDF = experts.down_proj.to_local().to(x_TD.dtype)
+    if gate_up_LFD.shape[0] != n_local or down_LDF.shape[0] != n_local:
+        # Sharded further and not gathered: the kernels would index past a shard (an IndexError on CPU, garbage
+        # on CUDA).
+        raise RuntimeError(f"this rank holds {gate_up_LFD.shape[0]} experts' weights, expected E/W = {n_local}: "
+                           f"{UNGATHERED_EXPERTS}")
+    if plan.instances.shape[1] > n_local:
+        # Replica weights from their owners, differentiably: their gradients return and sum into the shards.
+        flat_LX = torch.cat([gate_up_LFD.reshape(n_local, -1), down_LDF.reshape(n_local, -1)], dim=1)
+        flat_RX = fetch_replicas(flat_LX, plan, transport.splits, ep)
+        n_gu = gate_up_LFD[0].numel()
+        gate_up_IFD = torch.cat([gate_up_LFD, flat_RX[:, :n_gu].view(-1, *gate_up_LFD.shape[1:])])
+        down_IDF = torch.cat([down_LDF, flat_RX[:, n_gu:].view(-1, *down_LDF.shape[1:])])
+    else:
+        gate_up_IFD, down_IDF = gate_up_LFD, down_LDF
+    return selective_step(x_TD, gate_up_IFD, down_IDF, gates_TK, group_P, plan.instance_quotas[ep.rank].reshape(-1),
+                          plan.uniform, probe, cfg, transport, assign_SWI=plan.assignment,
+                          quotas_SWI=plan.instance_quotas)

@@ -10,6 +10,7 @@ Parameter names and shapes: ``gate.weight`` [E, D]; ``experts.gate_up_proj`` [E,
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
@@ -25,7 +26,6 @@ from lrmoe.functional._checks import (
     check_scaling,
     check_top_k,
 )
-from lrmoe.functional.transport import N_BACKWARD_STATS
 from lrmoe.functional.experts import ExpertPlan, plan_experts, selective_swiglu_experts
 from lrmoe.functional.options import (
     BackwardOptions,
@@ -35,6 +35,8 @@ from lrmoe.functional.options import (
     resolve_options,
 )
 from lrmoe.functional.routing import Routing, route_topk, router_logits
+from lrmoe.functional.stats_probe import StatsProbe
+from lrmoe.functional.transport import BACKWARD_STATS
 from lrmoe.ops._torch_internals import current_graph_task_id
 
 __all__ = ["LRMoE", "LRMoEStats", "SwiGLUExperts", "SwiGLUMLP"]
@@ -97,28 +99,23 @@ class _PlanRecords:
     """The last forward's plan and the backward statistics of a module that plans its steps: ``stats()`` and
     ``reset_stats()`` of LRMoE, and of a SwiGLUExperts called without a plan (``swap_experts``' modules). The
     module holds ``last_loads`` and ``last_quotas`` ([E] int64 buffers, not checkpointed) and ``_stats_probe``, a
-    leaf whose ``.grad`` the backward adds its statistics to (selective_swiglu_experts' ``stats_probe``)."""
-
-    # Backward statistics probe: how many entries and in which dtype (a subclass may need more, or exact counts).
-    _probe_size = N_BACKWARD_STATS
-    _probe_dtype = torch.float32
+    :class:`~lrmoe.functional.stats_probe.StatsProbe` whose leaf the backward adds its statistics to
+    (selective_swiglu_experts' ``stats_probe``)."""
 
     def _init_records(self, num_experts: int, device: torch.device | None = None) -> None:
         """(Re)create the records, zero, on ``device`` (None: the default device, as at construction)."""
         # Non-persistent: for logging, not part of the checkpoint.
         for name in ("last_loads", "last_quotas"):
             self.register_buffer(name, torch.zeros(num_experts, dtype=torch.int64, device=device), persistent=False)
-        self._stats_probe = self._new_probe(self.last_loads.device)
+        self._stats_probe = StatsProbe(BACKWARD_STATS, self.last_loads.device)
 
     def _probe_for(self, x: torch.Tensor, *inputs: torch.Tensor) -> torch.Tensor | None:
-        """The backward-statistics probe, or None when no backward will run through this call (from x, the other
-        differentiable ``inputs`` of the call, or the parameters)."""
+        """The backward-statistics probe's leaf, or None when no backward will run through this call (from x, the
+        other differentiable ``inputs`` of the call, or the parameters)."""
         needs_grad = any(t.requires_grad for t in (x, *inputs)) or any(p.requires_grad for p in self.parameters())
         if not (torch.is_grad_enabled() and needs_grad):
             return None
-        if self._stats_probe.device != x.device:  # only when x is not where the module is (eager use)
-            self._stats_probe = self._new_probe(x.device)
-        return self._stats_probe
+        return self._stats_probe.follow(x.device)  # a new probe only when x is not where the module is (eager use)
 
     def _draws_uniform(self, probe: torch.Tensor | None) -> bool:
         """Whether this forward draws the sampling uniforms: when a backward will run, and in training mode always,
@@ -134,9 +131,6 @@ class _PlanRecords:
         validation batch's loads must not steer the balancing), and not a recompute inside a backward."""
         return self._draws_uniform(probe) and not recomputing()
 
-    def _new_probe(self, device: torch.device) -> torch.Tensor:
-        return torch.zeros(self._probe_size, dtype=self._probe_dtype, device=device, requires_grad=True)
-
     def _record_plan(self, plan: ExpertPlan, probe: torch.Tensor | None) -> None:
         """Keep ``plan``'s loads and quotas (an ExpertPlan's; summed over sources when grouped by (source, expert))
         for ``stats()``, when ``_records_plan``."""
@@ -150,32 +144,29 @@ class _PlanRecords:
             self.last_quotas.copy_(quotas)
 
     def _apply(self, fn, recurse=True):
-        # The probe is a leaf that is neither parameter nor buffer (its .grad carries the statistics and must not
-        # reach optimisers or state_dicts), so follow .to()/.cuda() here: a probe created inside forward would be a
-        # tensor created with requires_grad=True, which breaks torch.compile's graph on a freshly moved module.
+        # The probe is neither parameter nor buffer (StatsProbe says why), so it follows .to()/.cuda() here.
         module = super()._apply(fn, recurse)
-        if self._stats_probe.device != self.last_loads.device:
-            self._stats_probe = self._new_probe(self.last_loads.device)
+        self._stats_probe.follow(self.last_loads.device)
         return module
 
     def stats(self) -> LRMoEStats:
-        """This step's statistics as tensors (see :class:`LRMoEStats`)."""
-        acc = self._stats_probe.grad
-        if acc is None:
-            acc = torch.zeros(N_BACKWARD_STATS, device=self.last_loads.device)
-        calls = acc[2]
+        """This step's statistics as tensors (see :class:`LRMoEStats`; expert-parallel: ExpertParallelStats)."""
+        if self._dispatcher is not None:
+            return self._dispatcher.stats(self._stats_probe)
+        backward = self._stats_probe.totals()
+        calls = backward["backward_calls"]
         return LRMoEStats(
             loads=self.last_loads.clone(),
             quotas=self.last_quotas.clone(),
             retained_pairs=self.last_quotas.sum(),
             total_pairs=self.last_loads.sum(),
-            score_mass_fraction=acc[0] / calls,
-            backward_calls=calls.clone(),
+            score_mass_fraction=backward["score_mass_fraction_sum"] / calls,
+            backward_calls=calls,
         )
 
     def reset_stats(self) -> None:
         """Forget the accumulated backward statistics."""
-        self._stats_probe.grad = None
+        self._stats_probe.reset()
 
 
 class SwiGLUExperts(_PlanRecords, nn.Module):
@@ -207,6 +198,7 @@ class SwiGLUExperts(_PlanRecords, nn.Module):
         self.down_proj = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
         self.reset_parameters()
         self._init_records(num_experts)  # the plans of the calls it plans, and their backward statistics
+        self._dispatcher = None  # expert parallelism's, once ExpertParallel is applied to this module itself
 
     def extra_repr(self) -> str:
         shown = _shown(self.backward)
@@ -216,7 +208,7 @@ class SwiGLUExperts(_PlanRecords, nn.Module):
     def forward(self, x_TD: torch.Tensor, expert_ids_TK: torch.Tensor, gates_TK: torch.Tensor, *,
                 backward: BackwardOptions | None = None, plan: ExpertPlan | None = None,
                 stats_probe: torch.Tensor | None = None, out_shape: tuple[int, ...] | torch.Size | None = None,
-                **options) -> torch.Tensor:
+                step: Callable[..., torch.Tensor] | None = None, **options) -> torch.Tensor:
         """[T, D] tokens, their [T, K] experts and gates -> [T, D] gated sum of the experts' outputs:
         :func:`~lrmoe.functional.selective_swiglu_experts` with these weights and the gates in x's dtype, or
         under torch.autocast in its dtype (x, weights and gates cast to it, differentiably; the output in it), as
@@ -233,7 +225,21 @@ class SwiGLUExperts(_PlanRecords, nn.Module):
         an evaluation's, not a recompute's), with its backward statistics unless the call brings a
         ``stats_probe``; in eval() with no backward to run (no grad, or nothing requiring it) no sampling uniforms
         are drawn, as in LRMoE. LRMoE runs its experts through this call, with its plan and probe, so a hook on
-        this module (FSDP2's ``fully_shard(layer.experts)`` gathering the weights) sees them."""
+        this module (FSDP2's ``fully_shard(layer.experts)`` gathering the weights) sees them.
+
+        ``step``: a caller's own computation on this module's weights, ``step(self, x_TD, expert_ids_TK,
+        gates_TK)``, run here (no options or call arguments with it) so those hooks see it too: an expert-parallel
+        LRMoE's dispatcher passes the rank's part of its step. An experts module made expert-parallel itself
+        (``ExpertParallel`` applied to it) hands its calls to its dispatcher, which takes none either."""
+        if step is not None or self._dispatcher is not None:
+            given = {**options, **{name: value for name, value in (("backward", backward), ("plan", plan),
+                                                                   ("stats_probe", stats_probe),
+                                                                   ("out_shape", out_shape)) if value is not None}}
+            if step is None:
+                return self._dispatcher.experts_forward(self, x_TD, expert_ids_TK, gates_TK, given)
+            if given:
+                raise TypeError(f"a call with a step takes no options, got {sorted(given)}")
+            return step(self, x_TD, expert_ids_TK, gates_TK)
         gate_up, down = self.gate_up_proj, self.down_proj
         if isinstance(gate_up, DTensor) or isinstance(down, DTensor):
             # The ops would refuse a mix of tensors and DTensors, naming none of this.
@@ -371,6 +377,7 @@ class LRMoE(_PlanRecords, nn.Module):
         self.experts = SwiGLUExperts(num_experts, dim, hidden_dim)
         self.shared_experts = None if shared_hidden_dim is None else SwiGLUMLP(dim, shared_hidden_dim)
         self._init_records(num_experts)  # the last forward's plan and the backward statistics
+        self._dispatcher = None  # expert parallelism's (lrmoe.nn.expert_parallel), once ExpertParallel is applied
 
     @property
     def retain(self) -> float:
@@ -419,9 +426,15 @@ class LRMoE(_PlanRecords, nn.Module):
         x_TD = x.reshape(-1, self.dim)
         routing = self.route(x_TD)
         probe = self._probe_for(x)
-        opts = self.backward.for_mode(self.training)
         dtype = compute_dtype(x)
         gates_TK = routing.gates.to(dtype)
+        if self._dispatcher is not None:  # expert parallelism: its dispatcher plans, the experts run its step
+            with autocast_off(x.device.type):  # the experts run in ``dtype`` exactly
+                x_in = x_TD.to(dtype)
+                step = self._dispatcher.plan(self, self.experts, x_in, routing.expert_ids, probe, x.shape)
+                out = self.experts(x_in, routing.expert_ids, gates_TK, step=step)
+            return self.add_shared(x_TD, out)
+        opts = self.backward.for_mode(self.training)
         plan = plan_experts(routing.expert_ids, self.num_experts, draw_uniform=self._draws_uniform(probe),
                             backward=opts)
         self._record_plan(plan, probe)

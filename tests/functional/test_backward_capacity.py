@@ -99,7 +99,7 @@ def test_layer_plans_clamped_quotas_and_counts_the_kept_pairs():
     assert int(stats.loads[0]) > cap and int(stats.quotas.max()) == cap  # clamped where the plan wanted more
     assert bool((stats.quotas <= stats.loads).all())
     # The probe counts the pairs kept, not the padded rows: the plan's total, all the capacities can hold here.
-    kept = layer._stats_probe.grad[1]
+    kept = layer._stats_probe.totals()["retained_pairs"]
     assert int(kept) == int(stats.quotas.sum()) == int(stats.loads.clamp(max=cap).sum()) < math.floor(retain * T * K)
 
 

@@ -309,7 +309,7 @@ def test_a_swiglu_experts_call_takes_its_arguments_explicitly_and_options_apart(
     experts = SwiGLUExperts(E, D, FF, retain=0.5)
     params = inspect.signature(SwiGLUExperts.forward).parameters
     assert {name for name, p in params.items() if p.kind is p.KEYWORD_ONLY} == {
-        "backward", "plan", "stats_probe", "out_shape"}
+        "backward", "plan", "stats_probe", "out_shape", "step"}
     x = torch.randn(T, D)
     ids = torch.stack([torch.randperm(E)[:K] for _ in range(T)])
     gates = torch.rand(T, K)
@@ -318,3 +318,5 @@ def test_a_swiglu_experts_call_takes_its_arguments_explicitly_and_options_apart(
         experts(x, ids, gates, out_shap=(2, T // 2, D))
     with pytest.raises(TypeError, match=r"either as a BackwardOptions \(backward=\) or as fields.*\['retain'\]"):
         experts(x, ids, gates, backward=BackwardOptions(), retain=1.0)
+    with pytest.raises(TypeError, match=r"a call with a step takes no options, got \['plan'\]"):
+        experts(x, ids, gates, plan=plan_experts(ids, E), step=lambda *args: None)

@@ -307,7 +307,7 @@ def test_converts_a_model_built_on_meta():
     names = convert_moe(model, retain=0.5)
     model.to_empty(device="cpu")
     model.init_states(buffer_device=torch.device("cpu"))
-    assert all(model.get_submodule(n).lrmoe_stats_probe.device.type == "cpu" for n in names)
+    assert all(model.get_submodule(n).lrmoe_stats_probe.tensor.device.type == "cpu" for n in names)
     example.loss_fn(model, example.batch(args.vocab, 2, args.seq_len, 0, 0, torch.device("cpu"))).backward()
     rows = 2 * args.seq_len * args.top_k
     assert [s["retained_rows"].item() for s in backward_stats(model).values()] == [rows // 2] * 2

@@ -21,7 +21,8 @@ from torch.distributed.tensor.parallel import parallelize_module
 
 from ep_harness import RecordAllToAll, run_ranks
 from lrmoe.functional import plan_experts, plan_quotas, route_topk, selective_swiglu_experts
-from lrmoe.nn import ExpertParallel, LRMoE
+from lrmoe.nn import ExpertParallel, LRMoE, SwiGLUExperts
+from lrmoe.nn.expert_parallel import ExpertParallelDispatcher
 from lrmoe.functional.expert_parallel import expert_major_order
 
 D, FF, E, K = 8, 6, 8, 2
@@ -182,7 +183,7 @@ def _autocast_equals_a_bf16_copy(rank, world, max_replicas):
     out_h = half(xh)
     out_h.float().square().sum().backward()
     assert out.dtype == torch.bfloat16 and torch.equal(out, out_h)
-    assert (layer.ep_instances[:, E // world:] >= 0).any() == (max_replicas > 0)  # replicas placed when allowed
+    assert (layer.stats().instances[:, E // world:] >= 0).any() == (max_replicas > 0)  # replicas placed when allowed
     # x's gradient sums three paths (router, experts, shared expert): in fp32 for fp32 x, in bf16 for the copy.
     torch.testing.assert_close(x32.grad, xh.grad.float(), rtol=2e-2, atol=2e-2)
     for name in ("gate_up_proj", "down_proj"):
@@ -210,7 +211,7 @@ def _rank_keeping_no_pairs(rank, world, device="cpu"):
     x = x_all[rows].clone().requires_grad_(True)
     out = layer(x)
     out.sum().backward()
-    assert int(layer.ep_quotas[0].sum()) == 0 and int(layer.ep_loads[0].sum()) == 1  # the case under test
+    assert int(layer.stats().quotas[0].sum()) == 0 and int(layer.stats().loads[0].sum()) == 1  # the case under test
     xr = x_all.clone().requires_grad_(True)
     reference_forward(ref, xr, counts).sum().backward()
     torch.testing.assert_close(x.grad, xr.grad[rows], rtol=1e-5, atol=1e-6)
@@ -402,6 +403,12 @@ def _configurations(rank, world):
     twice = parallelize_module(LRMoE(D, FF, E, K), mesh, ExpertParallel())
     with pytest.raises(ValueError, match="already"):
         parallelize_module(twice, mesh, ExpertParallel())
+    # By composition: the layer and its experts keep their classes and their state_dict keys; the expert-parallel
+    # step is an object the layer holds, whose records are no state_dict entries.
+    keys = list(LRMoE(D, FF, E, K).state_dict())
+    assert type(twice) is LRMoE and type(twice.experts) is SwiGLUExperts
+    assert list(twice.state_dict()) == keys
+    assert isinstance(twice._dispatcher, ExpertParallelDispatcher) and twice.experts._dispatcher is None
 
     mesh_2d = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp", "ep"))
     with pytest.raises(ValueError, match="1-D"):

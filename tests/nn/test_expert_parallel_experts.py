@@ -57,7 +57,8 @@ def _equals_the_layer(rank, world, device="cpu"):
         block.experts = parallelize_module(block.experts, mesh, ExpertParallel(**style))
         layer = parallelize_module(ref, mesh, ExpertParallel(**style))
         for module in (block.experts, layer):  # what to_empty may leave after a build on meta: overwritten each step
-            module.ep_forward_bytes.fill_(7)
+            for name in ("dispatch_bytes", "combine_bytes", "replica_bytes", "replica_grad_bytes"):
+                getattr(module._dispatcher, name).fill_(7)
         torch.manual_seed(10 + rank)
         x, c = torch.randn(12 + 3 * rank, D).to(device) + 0.5, torch.randn(12 + 3 * rank, D).to(device)
         torch.manual_seed(5)  # the sampling uniforms: the same draw for both
@@ -149,6 +150,7 @@ def _compiled_and_refused(rank, world):
     ref = LRMoE(D, FF, E, K)
     block = RoutedBlock(ref, retain=0.5, selection="top")
     block.experts = parallelize_module(block.experts, mesh, ExpertParallel())  # replicas compile: the layer's tests
+    assert type(block.experts) is SwiGLUExperts and block.experts._dispatcher is not None  # no class swap
     with torch._dynamo.config.patch(capture_scalar_outputs=True, error_on_recompile=True):
         # Dynamo and AOTAutograd trace it whole (what this checks); Inductor's code for an expert-parallel layer
         # is tests/nn/test_expert_parallel_compile.py's.

@@ -338,8 +338,9 @@ def test_stats_probe_moves_with_the_module():
     # Moving the module moves the probe, so forward never creates it (that would break torch.compile's graph).
     layer, _, _ = make(retain=0.75)
     moved = layer.to("meta")
-    assert moved._stats_probe.device.type == "meta" and moved._stats_probe.requires_grad
-    assert moved._stats_probe.is_leaf and moved._stats_probe.dtype == torch.float32
+    probe = moved._stats_probe.tensor
+    assert probe.device.type == "meta" and probe.requires_grad
+    assert probe.is_leaf and probe.dtype == torch.float32
 
 
 def test_sample_draws_are_a_function_of_the_model_and_batch_unless_a_generator_is_given():
