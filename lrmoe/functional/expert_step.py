@@ -31,11 +31,11 @@ from lrmoe.functional.expert_kernels import BACKENDS
 from lrmoe.functional.retained_rows import take_rows
 from lrmoe.functional.scoring import score_pairs
 from lrmoe.functional.selection import select_within_quota
-from lrmoe.functional.transport import BackwardRequest, ForwardRecord, IdentityTransport, Transport
+from lrmoe.functional.transport import BackwardRequest, ForwardRecord, Transport
 from lrmoe.ops import argsort_ids, gather_dot_rows, gather_dot_scores, gather_sum_rows, offload_to_host, offload_wait
 from lrmoe.ops.scoring import DETERMINISTIC_METRICS
 
-__all__ = ["IdentityTransport", "StepConfig", "Transport", "selective_step"]
+__all__ = ["StepConfig", "selective_step"]
 
 
 @dataclass(frozen=True)
