@@ -112,15 +112,12 @@ class HopperKernels(ExpertKernels):
         if group_rows is not None:
             raise ValueError("kernels='hopper' has no blocked backward (backward_capacity); use kernels='portable'")
         dy_RD = dy.pop()
-        # The retained rows' h, row-aligned with dy: the GEMM's epilogue reads its operand rows in order.
-        if h_saved is None:  # "recompute": the gate/up GEMM over the retained rows only
-            h_RF2 = hopper_gate_up(x_ND, gate_up_IFD, rows_R, offsets_I)[0]
-        elif h_on_host:  # "offload": only these rows cross the link
-            h_RF2 = gather_host_rows(h_saved, h_index_R)
-        elif h_index_R is None:
-            h_RF2 = h_saved
-        else:
-            h_RF2 = h_saved.index_select(0, h_index_R)
+        # The retained rows' h as the portable backward finds it (recomputed by the gate/up GEMM over the retained
+        # rows, read back from the host, or the saved h and an index), then row-aligned with dy: the GEMM's
+        # epilogue reads its operand rows in order.
+        h_src, h_rows_R = _rows_h(h_saved, h_index_R, h_on_host, lambda *args: hopper_gate_up(*args)[0], x_ND,
+                                  gate_up_IFD, rows_R, offsets_I)
+        h_RF2 = h_src if h_rows_R is None else h_src.index_select(0, h_rows_R)
         dx_RD, grad_gu, grad_down = hopper_rows_backward(dy_RD, x_ND, rows_R, offsets_I, gate_up_IFD, down_IDF, h_RF2,
                                                          *needs)
         return ExpertGrads(*(g if need else None for g, need in zip((dx_RD, grad_gu, grad_down), needs)))
