@@ -8,6 +8,11 @@ Shapes: N rows of h, R rows out, F the expert hidden dim (h is [N, 2F], gate hal
     dh_i = [dphi_i * up * s * (1 + gate * (1 - s)),  dphi_i * gate * s], rounded to h's dtype once;
     phi_i = silu(gate) * up, each factor rounded to h's dtype as eager PyTorch rounds them (silu, then the product).
     Rows outside [0, N) are not read: their outputs are zero (as for zero h).
+``swiglu_backward_scaled_triton(h_N2F, rows_R, dphi_RF, coef_R) -> (dh_R2F, cphi_RF, dot_R)``
+    The same for rows whose output gradient is coef_i * (row i of dphi): with dphi_i scaled by coef_i in fp32,
+    dh_i as above; cphi_i = coef_i * phi_i (fp32 product of the rounded phi, rounded once); and
+    dot_i = sum over f of dphi_if * phi_if in fp32 (the unscaled dphi, the rounded phi). Each program runs over
+    all F columns of its rows, so the row sums need no atomics.
 ``swiglu_sqnorm_triton(h_N2F) -> (phi_NF, phi_sq_N)``
     phi as above for every row of h, and phi_sq_n = sum over f of phi_nf^2 in fp32 from the rounded phi: the
     layers' forward SwiGLU and the ||phi||^2 the "lrm" score needs, from one read of h (PyTorch would write a SiLU
@@ -31,7 +36,7 @@ import triton.language as tl
 
 from .launch import interpreting, known_empty, launch
 
-__all__ = ["swiglu_backward_triton", "swiglu_sqnorm_triton"]
+__all__ = ["swiglu_backward_scaled_triton", "swiglu_backward_triton", "swiglu_sqnorm_triton"]
 
 
 
@@ -78,6 +83,48 @@ def _swiglu_backward_kernel(
     tl.store(dh_ptrs, dgate.to(h_dtype), mask=mask_RF)
     tl.store(dh_ptrs + F * stride_gf, dup.to(h_dtype), mask=mask_RF)
     tl.store(phi_ptr + r64_R * stride_pr + f_F[None, :] * stride_pf, _phi(gate, up, h_dtype), mask=mask_RF)
+
+
+@triton.jit
+def _swiglu_backward_scaled_kernel(
+    h_ptr, rows_ptr, dphi_ptr, coef_ptr, dh_ptr, cphi_ptr, dot_ptr,
+    R, N, F,
+    stride_hn, stride_hf, stride_dr, stride_df, stride_gr, stride_gf, stride_pr, stride_pf,
+    HAS_ROWS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_F: tl.constexpr,
+):  # fmt: skip
+    r_R = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    r_ok_R = r_R < R
+    if HAS_ROWS:
+        src_R = tl.load(rows_ptr + r_R, mask=r_ok_R, other=0).to(tl.int64)
+        read_R = r_ok_R & (src_R >= 0) & (src_R < N)  # an index outside h is not read: zeros out
+    else:
+        src_R = r_R.to(tl.int64)
+        read_R = r_ok_R
+    coef_R = tl.load(coef_ptr + r_R, mask=r_ok_R, other=0.0).to(tl.float32)[:, None]
+    r64_R = r_R.to(tl.int64)[:, None]
+    h_dtype = h_ptr.dtype.element_ty
+    dot_RF = tl.zeros((BLOCK_R, BLOCK_F), dtype=tl.float32)
+    for f0 in range(0, F, BLOCK_F):
+        f_F = f0 + tl.arange(0, BLOCK_F)
+        mask_RF = r_ok_R[:, None] & (f_F < F)[None, :]
+        read_RF = read_R[:, None] & (f_F < F)[None, :]
+        gate_ptr = h_ptr + src_R[:, None] * stride_hn + f_F[None, :] * stride_hf
+        gate = tl.load(gate_ptr, mask=read_RF, other=0.0).to(tl.float32)
+        up = tl.load(gate_ptr + F * stride_hf, mask=read_RF, other=0.0).to(tl.float32)
+        dphi_raw = tl.load(dphi_ptr + r64_R * stride_dr + f_F[None, :] * stride_df, mask=mask_RF,
+                           other=0.0).to(tl.float32)
+        dphi = dphi_raw * coef_R
+        sig = tl.sigmoid(gate)
+        # Same operation order as lrmoe.ops.swiglu's reference (left to right), so the fp32 products round alike.
+        dgate = dphi * up * sig * (1.0 + gate * (1.0 - sig))
+        dup = dphi * gate * sig
+        dh_ptrs = dh_ptr + r64_R * stride_gr + f_F[None, :] * stride_gf
+        tl.store(dh_ptrs, dgate.to(h_dtype), mask=mask_RF)
+        tl.store(dh_ptrs + F * stride_gf, dup.to(h_dtype), mask=mask_RF)
+        phi = _phi(gate, up, h_dtype).to(tl.float32)  # masked lanes: zero
+        tl.store(cphi_ptr + r64_R * stride_pr + f_F[None, :] * stride_pf, (phi * coef_R).to(h_dtype), mask=mask_RF)
+        dot_RF += dphi_raw * phi
+    tl.store(dot_ptr + r_R, tl.sum(dot_RF, axis=1), mask=r_ok_R)
 
 
 @triton.jit
@@ -161,3 +208,27 @@ def swiglu_backward_triton(
         HAS_ROWS=rows_R is not None, **cfg,
     )  # fmt: skip
     return dh_R2F, phi_RF
+
+
+def swiglu_backward_scaled_triton(
+    h_N2F: torch.Tensor, rows_R: torch.Tensor | None, dphi_RF: torch.Tensor, coef_R: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dh_R2F, cphi_RF in h's dtype, dot_R fp32); see the module docstring. CUDA tensors (CPU ones under
+    TRITON_INTERPRET=1); nothing is checked here (lrmoe.ops.swiglu does that). No host sync."""
+    N, F2 = h_N2F.shape
+    F = F2 // 2
+    R = dphi_RF.shape[0]
+    rows_R = None if rows_R is None else rows_R.contiguous()  # read as a flat array
+    dh_R2F = torch.empty((R, F2), dtype=h_N2F.dtype, device=h_N2F.device)
+    cphi_RF = torch.empty((R, F), dtype=h_N2F.dtype, device=h_N2F.device)
+    dot_R = torch.zeros((R,), dtype=torch.float32, device=h_N2F.device)
+    if known_empty(R):
+        return dh_R2F, cphi_RF, dot_R
+    cfg = _sqnorm_blocks(F)  # rows of a program loop over F, as the forward's row norms
+    launch(_swiglu_backward_scaled_kernel, (triton.cdiv(R, cfg["BLOCK_R"]),))(
+        h_N2F, h_N2F if rows_R is None else rows_R, dphi_RF, coef_R.contiguous(), dh_R2F, cphi_RF, dot_R,
+        R, N, F,
+        *h_N2F.stride(), *dphi_RF.stride(), *dh_R2F.stride(), *cphi_RF.stride(),
+        HAS_ROWS=rows_R is not None, **cfg,
+    )  # fmt: skip
+    return dh_R2F, cphi_RF, dot_R

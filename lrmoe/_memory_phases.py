@@ -27,8 +27,9 @@ def saved_activations(config: MemoryConfig, rows: Rows, retain: float, b: int, r
         saved["gate_sums"] = T * _FP32
     saved["gates"] = P * b
     saved["h"] = N * 2 * F * b
-    saved["y"] = P * D * b
-    saved["phi_sq"] = P * _FP32
+    if not router_from_rows(config, retain):  # otherwise the backward computes <g_t, y_u> without y
+        saved["y"] = P * D * b
+        saved["phi_sq"] = P * _FP32
     saved["order_and_inverse"] = 2 * P * _INT64
     if config.world_size == 1:
         saved["quotas"] = E * _INT64
@@ -44,6 +45,12 @@ def saved_activations(config: MemoryConfig, rows: Rows, retain: float, b: int, r
     if retain < 1.0 and config.selection == "sample":
         saved["uniforms"] = E * _FP32
     return saved
+
+
+def router_from_rows(config: MemoryConfig, retain: float) -> bool:
+    """Whether the step keeps every pair on one device, where the portable backend computes the router gradient
+    from the token rows and nothing saves y or ||phi||^2 (lrmoe.functional.expert_step)."""
+    return retain >= 1.0 and config.world_size == 1
 
 
 class _Timeline:
@@ -83,8 +90,8 @@ def forward_phases(config: MemoryConfig, rows: Rows, b: int, policy: str,
     parallelism: not split, every saved activation counted as live from the start, an upper bound.)"""
     T, D, F, P, N = config.tokens, config.dim, config.hidden_dim, rows.pairs, rows.recv
     one_device = config.world_size == 1
-    after_gemm = -(saved["phi_sq"] + P * _INT64) if one_device else 0  # made after the down projection
-    before_gemm = after_gemm - (saved["y"] if one_device else 0)
+    after_gemm = -(saved.get("phi_sq", 0) + P * _INT64) if one_device else 0  # made after the down projection
+    before_gemm = after_gemm - (saved.get("y", 0) if one_device else 0)
     t = _Timeline()
     # The router's fp32 gates stay referenced until the layer's forward returns when the experts take a cast copy
     # (16-bit weights), and so do the plan's loads.
@@ -101,8 +108,9 @@ def forward_phases(config: MemoryConfig, rows: Rows, b: int, policy: str,
     # lrmoe::swiglu_sqnorm: phi and its rows' ||phi||^2, both locals until the forward returns; no SiLU temporary.
     t.mark("swiglu", phi=N * F * b, phi_sq_rows=N * _FP32, saved_later=before_gemm)
     t.alloc(phi=N * F * b, phi_sq_rows=N * _FP32)
-    # phi read in place (rows_R=None). One device: y is the saved y (counted there), read in place by the combine.
-    y_rows = N * D * b if config.world_size > 1 else 0
+    # phi read in place (rows_R=None). One device: y is the saved y (counted there), read in place by the combine;
+    # when y is not saved, a local until the forward returns.
+    y_rows = N * D * b if config.world_size > 1 or "y" not in saved else 0
     t.mark("down_gemm", y_rows=y_rows, saved_later=after_gemm)
     t.alloc(y_rows=y_rows)
     if config.world_size > 1:  # the y rows that come back are the saved y; their ||phi||^2 come in a second collective
@@ -123,10 +131,12 @@ def backward_phases(config: MemoryConfig, rows: Rows, retain: float, b: int, pol
     R, M = rows.sent_retained, rows.recv_retained
     n_inst = config.local_experts + replicas  # weight-gradient outputs cover every instance
     dense = retain >= 1.0
+    from_rows = router_from_rows(config, retain) and not blocked
     t = _Timeline()
     t.alloc(grad_out=T * D * b)
-    t.mark("router_gradient", grad_gates_fp32=P * _FP32)  # lrmoe::gather_dot_rows, fp32, then cast
-    t.alloc(grad_gates=P * b)
+    if not from_rows:
+        t.mark("router_gradient", grad_gates_fp32=P * _FP32)  # lrmoe::gather_dot_rows, fp32, then cast
+        t.alloc(grad_gates=P * b)
     if dense:
         t.alloc(row_weights=R * _FP32)  # ones; the rows are the forward's order
     else:
@@ -135,7 +145,8 @@ def backward_phases(config: MemoryConfig, rows: Rows, retain: float, b: int, pol
         t.mark("pad_to_blocks", pad_index=5 * R * _INT64)  # rows, experts, clamped, destinations, a temporary
         t.alloc(padded_pair_ids=(R + 1) * _INT64, padded_row_weights=(R + 1) * _FP32)
     t.alloc(row_index=2 * R * _INT64, row_coef=R * _FP32)  # safe pair ids, token ids; alpha / p
-    t.mark("dy", dy=R * D * b)  # retained_dy: lrmoe::gather_scale_rows, one pass, no temporary (eager)
+    # retained_dy: lrmoe::gather_scale_rows, one pass, no temporary (eager); from_rows: the tokens' rows, unscaled
+    t.mark("dy", dy=R * D * b)
     t.alloc(dy=R * D * b)
     if config.world_size > 1:
         if dense:  # the payload is dy itself
@@ -166,8 +177,10 @@ def backward_phases(config: MemoryConfig, rows: Rows, retain: float, b: int, pol
     t.alloc(dphi_rows=M * F * b)
     # lrmoe::swiglu_backward: its outputs. Its CPU reference's temporaries are inside one op (not modelled, see the
     # module docstring); the CUDA kernel has none.
-    t.mark("swiglu_backward", dh_rows=M * 2 * F * b, phi_rows=M * F * b)
-    t.alloc(dh_rows=M * 2 * F * b, phi_rows=M * F * b)
+    # from_rows: lrmoe::swiglu_backward_scaled, which also writes each row's router gradient, fp32.
+    dots = M * _FP32 if from_rows else 0
+    t.mark("swiglu_backward", dh_rows=M * 2 * F * b, phi_rows=M * F * b, router_dots=dots)
+    t.alloc(dh_rows=M * 2 * F * b, phi_rows=M * F * b, router_dots=dots)
     t.free(*(["h_rows"] if policy != "save" else []), "dphi_rows")
     t.mark("grad_down_gemm", grad_down=n_inst * D * F * b)
     t.alloc(grad_down=n_inst * D * F * b)
@@ -182,6 +195,9 @@ def backward_phases(config: MemoryConfig, rows: Rows, retain: float, b: int, pol
     t.alloc(dx_rows=M * D * b)
     t.free("dh_rows", *(["h_row_index"] if h_index else []),  # gone when expert_rows_backward returns
            *(["x_rows_coef"] if blocked else []))
+    if from_rows:  # the gates' gradient from the rows' dots: an fp32 gather, then the cast
+        t.mark("router_gradient", grad_gates_fp32=P * _FP32 if b != _FP32 else 0, grad_gates=P * b)
+        t.alloc(grad_gates=P * b)
     if config.world_size > 1:
         t.alloc(dx_source_major=M * D * b, dx_returned=R * D * b)
     # sum_rows_per_token: every pair learns its row (an index per pair), then each token's rows are summed in place.

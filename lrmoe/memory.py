@@ -28,8 +28,9 @@ resident, held through the whole step: static less the gradients, unless ``grads
 saved activations (forward to backward), "save" = what the code keeps today:
     router:  x T*D*b (the layer input, also saved by the experts on one device), scores T*E*4 (softmax/sigmoid
              output, fp32), expert ids P*8, and with norm_topk_prob the un-normalised gates P*4 and their sums T*4.
-    W = 1:   gates P*b, h P*2F*b, y P*D*b, ||phi||^2 P*4, sort order and inverse 2*P*8, quotas E*8, offsets E*4,
-             sampling uniforms E*4 (retain < 1, selection "sample").
+    W = 1:   gates P*b, h P*2F*b, sort order and inverse 2*P*8, quotas E*8, offsets E*4; below retain 1 also
+             y P*D*b and ||phi||^2 P*4 (at retain 1 the backward computes the router gradient from its own
+             operands: lrmoe.functional.expert_step) and the sampling uniforms E*4 (selection "sample").
     W > 1:   gates P*b, y P*D*b, ||phi||^2 P*4, order and inverse 2*P*8, received rows x_recv N*D*b,
              h N*2F*b, their expert-major permutation N*8, loads and quotas 2*W*E*8, uniforms E*4 (as above);
              with replicas, the instance weights torch.cat(owned, replicas) hold a copy of the owned shard,
@@ -50,7 +51,10 @@ the largest phase. Forward: the grouped GEMMs, the SwiGLU with ||phi||^2 (lrmoe:
 N*4, no SiLU temporary) and the combine, with the router's fp32 gates P*4 (16-bit weights: the experts take a cast
 copy) and the plan's loads E*8 live throughout.
 Backward (one device; W > 1 adds the payloads and the received and returned rows):
-    dy           alpha * g / p per retained row, R*D*b (lrmoe::gather_scale_rows: no gathered or fp32 copy)
+    dy           alpha * g / p per retained row, R*D*b (lrmoe::gather_scale_rows: no gathered or fp32 copy); at
+                 retain 1 on one device the tokens' rows of g unscaled, R*D*b
+    router_gradient  the gates' gradient P*b (with its fp32 form P*4 on that line): first, from the saved y; at
+                 retain 1 on one device after dx, from the rows' dots (R*4, written by the SwiGLU backward)
     h_rows       "recompute" and "offload": h of the retained rows, M*2F*b (recomputed from x or read back from the
                  host copy); "save" keeps only their row index and reads the saved h in place
     dphi_gemm    dphi M*F*b

@@ -143,13 +143,15 @@ def test_saved_bytes_match_autograd(shape, dtype, retain_selection, norm_score_f
 
 def test_saved_bytes_grow_with_tokens_as_the_per_pair_formula_says():
     # An independent derivation for "save": per token, x (D*b), scores (E*4), gate sums (4); per pair, expert
-    # id (8), raw gate (4), gate (b), h (2F*b), y (D*b), ||phi||^2 (4), order + inverse (16).
+    # id (8), raw gate (4), gate (b), h (2F*b), order + inverse (16), and below retain 1 (where the router
+    # gradient needs the expert outputs and the selection their norms) y (D*b) and ||phi||^2 (4).
     D, F, E, K, b = 12, 10, 6, 3, 2
     cfg = {"dim": D, "hidden_dim": F, "num_experts": E, "top_k": K, "param_dtype": torch.bfloat16}
-    per_token = D * b + E * 4 + 4 + K * (8 + 4 + b + 2 * F * b + D * b + 4 + 16)
-    m1 = layer_memory(MemoryConfig(tokens=10, **cfg)).saved_activations
-    m2 = layer_memory(MemoryConfig(tokens=11, **cfg)).saved_activations
-    assert m2 - m1 == per_token
+    for retain, y_and_norm in ((1.0, 0), (0.75, D * b + 4)):
+        per_token = D * b + E * 4 + 4 + K * (8 + 4 + b + 2 * F * b + 16 + y_and_norm)
+        m1 = layer_memory(MemoryConfig(tokens=10, **cfg), retain=retain).saved_activations
+        m2 = layer_memory(MemoryConfig(tokens=11, **cfg), retain=retain).saved_activations
+        assert m2 - m1 == per_token, retain
 
 
 @pytest.mark.parametrize("shape", [(40, 4, 2, 2), (16, 8, 8, 2), (64, 48, 4, 4)])  # D, F, E, K

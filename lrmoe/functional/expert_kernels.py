@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+from lrmoe.functional.retained_rows import take_rows
+from lrmoe.functional.transport import TokenRows
 from lrmoe.ops import (
     gather_grouped_mm,
     gather_host_rows,
@@ -31,6 +33,7 @@ from lrmoe.ops import (
     hopper_gate_up,
     hopper_rows_backward,
     swiglu_backward,
+    swiglu_backward_scaled,
     swiglu_sqnorm,
 )
 
@@ -38,15 +41,23 @@ from lrmoe.ops import (
 @dataclass(frozen=True)
 class ExpertGrads:
     """The expert backward's results, None where not asked for: the retained rows' input gradient [R, D] and
-    the weights' gradients [I, 2F, D] and [I, D, F]."""
+    the weights' gradients [I, 2F, D] and [I, D, F]; with :class:`TokenRows` given to a backend that
+    ``computes_router_gradient``, ``dot_R`` [R] fp32: <g_t, y_u> of each row's pair, the router's gradient."""
 
     dx_RD: torch.Tensor | None
     gate_up_IFD: torch.Tensor | None
     down_IDF: torch.Tensor | None
+    dot_R: torch.Tensor | None = None
 
 
 class ExpertKernels(abc.ABC):
-    """How the experts' SwiGLU MLPs are computed over grouped rows. Implementations are frozen dataclasses."""
+    """How the experts' SwiGLU MLPs are computed over grouped rows. Implementations are frozen dataclasses.
+
+    ``computes_router_gradient``: the backend's backward takes the rows as :class:`TokenRows` and returns each
+    row's <g_t, y_u> (``ExpertGrads.dot_R``) from its own operands, <g_t W_down^T, phi_u>. A step where every pair
+    is kept on one device then saves no expert output y for the router's gradient."""
+
+    computes_router_gradient: bool = False
 
     @abc.abstractmethod
     def gate_up(self, x_ND: torch.Tensor, rows_N: torch.Tensor | None, offsets_I: torch.Tensor,
@@ -65,7 +76,8 @@ class ExpertKernels(abc.ABC):
                  h_saved: torch.Tensor | None, h_index_R: torch.Tensor | None,
                  needs: tuple[bool, bool, bool], h_on_host: bool, group_rows: int | None) -> ExpertGrads:
         """The compact expert backward over the retained rows. ``dy`` = [dy_RD] is consumed (popped), so each
-        row buffer can be freed after its last use. Row i's input is ``x_ND[rows_R[i]]``; its pre-activation is
+        row buffer can be freed after its last use; or :class:`TokenRows` (only where the backend
+        ``computes_router_gradient``), and then ``ExpertGrads.dot_R`` comes back too. Row i's input is ``x_ND[rows_R[i]]``; its pre-activation is
         ``h_saved[h_index_R[i]]`` (in pinned host memory with ``h_on_host``), or recomputed when ``h_saved`` is
         None. ``needs`` = (dx, gate/up grad, down grad). ``group_rows`` = C: the rows are I blocks of C rows."""
 
@@ -74,7 +86,11 @@ class ExpertKernels(abc.ABC):
 class PortableKernels(ExpertKernels):
     """lrmoe's custom ops: the gather fused into the first GEMM's operand load (lrmoe::gather_grouped_mm), SwiGLU
     and ||phi||^2 from one read of h, phi and dh from one read of h in the backward, grouped weight gradients that
-    read their input rows through the index; torch.bmm over equal blocks for a blocked backward."""
+    read their input rows through the index; torch.bmm over equal blocks for a blocked backward. Given
+    :class:`TokenRows`, the SwiGLU backward scales the rows and returns the router's gradient
+    (lrmoe::swiglu_backward_scaled)."""
+
+    computes_router_gradient = True
 
     def gate_up(self, x_ND, rows_N, offsets_I, gate_up_IFD):
         h_NF2 = gather_grouped_mm(x_ND, gate_up_IFD, rows_N, offsets_I)  # the row gather fused into the GEMM
@@ -86,6 +102,11 @@ class PortableKernels(ExpertKernels):
 
     def backward(self, dy, x_ND, rows_R, offsets_I, gate_up_IFD, down_IDF, h_saved, h_index_R, needs, h_on_host,
                  group_rows):
+        if isinstance(dy, TokenRows):
+            if group_rows is not None:
+                raise ValueError("token rows have no blocked backward: the blocks' rows are padded dy rows")
+            return token_rows_backward(dy, x_ND, rows_R, offsets_I, gate_up_IFD, down_IDF, h_saved, h_index_R,
+                                       needs, h_on_host)
         if group_rows is not None:
             return ExpertGrads(*_blocked_rows_backward(dy, x_ND, rows_R, gate_up_IFD, down_IDF, h_saved, h_index_R,
                                                        needs, h_on_host, group_rows))
@@ -111,6 +132,8 @@ class HopperKernels(ExpertKernels):
                  group_rows):
         if group_rows is not None:
             raise ValueError("kernels='hopper' has no blocked backward (backward_capacity); use kernels='portable'")
+        if isinstance(dy, TokenRows):
+            raise ValueError("kernels='hopper' takes dy rows (it does not compute the router gradient)")
         dy_RD = dy.pop()
         # The retained rows' h as the portable backward finds it (recomputed by the gate/up GEMM over the retained
         # rows, read back from the host, or the saved h and an index), then row-aligned with dy: the GEMM's
@@ -195,6 +218,29 @@ def expert_rows_backward(
     grad_gu = grouped_outer(dh_RF2, x_ND, src_rows_R, offsets_E) if need_gu else None
     dx_RD = gather_grouped_mm(dh_RF2, gate_up_EFD.transpose(1, 2), None, offsets_E) if need_x else None
     return dx_RD, grad_gu, grad_down
+
+
+def token_rows_backward(rows: TokenRows, x_ND: torch.Tensor, src_rows_R: torch.Tensor | None,
+                        offsets_E: torch.Tensor, gate_up_EFD: torch.Tensor, down_EDF: torch.Tensor,
+                        h_saved: torch.Tensor | None, h_index_R: torch.Tensor | None,
+                        needs: tuple[bool, bool, bool], h_on_host: bool) -> ExpertGrads:
+    """expert_rows_backward for rows given as :class:`TokenRows` (row r's output gradient coef_r * g[tok_r]),
+    which also returns each row's router gradient <g_t, y_u> = <g_t W_down^T, phi_u>. The token rows are
+    gathered once, unscaled (the down projection's two GEMMs read them); lrmoe::swiglu_backward_scaled applies the
+    coefficients in fp32, writes coef * phi for the down projection's weight gradient and sums the dot from the
+    same pass over h."""
+    need_x, need_gu, need_down = needs
+    g_RD = take_rows(rows.g_TD, rows.tok_R).to(rows.dtype)
+    h_src, h_rows_R = _rows_h(h_saved, h_index_R, h_on_host, gather_grouped_mm, x_ND, gate_up_EFD, src_rows_R,
+                              offsets_E)
+    gdown_RF = gather_grouped_mm(g_RD, down_EDF.transpose(1, 2), None, offsets_E)  # g_t W_down^T, unscaled
+    dh_RF2, cphi_RF, dot_R = swiglu_backward_scaled(h_src, h_rows_R, gdown_RF, rows.coef_R)
+    del h_src, gdown_RF
+    grad_down = grouped_outer(g_RD, cphi_RF, None, offsets_E) if need_down else None  # sum_r g_t^T (coef_r phi_r)
+    del g_RD, cphi_RF
+    grad_gu = grouped_outer(dh_RF2, x_ND, src_rows_R, offsets_E) if need_gu else None
+    dx_RD = gather_grouped_mm(dh_RF2, gate_up_EFD.transpose(1, 2), None, offsets_E) if need_x else None
+    return ExpertGrads(dx_RD, grad_gu, grad_down, dot_R)
 
 
 def _rows_h(h_saved, h_index_R, h_on_host, recompute, *args):

@@ -15,6 +15,12 @@ groups and, across ranks, what each rank sends and receives (``ExpertPlan``; ``E
               transport.exchange (the retained rows alpha * g / p to the instances that ran them) -> compact expert
               backward over those rows only -> transport.give_back (their input-gradient rows) -> sum per token.
 
+Where every pair is kept on one device and the backend computes the router gradient
+(``ExpertKernels.computes_router_gradient``), the forward saves neither y nor ||phi||^2: nothing is scored, and the
+expert backward, handed the rows as the tokens' own gradient rows with their gates (``TokenRows``), returns
+<g_t, y_u> = <g_t W_down^T, phi_u> from operands it reads anyway. The saved activations are then x, h and the
+routing, as a dense MoE layer's.
+
 Two seams, each an abstract class with frozen dataclasses for what crosses it: the transport
 (lrmoe.functional.transport: :class:`IdentityTransport` on one device, lrmoe.nn._transport.AllToAllTransport under
 expert parallelism) and the kernels that compute the experts (lrmoe.functional.expert_kernels: ``cfg.kernels``).
@@ -84,6 +90,10 @@ class _SelectiveStep(torch.autograd.Function):
         ident_P = torch.arange(dest_P.shape[0], device=dest_P.device)
 
         kernels = BACKENDS[cfg.kernels]
+        # Every pair kept on one device, by a backend that computes the router gradient in its backward: y and
+        # ||phi||^2 are not saved (no score to make, and <g_t, y_u> comes from the backward's own operands).
+        router_from_rows = (cfg.dense and cfg.group_rows is None and transport.selects_in_dispatch_order
+                            and kernels.computes_router_gradient)
         h_NF2, phi_NF, phi_sq_N = kernels.gate_up(x_ND, dispatched.rows_N, offsets_I, gate_up_IFD)
         h_saved = saved_h(h_NF2, cfg.activations)
         y_ND = kernels.down(phi_NF, offsets_I, down_IDF)
@@ -91,15 +101,16 @@ class _SelectiveStep(torch.autograd.Function):
         y_PD, phi_sq_P = combined.y_PD, combined.phi_sq_P
         # Pair (t, k) = pair id t*K + k sits at row inv_P[t*K + k] of the dispatch-ordered buffers.
         inv_P = torch.empty_like(order_P).scatter_(0, order_P, ident_P)
-        phi_sq_TK = phi_sq_P.index_select(0, inv_P).view(n_tok, top_k)
+        phi_sq_TK = None if router_from_rows else phi_sq_P.index_select(0, inv_P).view(n_tok, top_k)
         lead = (n_tok,) if cfg.out_shape is None else cfg.out_shape[:-1]  # out [*lead, D], written in that shape
         out = combine(y_PD, inv_P.view(*lead, top_k), gates_TK.reshape(*lead, top_k))
 
         ctx.cfg, ctx.transport = cfg, transport
         ctx.has_probe = probe is not None
+        ctx.router_from_rows, ctx.y_dtype = router_from_rows, y_PD.dtype
         ctx.save_for_backward(x_ND, gate_up_IFD, down_IDF, gates_TK, dest_P, quotas_G, uniform_G, groups_P,
-                              assign_SWI, quotas_SWI, h_saved, y_PD, phi_sq_TK, order_P, inv_P, offsets_I,
-                              combined.h_of_row_P)
+                              assign_SWI, quotas_SWI, h_saved, None if router_from_rows else y_PD, phi_sq_TK,
+                              order_P, inv_P, offsets_I, combined.h_of_row_P)
         release_h(h_NF2, h_saved, out, cfg.activations)
         return out
 
@@ -126,11 +137,14 @@ class _SelectiveStep(torch.autograd.Function):
         n_tok, top_k = gates_TK.shape
         g_TD = grad_out_TD.reshape(n_tok, grad_out_TD.shape[-1])  # in cfg.out_shape
 
-        # Exact router gradient dL/d alpha_u = <g_t, y_u>, local to the source.
-        grad_gates_TK, scores_P = router_gradient_and_scores(
-            g_TD, y_PD, inv_P.view(n_tok, top_k), gates_TK, phi_sq_TK, metric=cfg.metric, selects=not cfg.dense
-        )
-        grad_gates_TK = grad_gates_TK.to(gates_TK.dtype)
+        # Exact router gradient dL/d alpha_u = <g_t, y_u>, local to the source: here from the saved y, or (y not
+        # saved) from the expert backward below.
+        from_rows = ctx.router_from_rows
+        if not from_rows:
+            grad_gates_TK, scores_P = router_gradient_and_scores(
+                g_TD, y_PD, inv_P.view(n_tok, top_k), gates_TK, phi_sq_TK, metric=cfg.metric, selects=not cfg.dense
+            )
+            grad_gates_TK = grad_gates_TK.to(gates_TK.dtype)
 
         # Source side: score this rank's own pairs and keep each group's quota, before any communication.
         if cfg.dense:  # every pair, in the forward dispatch order: each instance finds its rows where they were
@@ -151,14 +165,15 @@ class _SelectiveStep(torch.autograd.Function):
             )
             pair_R, weight_R, ends_G = sel.pair_ids, sel.weights, sel.offsets
 
-        forward = ForwardRecord(x_ND, y_PD.dtype, dest_P, inv_P, offsets_I, gate_up_IFD.shape[0], assign_SWI,
+        forward = ForwardRecord(x_ND, ctx.y_dtype, dest_P, inv_P, offsets_I, gate_up_IFD.shape[0], assign_SWI,
                                 quotas_SWI, h_of_row_P)
         # Every pair kept on one device with h saved: the rows are h's own, in its order, so the backward reads h
         # in place (no index, no gathered copy).
         h_in_place = (cfg.dense and cfg.group_rows is None and cfg.activations == "save"
                       and transport.selects_in_dispatch_order)
         exchanged = transport.exchange(BackwardRequest(g_TD, gates_TK, pair_R, weight_R, ends_G, forward, cfg.dense,
-                                                       cfg.group_rows, h_saved is not None and not h_in_place))
+                                                       cfg.group_rows, h_saved is not None and not h_in_place,
+                                                       token_rows=from_rows))
         del forward
         # The instance side: the compact expert backward over the retained rows only.
         need_x, need_gu, need_down = ctx.needs_input_grad[:3]
@@ -167,6 +182,8 @@ class _SelectiveStep(torch.autograd.Function):
             h_index_R=exchanged.h_index_R, needs=(need_x or transport.always_needs_dx, need_gu, need_down),
             h_on_host=cfg.activations == "offload", group_rows=cfg.group_rows,
         )
+        if from_rows:  # row r holds pair order_P[r]: pair p's dot is at row inv_P[p]
+            grad_gates_TK = grads.dot_R.index_select(0, inv_P).view(n_tok, top_k).to(gates_TK.dtype)
         dx_RD = None if grads.dx_RD is None else transport.give_back(grads.dx_RD, exchanged)
         grad_x = None if dx_RD is None else sum_rows_per_token(dx_RD, exchanged.pair_R, n_tok, top_k)
 

@@ -1,5 +1,5 @@
 """Row helpers of the selective backward, shared by the step and the transports: the retained rows' output
-gradient (``retained_dy``), their layout in equal blocks (``pad_to_blocks``, ``block_slots``) and a gather that
+gradient (``retained_dy``, or its coefficients alone: ``retained_coefficients``), their layout in equal blocks (``pad_to_blocks``, ``block_slots``) and a gather that
 tolerates a source with no rows (``take_rows``).
 
 Shapes: T tokens, D model dim, K top-k, R retained rows, E groups (experts or instances), C rows per block.
@@ -29,13 +29,21 @@ def retained_dy(
     weight 0, hence zero rows; the product is computed in fp32 and rounded once: lrmoe::gather_scale_rows, one pass
     and no fp32 copy of the rows, eager and compiled (its Triton kernel beat Inductor's gather there). g in another
     dtype than dy, or fp64 (whose gates keep fp64: plain autograd's values at retain 1): the PyTorch form."""
+    coef_R, tok_R, safe_R = retained_coefficients(gates_TK, pair_R, weight_R, dtype)
+    if g_TD.dtype != dtype or coef_R.dtype != torch.float32:
+        return (take_rows(g_TD, tok_R) * coef_R.unsqueeze(1)).to(dtype), tok_R, safe_R
+    return gather_scale_rows(g_TD, tok_R, coef_R), tok_R, safe_R
+
+
+def retained_coefficients(gates_TK: torch.Tensor, pair_R: torch.Tensor, weight_R: torch.Tensor, dtype: torch.dtype
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(coef_R = alpha / p of each kept row, in fp32 (fp64 for fp64 rows), token of each row, pair id with
+    padding -1 read as 0): row r's output gradient is coef_R[r] * g[tok_R[r]]. Padding rows get weight 0."""
     safe_R = pair_R.clamp(min=0)
     tok_R = torch.div(safe_R, gates_TK.shape[1], rounding_mode="floor")
     coef_dtype = torch.promote_types(dtype, torch.float32)
     coef_R = take_rows(gates_TK.detach().reshape(-1).to(coef_dtype), safe_R) * weight_R.to(coef_dtype)
-    if g_TD.dtype != dtype or coef_dtype != torch.float32:
-        return (take_rows(g_TD, tok_R) * coef_R.unsqueeze(1)).to(dtype), tok_R, safe_R
-    return gather_scale_rows(g_TD, tok_R, coef_R), tok_R, safe_R
+    return coef_R, tok_R, safe_R
 
 
 def pad_to_blocks(pair_R: torch.Tensor, weight_R: torch.Tensor, offsets_E: torch.Tensor, capacity: int,

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from lrmoe.functional.retained_rows import pad_to_blocks, retained_dy
+from lrmoe.functional.retained_rows import pad_to_blocks, retained_coefficients, retained_dy
 from lrmoe.functional.routing import expert_loads
 from lrmoe.functional.stats_probe import ProbeLayout
 
@@ -78,7 +78,8 @@ class BackwardRequest:
     """The source side's selection, to be sent to the instances: the incoming gradient and gates, the kept pairs
     (``pair_R``, -1 for padding) with their weights 1/p, the selection's group ends (None when every pair is kept,
     in dispatch order), and whether the instances need each row's index into the saved h (False: no h was saved, or
-    the retained rows are h's own rows in order, so the backward reads h in place)."""
+    the retained rows are h's own rows in order, so the backward reads h in place). ``token_rows``: hand the
+    instances the rows as :class:`TokenRows` (one device only: ``selects_in_dispatch_order``) instead of dy rows."""
 
     g_TD: torch.Tensor
     gates_TK: torch.Tensor
@@ -89,17 +90,32 @@ class BackwardRequest:
     dense: bool
     group_rows: int | None
     need_h_index: bool
+    token_rows: bool = False
+
+
+@dataclass(frozen=True)
+class TokenRows:
+    """The retained rows' output gradient left where it is: row r's is ``coef_R[r] * g_TD[tok_R[r]]`` (coef_R =
+    alpha / p in fp32, fp64 for fp64 rows), in the step's compute dtype ``dtype``. A backend that computes the
+    router gradient (``ExpertKernels.computes_router_gradient``) reads the token rows unscaled and applies the
+    coefficients inside its SwiGLU backward."""
+
+    g_TD: torch.Tensor
+    tok_R: torch.Tensor
+    coef_R: torch.Tensor
+    dtype: torch.dtype
 
 
 @dataclass(frozen=True)
 class Exchanged:
     """The retained rows at the instances, as the expert backward takes them. ``dy`` = [dy_RD] (a list: the expert
-    backward pops it, so the buffer is freed after its last use); row i's input is ``x_ND[rows_R[i]]``; instance j's
+    backward pops it, so the buffer is freed after its last use), or :class:`TokenRows` when the request asked for
+    them; row i's input is ``x_ND[rows_R[i]]``; instance j's
     rows end at ``offsets_I[j]``; ``h_index_R`` their rows of the saved h; ``pair_R`` the pair each of the source's
     rows holds (for the per-token sum of the returned dx rows); ``state`` the transport's own record for
     give_back and probe_grad."""
 
-    dy: list[torch.Tensor]
+    dy: list[torch.Tensor] | TokenRows
     rows_R: torch.Tensor
     offsets_I: torch.Tensor
     h_index_R: torch.Tensor | None
@@ -114,7 +130,8 @@ class Transport(abc.ABC):
     @abc.abstractmethod
     def selects_in_dispatch_order(self) -> bool:
         """True when the instances run the pairs where the dispatch put them (one device), so the selection can
-        take the forward's instance offsets as its group ends."""
+        take the forward's instance offsets as its group ends, and the instances can read the retained rows'
+        gradients as the source's own token rows (``BackwardRequest.token_rows``)."""
 
     @property
     @abc.abstractmethod
@@ -177,9 +194,13 @@ class IdentityTransport(Transport):
         n_kept = off_I[-1]
         if request.group_rows is not None:
             pair_R, weight_R, off_I = pad_to_blocks(pair_R, weight_R, off_I, request.group_rows)
-        dy_RD, tok_R, safe_R = retained_dy(request.g_TD, request.gates_TK, pair_R, weight_R, fwd.dtype)
-        dy = [dy_RD]
-        del dy_RD  # the expert backward releases it after its last use
+        if request.token_rows:
+            coef_R, tok_R, safe_R = retained_coefficients(request.gates_TK, pair_R, weight_R, fwd.dtype)
+            dy = TokenRows(request.g_TD, tok_R, coef_R, fwd.dtype)
+        else:
+            dy_RD, tok_R, safe_R = retained_dy(request.g_TD, request.gates_TK, pair_R, weight_R, fwd.dtype)
+            dy = [dy_RD]
+            del dy_RD  # the expert backward releases it after its last use
         h_index_R = fwd.inv_P.index_select(0, safe_R) if request.need_h_index else None
         return Exchanged(dy, tok_R, off_I, h_index_R, pair_R, n_kept)
 

@@ -227,6 +227,8 @@ class AllToAllTransport(Transport):
         return Combined(y_PD, phi_sq_P, inv_perm_N)
 
     def exchange(self, request):
+        if request.token_rows:  # the rows cross ranks: there is no source row to read in place
+            raise ValueError("AllToAllTransport sends dy rows; token_rows needs selects_in_dispatch_order")
         splits, ep, fwd = self.splits, self.ep, request.forward
         g_TD, pair_R = request.g_TD, request.pair_R
         assign_SWI, quotas_SWI = fwd.assign_SWI, fwd.quotas_SWI

@@ -19,6 +19,14 @@ Shapes: N rows of h, R rows out, F the expert hidden dim; h is [N, 2F], gate hal
     h once: on CUDA one Triton kernel (lrmoe_kernels.swiglu) reading the saved h in place through the row index.
     Rows must lie in [0, N) (not checked: that would need a host sync); the CUDA kernel gives zeros for one
     outside, the reference fails.
+``lrmoe::swiglu_backward_scaled(h_N2F, rows_R, dphi_RF, coef_R) -> (dh_R2F, cphi_RF, dot_R)``
+    The same rows when their output gradient is coef_i times row i of ``dphi_RF``: dh of the scaled dphi (scaled
+    in fp32), cphi_i = coef_i * phi_i (the down projection's weight-gradient operand when its other operand is the
+    unscaled gradient rows), and dot_i = <dphi_i, phi_i> in fp32 from the unscaled dphi and the rounded phi. The
+    one-device dense backward (lrmoe.functional.expert_kernels) feeds it dphi = g W_down^T, the token's gradient
+    through the down projection, with coef the gate: then dot is <g_t, y_tk>, the router's gradient, read from
+    the backward's own operands instead of a saved y. On CUDA one Triton kernel, each program over all F of its
+    rows (no atomics). ``coef_R`` is fp32 (fp64 for fp64 h).
 
 The CPU kernels are the references (PyTorch); fp64 runs the references on every device. Neither op is
 differentiable (swiglu_backward is a backward already; the layers differentiate the SwiGLU themselves).
@@ -32,7 +40,7 @@ from torch.fx.experimental.symbolic_shapes import guard_or_false
 
 from lrmoe.ops._define import define_op
 
-__all__ = ["swiglu", "swiglu_backward", "swiglu_sqnorm"]
+__all__ = ["swiglu", "swiglu_backward", "swiglu_backward_scaled", "swiglu_sqnorm"]
 
 
 def swiglu(h_N2F: torch.Tensor) -> torch.Tensor:
@@ -59,17 +67,18 @@ def _check_h(op: str, h_N2F: torch.Tensor) -> None:
                          f"got shape {tuple(h_N2F.shape)} and dtype {h_N2F.dtype}")
 
 
-def _check(h_N2F: torch.Tensor, rows_R: torch.Tensor | None, dphi_RF: torch.Tensor) -> None:
-    _check_h("swiglu_backward", h_N2F)
+def _check(h_N2F: torch.Tensor, rows_R: torch.Tensor | None, dphi_RF: torch.Tensor,
+           op: str = "swiglu_backward") -> None:
+    _check_h(op, h_N2F)
     if rows_R is not None and (rows_R.dim() != 1 or rows_R.dtype not in (torch.int32, torch.int64)):
-        raise ValueError(f"lrmoe::swiglu_backward: rows_R must be a 1-D int32 or int64 tensor or None, got shape "
+        raise ValueError(f"lrmoe::{op}: rows_R must be a 1-D int32 or int64 tensor or None, got shape "
                          f"{tuple(rows_R.shape)} and dtype {rows_R.dtype}")
     n_out = h_N2F.shape[0] if rows_R is None else rows_R.shape[0]
     want = (n_out, h_N2F.shape[1] // 2)
     # Row counts may be unbacked sizes under torch.compile (expert parallelism): refuse only a certain mismatch.
     if (dphi_RF.dim() != 2 or guard_or_false(dphi_RF.shape[0] != n_out) or dphi_RF.shape[1] != want[1]
             or not dphi_RF.is_floating_point()):
-        raise ValueError(f"lrmoe::swiglu_backward: dphi_RF must be a float tensor of shape {want} (the rows of h "
+        raise ValueError(f"lrmoe::{op}: dphi_RF must be a float tensor of shape {want} (the rows of h "
                          f"taken, F), got shape {tuple(dphi_RF.shape)} and dtype {dphi_RF.dtype}")
 
 
@@ -88,6 +97,44 @@ def _fp64(kernels, h_N2F, *_) -> bool:
 def swiglu_backward(h_N2F: torch.Tensor, rows_R: torch.Tensor | None, dphi_RF: torch.Tensor
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     return swiglu_backward_reference(h_N2F, rows_R, dphi_RF)  # a backward already: forward only
+
+
+def swiglu_backward_scaled_reference(h_N2F, rows_R, dphi_RF, coef_R):
+    """phi, its dot with the unscaled dphi, then dh's fp32 working set; fp64 stays fp64."""
+    h_R2F = h_N2F if rows_R is None else h_N2F.index_select(0, rows_R)
+    work = torch.promote_types(h_N2F.dtype, torch.float32)
+    phi_RF = swiglu(h_R2F).to(work)
+    dphi_raw = dphi_RF.to(work)
+    dot_R = (dphi_raw * phi_RF).sum(-1)
+    coef = coef_R.to(work).unsqueeze(1)
+    gate, up = h_R2F.to(work).chunk(2, dim=-1)
+    sig = torch.sigmoid(gate)
+    dphi = dphi_raw * coef
+    dgate = dphi * up * sig * (1 + gate * (1 - sig))
+    dup = dphi * gate * sig
+    return torch.cat([dgate, dup], dim=-1).to(h_N2F.dtype), (phi_RF * coef).to(h_N2F.dtype), dot_R
+
+
+def _check_scaled(h_N2F, rows_R, dphi_RF, coef_R) -> None:
+    _check(h_N2F, rows_R, dphi_RF, "swiglu_backward_scaled")
+    want = torch.promote_types(h_N2F.dtype, torch.float32)
+    if coef_R.dim() != 1 or guard_or_false(coef_R.shape[0] != dphi_RF.shape[0]) or coef_R.dtype != want:
+        raise ValueError(f"lrmoe::swiglu_backward_scaled: coef_R must be a 1-D {want} tensor with one entry per row "
+                         f"of dphi_RF ({dphi_RF.shape[0]}), got shape {tuple(coef_R.shape)} and dtype "
+                         f"{coef_R.dtype}")
+
+
+def _fake_scaled(h_N2F, rows_R, dphi_RF, coef_R):
+    n_out = dphi_RF.shape[0]
+    return (h_N2F.new_empty(n_out, h_N2F.shape[1]), h_N2F.new_empty(n_out, h_N2F.shape[1] // 2),
+            h_N2F.new_empty(n_out, dtype=torch.promote_types(h_N2F.dtype, torch.float32)))
+
+
+@define_op("lrmoe::swiglu_backward_scaled", check=_check_scaled, fake=_fake_scaled, kernels="swiglu",
+           cuda=lambda kernels, *args: kernels.swiglu_backward_scaled_triton(*args), reference_if=_fp64, inline=True)
+def swiglu_backward_scaled(h_N2F: torch.Tensor, rows_R: torch.Tensor | None, dphi_RF: torch.Tensor,
+                           coef_R: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return swiglu_backward_scaled_reference(h_N2F, rows_R, dphi_RF, coef_R)  # a backward already: forward only
 
 
 def swiglu_sqnorm_reference(h_N2F):

@@ -81,7 +81,7 @@ def test_model_largest_tokens_equals_a_scan_of_layer_memory(shape, retain, polic
     assert found == scanned
 
 
-def test_model_largest_tokens_at_the_qwen3_shape_matches_a_scan_and_grows_as_retain_falls():
+def test_model_largest_tokens_at_the_qwen3_shape_matches_a_scan_and_grows_as_retain_falls_below_one():
     shape = {"dim": 2048, "hidden_dim": 768, "num_experts": 128, "top_k": 8}
     budget = 16 * 2**30
     found = {}
@@ -94,7 +94,10 @@ def test_model_largest_tokens_at_the_qwen3_shape_matches_a_scan_and_grows_as_ret
         assert all(f for t, f in zip(range(128, 2**17 + 1, 1024), fits) if t <= found[retain])
         assert common.modelled_bytes(shape, found[retain] + 128, retain=retain, policy="save",
                                     optimizer_bytes=ADAMW_FP32) > budget
-    assert found[1.0] < found[0.75] < found[0.5]
+    # Below retain 1 the step saves the expert outputs y for the router gradient (P*D*b), which retain 1 on one
+    # device does not, so retain 0.75 fits fewer tokens than retain 1 at this shape; the backward buffers shrink
+    # with retain, so retain 0.5 fits the most.
+    assert found[0.75] < found[1.0] < found[0.5]
 
 
 def test_memory_batch_on_cpu_prints_the_model_column_only(run_script, tmp_path):
@@ -108,7 +111,7 @@ def test_memory_batch_on_cpu_prints_the_model_column_only(run_script, tmp_path):
         assert r["measured_tokens"] is None and r["probes"] == 0 and r["model_tokens"] % 128 == 0
     by = {(r["policy"], r["retain"]): r["model_tokens"] for r in rows}
     for policy in ("save", "recompute"):
-        assert by[(policy, 1.0)] < by[(policy, 0.75)] < by[(policy, 0.5)]
+        assert by[(policy, 0.75)] < by[(policy, 0.5)] and by[(policy, 1.0)] < by[(policy, 0.5)]  # y: see above
         # The search's top leaves room above every prediction, so a measured T can exceed the model's.
         assert rows[0]["top"] >= by[(policy, 0.5)]
     for retain in (1.0, 0.75, 0.5):

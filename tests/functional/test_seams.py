@@ -24,6 +24,7 @@ class _CountingKernels(ExpertKernels):
     """A backend that records which of its methods the step called, then runs the portable one."""
 
     calls: list = dataclasses.field(default_factory=list, hash=False, compare=False)
+    computes_router_gradient = PortableKernels.computes_router_gradient
 
     def gate_up(self, *args):
         self.calls.append("gate_up")
@@ -104,3 +105,66 @@ def test_an_unknown_backend_name_is_refused_by_name():
     with pytest.raises(ValueError, match=r"kernels must be one of \['hopper', 'portable'\], got 'cutlass'"):
         lookup("cutlass")
     assert expert_kernels.BACKENDS is BACKENDS
+
+
+@dataclasses.dataclass(frozen=True)
+class _DyRowsKernels(ExpertKernels):
+    """A backend that does not compute the router gradient: it takes dy rows, as the expert-parallel step sends
+    them, and records what the backward was handed."""
+
+    seen: list = dataclasses.field(default_factory=list, hash=False, compare=False)
+
+    def gate_up(self, *args):
+        return PortableKernels().gate_up(*args)
+
+    def down(self, *args):
+        return PortableKernels().down(*args)
+
+    def backward(self, dy, *args, **kwargs):
+        self.seen.append(type(dy).__name__)
+        return PortableKernels().backward(dy, *args, **kwargs)
+
+
+@pytest.mark.parametrize("retain", [1.0, 0.5])
+@pytest.mark.parametrize("activations", ["save", "recompute"])
+def test_the_router_gradient_from_the_backward_equals_the_one_from_the_saved_output(retain, activations,
+                                                                                     monkeypatch):
+    """At retain 1 on one device the portable backend takes the rows as token rows and returns <g_t, y_u> from
+    its own operands (<g_t W_down^T, phi_u>); a backend that does not compute the router gradient gets dy rows and
+    the step reads the saved y. The two give the same output and gradients (fp64: to rounding), the gates' too."""
+    dy_rows = _DyRowsKernels()
+    monkeypatch.setitem(BACKENDS, "dy-rows", dy_rows)
+    seen = []
+    monkeypatch.setitem(BACKENDS, "portable-seen", _SeenPortable(seen))
+    got = run_step("portable-seen", retain, activations=activations)
+    want = run_step("dy-rows", retain, activations=activations)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    assert want[4].abs().sum() > 0  # the gates got a gradient
+    assert dy_rows.seen == ["list"]
+    assert seen == ["TokenRows" if retain == 1.0 else "list"]
+
+
+@dataclasses.dataclass(frozen=True)
+class _SeenPortable(PortableKernels):
+    seen: list = dataclasses.field(default_factory=list, hash=False, compare=False)
+
+    def backward(self, dy, *args, **kwargs):
+        self.seen.append(type(dy).__name__)
+        return super().backward(dy, *args, **kwargs)
+
+
+def test_at_retain_one_the_step_saves_no_expert_output(monkeypatch):
+    """Every pair kept on one device with a backend that computes the router gradient: the step saves x, the
+    weights, h and the routing, and no tensor of y's [T*K, D] rows; with a backend that does not, it saves y."""
+    monkeypatch.setitem(BACKENDS, "dy-rows", _DyRowsKernels())
+    T, D, K = 24, 8, 2
+
+    def saved_shapes(kernels):
+        shapes = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: shapes.append(tuple(t.shape)) or t, lambda t: t):
+            run_step(kernels, 1.0, T=T, D=D, K=K)
+        return shapes
+
+    assert (T * K, D) not in saved_shapes("portable")
+    assert (T * K, D) in saved_shapes("dy-rows")

@@ -1,4 +1,5 @@
-"""lrmoe_kernels.swiglu: the Triton launchers equal the reference ops lrmoe::swiglu_backward and lrmoe::swiglu_sqnorm
+"""lrmoe_kernels.swiglu: the Triton launchers equal the reference ops lrmoe::swiglu_backward, lrmoe::swiglu_sqnorm and
+lrmoe::swiglu_backward_scaled
 (their CPU kernels) on tiny odd shapes: rows through an index (repeated, out of order) or in place, F crossing
 several column blocks with a masked edge, a strided h, fp32 and bf16; an index outside h gives zero rows, never a
 read.
@@ -11,9 +12,9 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from lrmoe_kernels.swiglu import swiglu_backward_triton, swiglu_sqnorm_triton
+from lrmoe_kernels.swiglu import swiglu_backward_scaled_triton, swiglu_backward_triton, swiglu_sqnorm_triton
 
-from lrmoe.ops.swiglu import swiglu_backward_reference, swiglu_sqnorm_reference
+from lrmoe.ops.swiglu import swiglu_backward_reference, swiglu_backward_scaled_reference, swiglu_sqnorm_reference
 from lrmoe_kernels.launch import interpreting
 
 INTERPRET = interpreting()
@@ -121,3 +122,40 @@ def test_sqnorm_strided_h_and_no_rows():
 def test_sqnorm_property_equal_to_reference(n, f, seed):
     h, _, _ = _case(n, 1, f, torch.float32, seed, indexed=False)
     _check_sqnorm(h)
+
+
+# ------------------------------------------------------------------------------ swiglu_backward_scaled_triton
+
+
+@pytest.mark.parametrize("f", [1, 8, 19])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("indexed", [True, False])
+def test_scaled_equal_to_reference(f, dtype, indexed):
+    h, rows, dphi = _case(9, 13, f, dtype, seed=10 + f, indexed=indexed)
+    coef = torch.rand(dphi.shape[0], generator=torch.Generator().manual_seed(f)).to(DEVICE)
+    dh, cphi, dot = swiglu_backward_scaled_triton(h, rows, dphi, coef)
+    want = swiglu_backward_scaled_reference(h.cpu(), None if rows is None else rows.cpu(), dphi.cpu(), coef.cpu())
+    assert (dh.dtype, cphi.dtype, dot.dtype) == (h.dtype, h.dtype, torch.float32)
+    tol = dict(rtol=1.6e-2, atol=1e-3) if h.dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(dh.cpu(), want[0], **tol)
+    # cphi is rounded three times in bf16 (silu, the product, the coefficient's product), each a truncation in
+    # the interpreter: up to 3 * 2^-7 relative.
+    torch.testing.assert_close(cphi.cpu(), want[1], **(dict(rtol=3e-2, atol=1e-3) if dtype == torch.bfloat16 else tol))
+    # The dot sums F products: each phi may differ by its two roundings (truncations in the interpreter), up to
+    # 2 * 2^-7 of |phi| in bf16, so the sum by that much of sum |dphi * phi| (cancellation makes relative error
+    # meaningless); fp32 a few ulps of the same sum.
+    h_rows = h.cpu() if rows is None else h.cpu()[rows.cpu()]
+    scale = (dphi.cpu().float() * torch.nn.functional.silu(h_rows.float()[:, :f]) * h_rows.float()[:, f:]).abs().sum(-1)
+    bound = scale * (2.0 ** -6 if dtype == torch.bfloat16 else 1e-6) + 1e-6
+    assert ((dot.cpu() - want[2]).abs() <= bound).all()
+
+
+def test_scaled_rows_outside_h_give_zeros_and_no_rows_give_empty_outputs():
+    h, rows, dphi = _case(5, 6, 9, torch.float32, seed=4)
+    h[:] = float("nan")  # a read of any row would leak NaN into the outputs
+    rows = torch.tensor([-1, 5, 7, -3, 100, 5], device=h.device)
+    dh, cphi, dot = swiglu_backward_scaled_triton(h, rows, dphi, torch.ones(6, device=h.device))
+    assert not dh.cpu().any() and not cphi.cpu().any() and not dot.cpu().any()
+    h, rows, dphi = _case(4, 0, 6, torch.float32, seed=5)
+    outs = swiglu_backward_scaled_triton(h, rows, dphi, torch.ones(0, device=h.device))
+    assert [t.shape for t in outs] == [(0, 12), (0, 6), (0,)]

@@ -40,12 +40,17 @@ def _block(name: str, **overrides):
     return block
 
 
-def _assert_same_run(got, want, prefix="", grad_atol=1e-6):
+def _assert_same_run(got, want, prefix="", grad_atol=5e-6):
     """got, want: _run's (output, x's gradient, parameter gradients); got's parameter names may carry a prefix
-    (a compiled module's "_orig_mod.")."""
+    (a compiled module's "_orig_mod."). fp32, weights of scale 0.3: the gradients are sums of terms of order 10,
+    and at retain 1 lrmoe scales the rows by their gates after the down projection's input-gradient GEMM where
+    autograd scales before it (the same value rounded in another order), so they agree to a few ulps of the terms,
+    not of the sums. tests/functional/test_seams.py compares the two orders in fp64 to 1e-12."""
     (out, gx, gp), (ref, rx, rp) = got, want
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(gx, rx, rtol=1e-5, atol=1e-6)
+    # x's gradient takes the router's path, whose gradient lrmoe sums as <g W_down^T, phi> at retain 1 where
+    # transformers sums <g, phi W_down>: the same value, reduced in another order (fp32: a few ulps of the terms).
+    torch.testing.assert_close(gx, rx, rtol=1e-5, atol=2e-6)
     for n in rp:
         torch.testing.assert_close(gp[prefix + n], rp[n], rtol=1e-5, atol=grad_atol, msg=lambda m, n=n: f"{n}: {m}")
 
@@ -342,7 +347,9 @@ def _expert_parallel_from_transformers(rank, world):
     x, c = torch.randn(2, T // 2, D), torch.randn(2, T // 2, D)
     (out, gx, _), (ref, rx, _) = _run(layer, x, c), _run(hf, x, c)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(gx, rx, rtol=1e-5, atol=1e-6)
+    # x's gradient takes the router's path, whose gradient lrmoe sums as <g W_down^T, phi> at retain 1 where
+    # transformers sums <g, phi W_down>: the same value, reduced in another order (fp32: a few ulps of the terms).
+    torch.testing.assert_close(gx, rx, rtol=1e-5, atol=2e-6)
 
     # Sharded first, converted or swapped after: refused (FSDP would keep gathering onto the old modules).
     sharded = _block("qwen3_moe")

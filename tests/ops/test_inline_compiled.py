@@ -58,6 +58,9 @@ def _cases(device: str, dtype: torch.dtype):
         ("grouped_outer", ops.grouped_outer, (randn(N, 32), randn(N, C), rows_N, offsets_E), "_grouped_mm"),
         ("swiglu_backward", ops.swiglu_backward, (randn(N, C), rows_N[:40], randn(40, C // 2)),
          "_swiglu_backward_kernel"),
+        ("swiglu_backward_scaled", ops.swiglu_backward_scaled,
+         (randn(N, C), rows_N[:40], randn(40, C // 2), torch.rand(40, generator=g).to(device)),
+         "_swiglu_backward_scaled_kernel"),
         ("gather_scale_rows", ops.gather_scale_rows, (randn(N, C), rows_N[:40], torch.rand(40, generator=g).to(device)),
          "_gather_rows_kernel"),
         ("swiglu_sqnorm", ops.swiglu_sqnorm, (randn(N, C),), "_swiglu_sqnorm_kernel"),
@@ -72,7 +75,7 @@ def _compiled(fn, args):
     return out, "\n".join(code)
 
 
-N_CASES = 14
+N_CASES = 15
 
 
 @pytest.mark.parametrize("case", range(N_CASES))
@@ -128,6 +131,7 @@ KERNEL_WRITES = {
     "_compact_kernel": ["pair_ids_ptr", "weights_ptr"],
     "_zero_tail_kernel": ["y_ptr"],
     "_swiglu_backward_kernel": ["dh_ptr", "phi_ptr"],
+    "_swiglu_backward_scaled_kernel": ["dh_ptr", "cphi_ptr", "dot_ptr"],
     "_gather_rows_kernel": ["out_ptr"],
     "_swiglu_sqnorm_kernel": ["phi_ptr", "sq_ptr"],
     "_topk_ids_kernel": ["ids_ptr"],

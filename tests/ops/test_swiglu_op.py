@@ -1,4 +1,4 @@
-"""lrmoe::swiglu_backward and lrmoe::swiglu_sqnorm: torch.library.opcheck, values against the definitions (autograd
+"""lrmoe::swiglu_backward, lrmoe::swiglu_backward_scaled and lrmoe::swiglu_sqnorm: torch.library.opcheck, values against the definitions (autograd
 of the SwiGLU itself for the backward), the outputs' non-differentiability, and argument errors."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lrmoe.ops import swiglu, swiglu_backward, swiglu_sqnorm
+from lrmoe.ops import swiglu, swiglu_backward, swiglu_backward_scaled, swiglu_sqnorm
 
 # (N rows of h, F, rows or None): repeated and unordered rows, one row, rows in place, no rows.
 CASES = [(6, 5, [4, 0, 4, 2]), (1, 1, [0, 0]), (7, 8, None), (3, 4, [])]
@@ -123,3 +123,66 @@ def test_compiled_layer_makes_phi_and_its_sqnorm_in_one_forward_kernel_on_cuda()
     assert len(codes) == 2  # forward, backward
     assert "_swiglu_sqnorm_kernel" in codes[0]
     assert not any(re.search(r"def triton_\w*silu", code) for code in codes)  # no SwiGLU kernel of Inductor's
+
+
+# ------------------------------------------------------------------------------- lrmoe::swiglu_backward_scaled
+
+
+def _scaled_case(N, F, rows, dtype=torch.float64, seed=0):
+    h, rows_R, dphi = _case(N, F, rows, dtype=dtype, seed=seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    coef = torch.rand(dphi.shape[0], generator=g).to(torch.promote_types(dtype, torch.float32))
+    return h, rows_R, dphi, coef
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("requires_grad", [False, True])
+def test_scaled_opcheck(case, requires_grad):
+    h, rows, dphi, coef = _scaled_case(*case)
+    torch.library.opcheck(swiglu_backward_scaled, (h.requires_grad_(requires_grad), rows, dphi, coef))
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_scaled_values_are_the_gradient_of_the_scaled_rows_and_the_router_dot(case, dtype):
+    h, rows, dphi, coef = _scaled_case(*case, dtype=dtype, seed=3)
+    dh, cphi, dot = swiglu_backward_scaled(h, rows, dphi, coef)
+    # The definitions, in fp64 by autograd: the rows' output gradient is coef * dphi; cphi = coef * phi;
+    # dot = <dphi, phi> per row with phi as the forward rounds it.
+    h_rows = (h if rows is None else h[rows.long()]).double().requires_grad_(True)
+    gate, up = h_rows.chunk(2, dim=-1)
+    want_phi = torch.nn.functional.silu(gate) * up
+    (want_dh,) = torch.autograd.grad(want_phi, h_rows, dphi.double() * coef.double().unsqueeze(1))
+    rounded_phi = swiglu(h if rows is None else h[rows.long()]).double()
+    tol = {torch.bfloat16: dict(rtol=2e-2, atol=2e-2), torch.float32: dict(rtol=1e-5, atol=1e-6),
+           torch.float64: dict(rtol=1e-12, atol=1e-14)}[dtype]
+    assert dh.dtype == cphi.dtype == dtype and dot.dtype == torch.promote_types(dtype, torch.float32)
+    assert dh.shape == h_rows.shape and cphi.shape == dphi.shape and dot.shape == (dphi.shape[0],)
+    torch.testing.assert_close(dh.double(), want_dh, **tol)
+    torch.testing.assert_close(cphi.double(), rounded_phi * coef.double().unsqueeze(1), **tol)
+    dot_tol = dict(rtol=1e-5, atol=1e-5) if dtype != torch.float64 else dict(rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(dot.double(), (dphi.double() * rounded_phi).sum(-1), **dot_tol)
+
+
+def test_scaled_with_unit_coefficients_is_swiglu_backward():
+    h, rows, dphi = _case(6, 5, [4, 0, 4, 2], dtype=torch.float32, seed=4)
+    dh, cphi, _ = swiglu_backward_scaled(h, rows, dphi, torch.ones(4))
+    want_dh, want_phi = swiglu_backward(h, rows, dphi)
+    assert torch.equal(cphi, want_phi)
+    torch.testing.assert_close(dh, want_dh, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("coef,match", [
+    (torch.ones(3), r"coef_R must be a 1-D torch.float32 tensor with one entry per row of dphi_RF \(2\)"),
+    (torch.ones(2, dtype=torch.float64), "coef_R must be a 1-D torch.float32 tensor"),
+    (torch.ones(2, 1), "coef_R must be a 1-D torch.float32 tensor"),
+])
+def test_scaled_argument_errors_name_the_argument(coef, match):
+    with pytest.raises(ValueError, match=match):
+        swiglu_backward_scaled(torch.randn(4, 6), torch.tensor([0, 1]), torch.randn(2, 3), coef)
+
+
+def test_scaled_outputs_do_not_require_grad():
+    h, rows, dphi, coef = _scaled_case(6, 5, [1, 2])
+    outs = swiglu_backward_scaled(h.requires_grad_(True), rows, dphi.requires_grad_(True), coef)
+    assert not any(t.requires_grad for t in outs)
