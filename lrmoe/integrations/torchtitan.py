@@ -6,14 +6,19 @@ the experts R rows, one per routed (token, expert) pair, sorted by expert (after
 expert parallelism), and the counts per local expert; the combine multiplies each returned row by its gate
 (``topk_scores``, always after the experts in torchtitan 0.3.0) and scatter-adds rows into tokens.
 
-``convert_moe`` changes only the experts' computation: each ``GroupedExperts`` gets a subclass (a class swap, as
-FSDP2's ``fully_shard`` does) whose forward runs :func:`lrmoe.functional.selective_swiglu_experts` on those rows,
-each row a pair with gate 1 (K = 1). Everything else is torchtitan's: router, expert bias (aux-loss-free balancing),
-shared experts, dispatcher, combine. So the pairs, gates and forward are the ones torchtitan computes, the
-parameters stay the same ``w1_EFD`` [E, F, D] (gate), ``w2_EDF`` [E, D, F] (down), ``w3_EFD`` [E, F, D] (up)
-objects, and state_dict keys and shapes are unchanged: a torchtitan checkpoint loads as it is.
-``SelectiveBackwardConverter`` does the same through torchtitan's model converters (a config rewrite before the
-build), for torchtitan's own trainer.
+``convert_moe`` changes only the experts' computation: each ``GroupedExperts`` module becomes a
+:class:`SelectiveGroupedExperts`, the one subclass this module defines (a class swap, as FSDP2's ``fully_shard``
+does: the same module object, with its parameters and hooks), whose forward runs
+:func:`lrmoe.functional.selective_swiglu_experts` on those rows, each row a pair with gate 1 (K = 1). Everything else
+is torchtitan's: router, expert bias (aux-loss-free balancing), shared experts, dispatcher, combine. So the pairs,
+gates and forward are the ones torchtitan computes, the parameters stay the same ``w1_EFD`` [E, F, D] (gate),
+``w2_EDF`` [E, D, F] (down), ``w3_EFD`` [E, F, D] (up) objects, and state_dict keys and shapes are unchanged: a
+torchtitan checkpoint loads as it is. ``SelectiveBackwardConverter`` does the same through torchtitan's model
+converters (a config rewrite before the build), for torchtitan's own trainer.
+
+Only torchtitan's ``GroupedExperts`` itself converts. A subclass of it (a user's, or a low-precision converter's
+experts with their own grouped GEMMs) is refused: the converted forward replaces ``GroupedExperts.forward``, so
+whatever the subclass overrides would be dropped without a word.
 
 The score. The gradient arriving at row u is dy_u = alpha_u * g_t (the combine's backward), so the LRM score
 computed on the row with gate 1, ||dy_u||^2 * ||phi_u||^2, is alpha_u^2 ||g_t||^2 ||phi_u||^2: the pair's score of
@@ -53,7 +58,7 @@ from lrmoe.functional.rng import block_routing_keys, keyed_uniform
 from lrmoe.functional.stats_probe import StatsProbe
 from lrmoe.functional.transport import BACKWARD_STATS
 
-__all__ = ["SelectiveBackwardConverter", "backward_stats", "convert_moe", "is_converted"]
+__all__ = ["SelectiveBackwardConverter", "SelectiveGroupedExperts", "backward_stats", "convert_moe", "is_converted"]
 
 # The options convert_moe takes besides retain: BackwardOptions' fields, as LRMoE takes them.
 _OPTIONS = tuple(name for name in option_names(BackwardOptions) if name != "retain")
@@ -87,13 +92,16 @@ def convert_moe(model: nn.Module, *, retain: float, compute_dtype: torch.dtype |
             min_retain, generator, activations, quota_align, backward_capacity, and selective_in_eval (False, the
             default: in ``eval()`` mode the backward is exact, as at retain 1; True: selective in eval too).
 
-    Returns: the names of the converted experts modules (``layers.0.moe.routed_experts.inner_experts``, ...).
+    Returns: the names of the converted experts modules (``layers.0.moe.routed_experts.inner_experts``, ...),
+    each now a :class:`SelectiveGroupedExperts` (the same module object and parameters).
 
     Raises: ValueError when the model holds no MoE layer, a layer is already converted, ``quota_blocks`` does not
     divide a layer's experts or is combined with ``backward_capacity``; TypeError for an unknown option, a layer
-    whose experts are not torchtitan's ``GroupedExperts`` or run their own GEMMs (a low-precision converter), or
-    whose token dispatcher is not ``LocalTokenDispatcher`` / ``AllToAllTokenDispatcher``; and ``BackwardOptions``'
-    own errors for bad option values.
+    whose experts are not exactly torchtitan's ``GroupedExperts`` (another module, or a subclass of it, whose
+    overrides the converted forward would drop: a user's, or a low-precision converter's with its own grouped
+    GEMMs), or whose token dispatcher is not ``LocalTokenDispatcher`` / ``AllToAllTokenDispatcher``; and
+    ``BackwardOptions``' own errors for bad option values. Every layer is checked before any is converted: after
+    an error the model is as it was.
     """
     backward = _checked_options(retain, compute_dtype, quota_blocks, options)
     moes = [(name, m) for name, m in model.named_modules() if isinstance(m, MoE)]
@@ -104,7 +112,7 @@ def convert_moe(model: nn.Module, *, retain: float, compute_dtype: torch.dtype |
     for name, moe in moes:
         experts = moe.routed_experts.inner_experts
         where = f"{name}.routed_experts.inner_experts" if name else "routed_experts.inner_experts"
-        _check_convertible(where, experts, moe.routed_experts.token_dispatcher)
+        _check_convertible(where, type(experts), type(moe.routed_experts.token_dispatcher), "is")
         if getattr(moe, "score_before_experts", False) or getattr(moe.routed_experts, "score_before_experts", False):
             # Gates applied to the rows before the experts (not a torchtitan 0.3.0 option) would put alpha inside
             # the SwiGLU, and the rows' gradients would no longer be alpha * g.
@@ -114,15 +122,18 @@ def convert_moe(model: nn.Module, *, retain: float, compute_dtype: torch.dtype |
             raise ValueError(f"quota_blocks={quota_blocks} does not divide {where}'s {experts.num_experts} experts")
         targets.append((where, experts))
     for _, experts in targets:
-        experts.__class__ = _selective_class(type(experts))
+        experts.__class__ = SelectiveGroupedExperts
         _install(experts, backward, compute_dtype, quota_blocks)
     return [where for where, _ in targets]
 
 
 class SelectiveBackwardConverter(ModelConfigConverter):
     """``convert_moe`` as a torchtitan model converter, for torchtitan's own trainer: it rewrites the model
-    config before the build, so every MoE layer's ``GroupedExperts.Config`` builds converted experts (the
-    parameters, names and checkpoints of torchtitan's). Pass its Config where torchtitan takes converters, e.g.
+    config before the build: every MoE layer's ``GroupedExperts.Config`` becomes a
+    ``SelectiveGroupedExperts.Config`` with the same fields, which builds converted experts (the parameters, names
+    and checkpoints of torchtitan's). A config that builds anything but ``GroupedExperts`` itself (its ``_owner``:
+    a subclass, e.g. a low-precision converter's, run before this one) is refused, as ``convert_moe`` refuses such
+    modules. Pass its Config where torchtitan takes converters, e.g.
     ``torchtitan.models.qwen3.model_registry("debugmodel_moe", converters=[SelectiveBackwardConverter.Config(
     retain=0.75)])``. Config fields: ``convert_moe``'s arguments, ``compute_dtype`` by name as torchtitan's configs
     name dtypes ("bfloat16", "float32", or None for the input's); ``options`` holds ``BackwardOptions``' other
@@ -144,23 +155,27 @@ class SelectiveBackwardConverter(ModelConfigConverter):
         self.backward = _checked_options(config.retain, self.compute_dtype, config.quota_blocks, config.options)
 
     def convert(self, model_config):
-        found = False
-        for fqn, config, parent, attr in model_config.traverse(MoE.Config):
-            found = True
+        targets = []  # every layer checked before any is rewritten: an error leaves the config as it was
+        for fqn, config, _, _ in model_config.traverse(MoE.Config):
             routed = config.routed_experts
             inner = routed.inner_experts
             where = f"{fqn}.routed_experts.inner_experts" if fqn else "routed_experts.inner_experts"
-            _check_convertible(where, inner._owner, routed.token_dispatcher._owner, config=True)
+            _check_convertible(where, inner._owner, routed.token_dispatcher._owner, "builds")
+            if type(inner) is not GroupedExperts.Config:  # a subclass's fields SelectiveGroupedExperts.Config lacks
+                raise TypeError(f"{where} is a {_class_name(type(inner))}, not torchtitan's GroupedExperts.Config: "
+                                "SelectiveBackwardConverter converts GroupedExperts' own configs")
             if inner.num_experts % self.config.quota_blocks:
                 raise ValueError(f"quota_blocks={self.config.quota_blocks} does not divide {where}'s "
                                  f"{inner.num_experts} experts")
-            selective = _selective_class(inner._owner).Config
-            routed.inner_experts = selective(
+            targets.append(routed)
+        if not targets:
+            raise ValueError("SelectiveBackwardConverter found no torchtitan MoE layer config (MoE.Config)")
+        for routed in targets:
+            inner = routed.inner_experts
+            routed.inner_experts = SelectiveGroupedExperts.Config(
                 **{f.name: getattr(inner, f.name) for f in fields(inner)},
                 lrmoe_backward=self.backward, lrmoe_compute_dtype=self.compute_dtype,
                 lrmoe_quota_blocks=self.config.quota_blocks)
-        if not found:
-            raise ValueError("SelectiveBackwardConverter found no torchtitan MoE layer config (MoE.Config)")
         return model_config
 
 
@@ -192,8 +207,8 @@ def _install(experts: nn.Module, backward: BackwardOptions, compute_dtype: torch
 
 
 def is_converted(module: nn.Module) -> bool:
-    """True for experts that ``convert_moe`` converted."""
-    return isinstance(module, _SelectiveExpertsMixin)
+    """True for converted experts: a :class:`SelectiveGroupedExperts` (``convert_moe`` or the converter's build)."""
+    return isinstance(module, SelectiveGroupedExperts)
 
 
 def backward_stats(model: nn.Module, *, reset: bool = True) -> dict[str, dict[str, torch.Tensor]]:
@@ -214,16 +229,29 @@ def backward_stats(model: nn.Module, *, reset: bool = True) -> dict[str, dict[st
     return out
 
 
-class _SelectiveExpertsMixin:
-    """Forward of converted experts: torchtitan's GroupedExperts contract (rows sorted by expert and the count of
-    each local expert's rows in, one output row per input row out), computed by selective_swiglu_experts."""
+class SelectiveGroupedExperts(GroupedExperts):
+    """torchtitan's ``GroupedExperts`` with lrmoe's selective backward: its parameters (``w1_EFD``, ``w2_EDF``,
+    ``w3_EFD``) and its forward contract (rows sorted by expert and the count of each local expert's rows in, one
+    output row per input row out), computed by selective_swiglu_experts. ``convert_moe`` makes a built
+    ``GroupedExperts`` one by a class swap; ``SelectiveBackwardConverter``'s ``Config`` builds it.
+
+    Attributes: ``lrmoe_backward`` (the BackwardOptions), ``lrmoe_compute_dtype``, ``lrmoe_quota_blocks`` (as
+    ``convert_moe`` takes them) and ``lrmoe_stats_probe`` (what ``backward_stats`` reads)."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(GroupedExperts.Config):
+        """GroupedExperts.Config's fields and the selective backward's settings."""
+
+        lrmoe_backward: BackwardOptions = field(default_factory=BackwardOptions)
+        lrmoe_compute_dtype: torch.dtype | None = torch.bfloat16
+        lrmoe_quota_blocks: int = 1
 
     lrmoe_backward: BackwardOptions
     lrmoe_compute_dtype: torch.dtype | None
     lrmoe_quota_blocks: int
     lrmoe_stats_probe: StatsProbe
 
-    def __init__(self, config):  # built from a SelectiveBackwardConverter config (convert_moe swaps classes)
+    def __init__(self, config: Config):
         super().__init__(config)
         _install(self, config.lrmoe_backward, config.lrmoe_compute_dtype, config.lrmoe_quota_blocks)
 
@@ -269,25 +297,6 @@ class _SelectiveExpertsMixin:
 
 _EXACT = BackwardOptions()  # the options of a forward without a backward: retain 1
 
-_CLASSES: dict[type, type] = {}
-
-
-def _selective_class(cls: type) -> type:
-    """The converted subclass of a GroupedExperts class (cached, so every converted module of a class shares it),
-    with a Config that also carries the selective backward's settings (what SelectiveBackwardConverter builds)."""
-    if cls not in _CLASSES:
-
-        @dataclass(kw_only=True, slots=True)
-        class Config(cls.Config):
-            lrmoe_backward: BackwardOptions = field(default_factory=BackwardOptions)
-            lrmoe_compute_dtype: torch.dtype | None = torch.bfloat16
-            lrmoe_quota_blocks: int = 1
-
-        name = f"Selective{cls.__name__}"
-        Config.__qualname__ = f"{name}.Config"
-        _CLASSES[cls] = type(name, (_SelectiveExpertsMixin, cls), {"Config": Config, "__module__": __name__})
-    return _CLASSES[cls]
-
 
 def _new_probe(device: torch.device) -> StatsProbe:
     # The single-device layout (selective_swiglu_experts' stats_probe): fp32 counts are exact to 2**24 rows per
@@ -296,23 +305,34 @@ def _new_probe(device: torch.device) -> StatsProbe:
     return StatsProbe(BACKWARD_STATS, device if device.type != "meta" else "cpu")
 
 
-def _check_convertible(where: str, experts, dispatcher, config: bool = False) -> None:
-    """Refuse what the converted forward cannot run. ``experts`` and ``dispatcher`` are modules, or with ``config``
-    the classes their configs build."""
-    experts_cls = experts if config else type(experts)
-    dispatcher_cls = dispatcher if config else type(dispatcher)
-    if issubclass(experts_cls, _SelectiveExpertsMixin):
+def _check_convertible(where: str, experts_cls: type, dispatcher_cls: type, verb: str) -> None:
+    """Refuse what the converted forward cannot run: ``experts_cls`` and ``dispatcher_cls`` are the modules'
+    classes (``verb`` "is"), or the classes their configs build ("builds")."""
+    if issubclass(experts_cls, SelectiveGroupedExperts):
         raise ValueError(f"{where} is already converted (convert_moe runs once per model)")
     if not issubclass(experts_cls, GroupedExperts):
-        raise TypeError(f"{where} is a {experts_cls.__name__}, not torchtitan's GroupedExperts (w1_EFD, w2_EDF, "
+        raise TypeError(f"{where} {verb} a {experts_cls.__name__}, not torchtitan's GroupedExperts (w1_EFD, w2_EDF, "
                         "w3_EFD SwiGLU experts): convert_moe cannot run its experts")
-    if experts_cls._grouped_mm is not GroupedExperts._grouped_mm:
-        raise TypeError(f"{where} ({experts_cls.__name__}) runs its own grouped GEMMs (a low-precision converter); "
-                        "convert_moe would drop them: convert a model without that converter")
+    if experts_cls is not GroupedExperts:
+        # SelectiveGroupedExperts' forward replaces GroupedExperts.forward, and nothing the subclass overrides
+        # (its forward, its grouped GEMMs, its init) would take part in it.
+        below = experts_cls.__mro__[:experts_cls.__mro__.index(GroupedExperts)]
+        overrides = sorted({name for klass in below for name, value in vars(klass).items()
+                            if callable(value) and name != "Config" and hasattr(GroupedExperts, name)})
+        which = f" (it overrides {', '.join(overrides)})" if overrides else ""
+        low_precision = (" A low-precision converter's experts run their own grouped GEMMs: convert a model without "
+                         "that converter." if "_grouped_mm" in overrides else "")
+        raise TypeError(f"{where} {verb} a {_class_name(experts_cls)}, a subclass of torchtitan's GroupedExperts"
+                        f"{which}: convert_moe converts GroupedExperts itself only, since the converted forward "
+                        f"replaces GroupedExperts.forward and would drop what the subclass changes.{low_precision}")
     if dispatcher_cls not in _DISPATCHERS:
         raise TypeError(f"{where}'s token dispatcher is a {dispatcher_cls.__name__}; convert_moe needs one row per "
                         "routed pair, sorted by expert and unpadded: LocalTokenDispatcher or AllToAllTokenDispatcher "
                         "(torchtitan's 'standard' MoE comm backend)")
+
+
+def _class_name(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
 
 
 def _local_experts(name: str, weight: torch.Tensor) -> torch.Tensor:

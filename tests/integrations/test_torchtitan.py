@@ -13,8 +13,10 @@ from __future__ import annotations
 import copy
 import importlib.util
 import os
+import pickle
 import sys
 import tempfile
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
@@ -34,6 +36,7 @@ from torchtitan.models.common.moe import GroupedExperts, MoE  # noqa: E402
 from lrmoe.functional.options import BackwardOptions  # noqa: E402
 from lrmoe.integrations.torchtitan import (  # noqa: E402
     SelectiveBackwardConverter,
+    SelectiveGroupedExperts,
     backward_stats,
     convert_moe,
     is_converted,
@@ -125,6 +128,37 @@ def test_retain_one_reproduces_torchtitan_and_loads_its_checkpoint(model_name, r
     for name in moes:  # the routers saw the same loads (torchtitan's expert-bias counter)
         torch.testing.assert_close(model.get_submodule(name).tokens_per_expert_E,
                                    titan.get_submodule(name).tokens_per_expert_E)
+
+
+def test_convert_moe_swaps_the_class_of_the_same_modules():
+    # Each layer's experts stay the same module object, with the same Parameter objects and hooks, and become the
+    # one class lrmoe.integrations.torchtitan defines; nothing else in the model changes.
+    model = example.build_model(small_args(), torch.device("cpu"))
+    modules = dict(model.named_modules())
+    params = dict(model.named_parameters())
+    types = {name: type(m) for name, m in modules.items()}
+    calls = []
+    hooks = [m.register_forward_hook(lambda module, args, out, name=name: calls.append(name))
+             for name, m in modules.items() if type(m) is GroupedExperts]
+
+    names = convert_moe(model, retain=0.5)
+
+    assert len(names) == 2
+    assert all(type(model.get_submodule(n)) is SelectiveGroupedExperts for n in names)
+    after = dict(model.named_modules())
+    assert list(after) == list(modules) and all(after[n] is modules[n] for n in modules)
+    after = dict(model.named_parameters())
+    assert list(after) == list(params) and all(after[n] is params[n] for n in params)
+    assert {name: type(m) for name, m in model.named_modules()} == {
+        **types, **{n: SelectiveGroupedExperts for n in names}}
+    args = small_args()
+    example.loss_fn(model, example.batch(args.vocab, 2, args.seq_len, 0, 0, torch.device("cpu"))).backward()
+    assert calls == names  # the hooks registered before the swap run on the converted forward
+    # The class is found by its name in the module, so a converted experts module pickles (torch.save of it).
+    for hook in hooks:
+        hook.remove()
+    experts = pickle.loads(pickle.dumps(model.get_submodule(names[0])))
+    assert type(experts) is SelectiveGroupedExperts and experts.lrmoe_backward.retain == 0.5
 
 
 def test_retain_one_in_bf16_matches_torchtitan_as_it_is():
@@ -279,8 +313,12 @@ def test_converter_builds_what_convert_moe_makes():
     converter = SelectiveBackwardConverter(SelectiveBackwardConverter.Config(
         retain=0.75, compute_dtype=None, options={"selection": "top"}))
     cfg = converter.convert(cfg)
+    assert [type(layer.moe.routed_experts.inner_experts) for layer in cfg.layers] == [
+        SelectiveGroupedExperts.Config] * args.layers
     torch.manual_seed(args.seed)
     built = cfg.build()
+    assert [type(layer.moe.routed_experts.inner_experts) for layer in built.layers.values()] == [
+        SelectiveGroupedExperts] * args.layers
     built.init_states(buffer_device=torch.device("cpu"))
     swapped = example.build_model(args, torch.device("cpu"))
     convert_moe(swapped, retain=0.75, compute_dtype=None, selection="top")
@@ -335,6 +373,85 @@ def test_refusals():
     convert_moe(model, retain=0.5)
     with pytest.raises(ValueError, match="already converted"):
         convert_moe(model, retain=0.5)
+
+
+class ForwardExperts(GroupedExperts):
+    """A user's GroupedExperts with its own forward: the converted forward would replace it."""
+
+    def forward(self, x_RD, num_tokens_per_expert_E):
+        return 2 * super().forward(x_RD, num_tokens_per_expert_E)
+
+
+class InitExperts(GroupedExperts):
+    """A user's GroupedExperts with its own parameter init and its own Config (so its configs build it)."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(GroupedExperts.Config):
+        scale: float = 0.5
+
+    def _init_self_parameters(self):
+        super()._init_self_parameters()
+        with torch.no_grad():
+            self.w2_EDF.mul_(0.5)
+
+
+@pytest.mark.parametrize("subclass", [ForwardExperts, InitExperts])
+def test_subclasses_of_grouped_experts_are_refused(subclass):
+    # The converted forward replaces GroupedExperts.forward, so a subclass's overrides would be dropped without a
+    # word: convert_moe refuses the layer, naming it and its class, before converting any layer.
+    model = example.build_model(small_args(), torch.device("cpu"))
+    layers = [model.layers[i].moe.routed_experts.inner_experts for i in ("0", "1")]
+    layers[1].__class__ = subclass
+    with pytest.raises(TypeError, match=rf"layers\.1\.moe\.routed_experts\.inner_experts is a .*{subclass.__name__}, "
+                                        r"a subclass of torchtitan's GroupedExperts"):
+        convert_moe(model, retain=0.5)
+    assert [type(m) for m in layers] == [GroupedExperts, subclass]
+    assert not any(is_converted(m) for m in model.modules())
+    assert not any(hasattr(m, "lrmoe_backward") for m in layers)
+
+
+def test_converter_refuses_configs_of_subclasses():
+    # The converter builds torchtitan's GroupedExperts' configs only: a config whose class builds a subclass (its
+    # _owner) is refused, naming where it is, and the model config is left as it was.
+    args = small_args()
+    cfg = example.model_config(dim=args.dim, layers=args.layers, experts=args.experts, top_k=args.top_k,
+                               hidden_dim=args.hidden_dim, vocab=args.vocab, seq_len=args.seq_len)
+    inner = cfg.layers[1].moe.routed_experts.inner_experts
+    custom = InitExperts.Config(dim=inner.dim, hidden_dim=inner.hidden_dim, num_experts=inner.num_experts)
+    cfg.layers[1].moe.routed_experts.inner_experts = custom
+    converter = SelectiveBackwardConverter(SelectiveBackwardConverter.Config(retain=0.5))
+    with pytest.raises(TypeError, match=r"layers\.1\.moe\.routed_experts\.inner_experts builds a .*InitExperts, "
+                                        r"a subclass of torchtitan's GroupedExperts"):
+        converter.convert(cfg)
+    assert type(cfg.layers[0].moe.routed_experts.inner_experts) is GroupedExperts.Config
+    assert cfg.layers[1].moe.routed_experts.inner_experts is custom
+
+
+def test_no_class_is_made_at_run_time():
+    # The integration's classes are the ones its source defines: no type(name, bases, namespace) call, no class
+    # statement inside a function (each call of such a function would make a new class), no dataclasses.make_dataclass
+    # or types.new_class.
+    import ast
+
+    source = (ROOT / "lrmoe" / "integrations" / "torchtitan.py").read_text()
+    found = []
+
+    def visit(node, in_function):
+        if isinstance(node, ast.ClassDef) and in_function:
+            found.append(f"line {node.lineno}: class {node.name} inside a function")
+        if isinstance(node, ast.Call):
+            func = node.func
+            name = func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else None
+            if name == "type" and len(node.args) + len(node.keywords) >= 2:
+                found.append(f"line {node.lineno}: type() with {len(node.args)} arguments")
+            if name in ("make_dataclass", "new_class", "prepare_class"):
+                found.append(f"line {node.lineno}: {name}()")
+        inside = in_function or isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+        for child in ast.iter_child_nodes(node):
+            visit(child, inside)
+
+    visit(ast.parse(source), False)
+    assert found == []
 
 
 # ---------------------------------------------------------------- expert parallelism, 2 gloo ranks
