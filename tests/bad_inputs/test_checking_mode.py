@@ -5,6 +5,7 @@ docs/reliability.md). Off by default; never traced by torch.compile.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import threading
 
@@ -19,10 +20,12 @@ from lrmoe.functional import (
     inclusion_probabilities,
     instance_experts,
     place_hot_replicas,
+    plan_experts,
     plan_quotas,
     route_to_replicas,
     route_topk,
     select_within_quota,
+    selective_swiglu_experts,
 )
 from lrmoe.functional import _checks as _checks_module
 from lrmoe.functional._checks import checking
@@ -145,6 +148,96 @@ def test_a_block_holds_on_other_threads_too():
         worker.start()
         worker.join()
     assert seen == [True]
+
+
+E_STEP, T_STEP, K_STEP, D_STEP, F_STEP = 4, 6, 2, 8, 4
+
+
+def _step_loss_with_out_of_contract_uniforms(experts=selective_swiglu_experts):
+    """A selective step (retain 0.5, "sample") whose plan's uniforms are 1.5, outside [0, 1): the forward reads no
+    uniform, and the backward's selection clamps them on the fast path (it runs) and refuses them under checking
+    (``uniform_G must be in [0, 1)``). Returns the loss, the gradient's leaf."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(T_STEP, D_STEP, generator=gen, requires_grad=True)
+    gate_up = torch.randn(E_STEP, 2 * F_STEP, D_STEP, generator=gen, requires_grad=True)
+    down = torch.randn(E_STEP, D_STEP, F_STEP, generator=gen, requires_grad=True)
+    ids = torch.stack([torch.randperm(E_STEP, generator=gen)[:K_STEP] for _ in range(T_STEP)])
+    gates = torch.rand(T_STEP, K_STEP, generator=gen)
+    plan = dataclasses.replace(plan_experts(ids, E_STEP, retain=0.5, selection="sample"),
+                               uniform=torch.full((E_STEP,), 1.5))
+    out = experts(x, gate_up, down, ids, gates, plan=plan, retain=0.5, selection="sample")
+    return out.square().sum(), x
+
+
+def _backward_on_a_new_thread(loss):
+    """loss.backward() on a plain new thread, as autograd runs the backward of CUDA tensors: a context of its own.
+    Returns the exception the backward raised, or None."""
+    raised = []
+
+    def run():
+        try:
+            loss.backward()
+        except Exception as error:  # noqa: BLE001 - handed back to the test
+            raised.append(error)
+
+    worker = threading.Thread(target=run)
+    worker.start()
+    worker.join()
+    return raised[0] if raised else None
+
+
+def test_the_out_of_contract_step_runs_unchecked_and_is_refused_checked():
+    """The step these tests use: its backward runs on the fast path and is refused when forward and backward run
+    in one block."""
+    loss, x = _step_loss_with_out_of_contract_uniforms()
+    loss.backward()
+    assert x.grad is not None and x.grad.isfinite().all()
+    with lrmoe.checks():
+        loss, _ = _step_loss_with_out_of_contract_uniforms()
+        with pytest.raises(ValueError, match=r"uniform_G must be in \[0, 1\)"):
+            loss.backward()
+
+
+def test_a_forward_inside_a_block_has_its_backward_checked_after_the_block():
+    with lrmoe.checks():
+        loss, _ = _step_loss_with_out_of_contract_uniforms()
+    assert not checking()
+    with pytest.raises(ValueError, match=r"uniform_G must be in \[0, 1\)"):
+        loss.backward()
+
+
+def test_a_forward_inside_a_block_has_its_backward_checked_on_another_thread():
+    with lrmoe.checks():
+        loss, _ = _step_loss_with_out_of_contract_uniforms()
+        error = _backward_on_a_new_thread(loss)  # inside the block too: the new thread's context is not the block's
+    assert isinstance(error, ValueError) and "uniform_G must be in [0, 1)" in str(error)
+    loss, _ = _step_loss_with_out_of_contract_uniforms()  # and from outside it, the forward's block long gone
+    with lrmoe.checks():
+        loss, _ = _step_loss_with_out_of_contract_uniforms()
+    error = _backward_on_a_new_thread(loss)
+    assert isinstance(error, ValueError) and "uniform_G must be in [0, 1)" in str(error)
+
+
+def test_a_forward_outside_every_block_has_no_check_in_its_backward_inside_one():
+    loss, x = _step_loss_with_out_of_contract_uniforms()
+    with lrmoe.checks():
+        loss.backward()  # the forward ran unchecked: so does its backward
+    assert x.grad is not None and x.grad.isfinite().all()
+    loss, x = _step_loss_with_out_of_contract_uniforms()
+    with lrmoe.checks():
+        assert _backward_on_a_new_thread(loss) is None
+    assert x.grad is not None and x.grad.isfinite().all()
+
+
+def test_a_compiled_step_traces_whole_in_a_block_and_its_backward_checks_nothing():
+    """The selective step compiled whole (fullgraph: its forward records the setting, its backward sets it, neither
+    traced) inside a block: forward and backward run, the out-of-contract uniforms unchecked, as compiled code
+    never checks."""
+    compiled = torch.compile(selective_swiglu_experts, fullgraph=True, backend="aot_eager")
+    with lrmoe.checks():
+        loss, x = _step_loss_with_out_of_contract_uniforms(compiled)
+        loss.backward()
+    assert x.grad is not None and x.grad.isfinite().all()
 
 
 @pytest.mark.parametrize("value, on", [("1", True), ("true", True), ("0", False), ("", False), (None, False)])
