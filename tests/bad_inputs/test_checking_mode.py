@@ -5,8 +5,10 @@ docs/reliability.md). Off by default; never traced by torch.compile.
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import importlib.util
+import sys
 import threading
 
 import pytest
@@ -36,9 +38,12 @@ ROWS = torch.tensor([0, 1, 2, 1])
 
 
 @pytest.fixture(autouse=True)
-def checking_off_around_each_test():
-    with lrmoe.checks(False):
-        yield
+def checking_off_around_each_test(monkeypatch):
+    """Each test starts with checking off in every context, new threads' included, whatever LRMOE_CHECK says: the
+    module's context variable is replaced by a fresh one whose default is off."""
+    monkeypatch.setattr(_checks_module, "_CHECKING", contextvars.ContextVar("lrmoe_checking", default=False))
+    monkeypatch.setattr(_checks_module, "_BLOCKS", contextvars.ContextVar("lrmoe_checks_blocks", default=()))
+    yield
 
 
 # (id, call, a pattern naming the argument and the contract)
@@ -125,6 +130,9 @@ def test_checks_is_a_block_that_restores_the_previous_setting():
             assert not checking()
         assert checking()
     assert not checking()
+    with pytest.raises(RuntimeError, match="inside"), lrmoe.checks():  # left by an exception: restored too
+        raise RuntimeError("inside")
+    assert not checking()
     with pytest.raises(TypeError, match="enabled must be a bool"):
         lrmoe.checks("yes")
 
@@ -139,15 +147,48 @@ def test_checks_without_with_changes_nothing():
     assert not checking()
 
 
-def test_a_block_holds_on_other_threads_too():
-    # Autograd runs the backward of CUDA tensors on threads of its own (the selection's checks run there), so the
-    # setting is the process's while the block runs (a contextvars.ContextVar, per thread, would not reach them).
+def test_the_setting_belongs_to_the_context_that_runs_the_block():
+    """A block sets checking for its own context: a thread started inside it has a context of its own, which sees
+    the setting outside every block (a Python that passes the context to new threads: the block's); a copy of the
+    block's context sees the block's."""
+    inherits = bool(getattr(sys.flags, "thread_inherit_context", False))  # Python 3.14+, free-threaded by default
     seen = []
     with lrmoe.checks():
         worker = threading.Thread(target=lambda: seen.append(checking()))
         worker.start()
         worker.join()
-    assert seen == [True]
+        assert contextvars.copy_context().run(checking)
+        assert checking()
+    assert seen == [inherits]
+    assert not checking()
+
+
+def test_a_checks_object_entered_on_two_threads_at_once_restores_each():
+    """One checks object, its blocks open on two threads at once and closed in the other order: each thread gets
+    its own setting back (a block leaves by the token of its own context)."""
+    block = lrmoe.checks()
+    entered, leave_first = threading.Barrier(2), threading.Event()
+    seen = {}
+
+    def run(name, first):
+        try:
+            with block:
+                entered.wait(timeout=30)
+                if not first:
+                    leave_first.wait(timeout=30)
+            seen[name] = checking()
+        except Exception as error:  # noqa: BLE001 - handed back to the test
+            seen[name] = error
+        finally:
+            if first:
+                leave_first.set()
+
+    workers = [threading.Thread(target=run, args=(name, first)) for name, first in (("a", True), ("b", False))]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join()
+    assert seen == {"a": False, "b": False}
 
 
 E_STEP, T_STEP, K_STEP, D_STEP, F_STEP = 4, 6, 2, 8, 4
@@ -227,6 +268,21 @@ def test_a_forward_outside_every_block_has_no_check_in_its_backward_inside_one()
     with lrmoe.checks():
         assert _backward_on_a_new_thread(loss) is None
     assert x.grad is not None and x.grad.isfinite().all()
+
+
+def test_checking_compiles_whole_inside_and_outside_a_block():
+    """checking() reads the context variable only outside torch.compile's tracing: a function branching on it
+    traces whole (fullgraph), and compiled it never checks."""
+
+    def f(x):
+        return x + 1 if checking() else x - 1
+
+    compiled = torch.compile(f, fullgraph=True, backend="eager")
+    x = torch.zeros(2)
+    with lrmoe.checks():
+        assert torch.equal(compiled(x), x - 1)
+        assert torch.equal(f(x), x + 1)
+    assert torch.equal(compiled(x), x - 1)
 
 
 def test_a_compiled_step_traces_whole_in_a_block_and_its_backward_checks_nothing():
