@@ -17,6 +17,7 @@ path leaves to the caller, since on a GPU each one waits for the device. Off by 
 
 from __future__ import annotations
 
+import contextvars
 import math
 import numbers
 import os
@@ -242,7 +243,13 @@ def check_replica_slots(name: str, replicas: int, num_experts: int, world_size: 
 
 # ------------------------------------------------------------------------------------------------ checking mode
 
-_checking = os.environ.get("LRMOE_CHECK", "") not in ("", "0")
+# The setting of the current context (a thread, an asyncio task); outside every block, LRMOE_CHECK.
+_CHECKING: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "lrmoe_checking", default=os.environ.get("LRMOE_CHECK", "") not in ("", "0"))
+# The tokens of the context's open blocks, innermost last: a block leaves by the token its own entry made, so one
+# checks object may be entered again inside its block, or in several threads at once.
+_BLOCKS: contextvars.ContextVar[tuple[contextvars.Token, ...]] = contextvars.ContextVar("lrmoe_checks_blocks",
+                                                                                       default=())
 
 
 class checks:
@@ -250,15 +257,24 @@ class checks:
 
         with lrmoe.checks():
             loss = model(x).sum()   # every lrmoe primitive validates its data-dependent contracts
-            loss.backward()
+        loss.backward()             # and so does the backward of that forward
 
-    Only the block: ``lrmoe.checks()`` without ``with`` changes nothing. The previous setting comes back when the
-    block ends; outside every block it is ``LRMOE_CHECK`` from the environment (``1``: on; unset, empty or ``0``:
-    off). The setting holds for the whole process while the block runs, not for its thread alone: autograd runs
-    the backward of CUDA tensors on threads of its own, whose checks (the selection's) belong to the block. Under
-    checking, a primitive given out-of-contract values (negative loads, ids out of range, decreasing offsets, ...)
-    raises ValueError naming the argument, where the fast path would compute something wrong or fail with a raw
-    index error. Each check reads tensor values: a host sync on a GPU. Checks run in eager code only;
+    Only the block: ``lrmoe.checks()`` without ``with`` changes nothing. The setting belongs to the current context
+    (a ``contextvars`` variable): the thread, or the asyncio task, that runs the block. Another thread keeps its own
+    (a thread started inside the block has the setting outside every block, unless its Python passes the context
+    to new threads), and the previous setting comes back when the block ends; outside every block it is
+    ``LRMOE_CHECK`` from the environment (``1``: on; unset, empty or ``0``: off).
+
+    A backward checks as its forward did: the selective expert step records the setting its forward ran with and
+    runs its backward's checks (the selection's) under it, wherever and on whatever thread the backward runs
+    (autograd runs the backward of CUDA tensors on threads of its own). A forward inside the block has its backward
+    checked, even one called after the block ends; a forward outside every block (checking off) has none checked,
+    even when ``backward()`` is called inside a block. A forward that autograd recomputes during the backward
+    (activation checkpointing) checks by the setting of the thread the backward runs on.
+
+    Under checking, a primitive given out-of-contract values (negative loads, ids out of range, decreasing offsets,
+    ...) raises ValueError naming the argument, where the fast path would compute something wrong or fail with a
+    raw index error. Each check reads tensor values: a host sync on a GPU. Checks run in eager code only;
     torch.compile traces none of them.
     """
 
@@ -266,22 +282,24 @@ class checks:
         if not isinstance(enabled, bool):
             raise TypeError(f"enabled must be a bool, got {type(enabled).__name__}")
         self._enabled = enabled
-        self._previous: list[bool] = []  # one per entry: a checks object may be entered again inside its block
 
     def __enter__(self) -> checks:
-        global _checking
-        self._previous.append(_checking)
-        _checking = self._enabled
+        token = _CHECKING.set(self._enabled)
+        _BLOCKS.set((*_BLOCKS.get(), token))
         return self
 
     def __exit__(self, *exc_info) -> None:
-        global _checking
-        _checking = self._previous.pop()
+        *outer, token = _BLOCKS.get()
+        _BLOCKS.set(tuple(outer))
+        _CHECKING.reset(token)
 
 
 def checking() -> bool:
-    """Whether the data-dependent checks run now: checking mode is on and no compiler is tracing."""
-    return _checking and not torch.compiler.is_compiling()
+    """Whether the data-dependent checks run now: no compiler is tracing and checking mode is on in the current
+    context. The compiler test comes first, so that torch.compile never traces the context variable's read."""
+    if torch.compiler.is_compiling():
+        return False
+    return _CHECKING.get()
 
 
 def _readable(t: torch.Tensor) -> bool:

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
+from lrmoe.functional._checks import checking, checks
 from lrmoe.functional.expert_kernels import BACKENDS
 from lrmoe.functional.retained_rows import take_rows
 from lrmoe.functional.scoring import score_pairs
@@ -108,6 +109,9 @@ class _SelectiveStep(torch.autograd.Function):
         ctx.cfg, ctx.transport = cfg, transport
         ctx.has_probe = probe is not None
         ctx.router_from_rows, ctx.y_dtype = router_from_rows, y_PD.dtype
+        # Checking mode as this forward runs (a Python bool; False while compiled): the backward's checks follow it,
+        # on whatever thread autograd runs the backward (lrmoe.checks).
+        ctx.checking = checking()
         ctx.save_for_backward(x_ND, gate_up_IFD, down_IDF, gates_TK, dest_P, quotas_G, uniform_G, groups_P,
                               assign_SWI, quotas_SWI, h_saved, None if router_from_rows else y_PD, phi_sq_TK,
                               order_P, inv_P, offsets_I, combined.h_of_row_P)
@@ -126,7 +130,10 @@ class _SelectiveStep(torch.autograd.Function):
                 "differentiated with create_graph=True (torch.autograd.grad(..., create_graph=True), double "
                 "backward, gradient penalties); differentiate without create_graph, or keep such a term off "
                 "the MoE layer")
-        return _SelectiveStep._backward(ctx, grad_out_TD)
+        if torch.compiler.is_compiling():  # traced: no check runs, and the context variable is never traced
+            return _SelectiveStep._backward(ctx, grad_out_TD)
+        with checks(ctx.checking):  # the forward's setting, not the backward thread's
+            return _SelectiveStep._backward(ctx, grad_out_TD)
 
     @staticmethod
     def _backward(ctx, grad_out_TD):

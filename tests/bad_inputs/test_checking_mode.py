@@ -5,7 +5,10 @@ docs/reliability.md). Off by default; never traced by torch.compile.
 
 from __future__ import annotations
 
+import contextvars
+import dataclasses
 import importlib.util
+import sys
 import threading
 
 import pytest
@@ -19,10 +22,12 @@ from lrmoe.functional import (
     inclusion_probabilities,
     instance_experts,
     place_hot_replicas,
+    plan_experts,
     plan_quotas,
     route_to_replicas,
     route_topk,
     select_within_quota,
+    selective_swiglu_experts,
 )
 from lrmoe.functional import _checks as _checks_module
 from lrmoe.functional._checks import checking
@@ -33,9 +38,12 @@ ROWS = torch.tensor([0, 1, 2, 1])
 
 
 @pytest.fixture(autouse=True)
-def checking_off_around_each_test():
-    with lrmoe.checks(False):
-        yield
+def checking_off_around_each_test(monkeypatch):
+    """Each test starts with checking off in every context, new threads' included, whatever LRMOE_CHECK says: the
+    module's context variable is replaced by a fresh one whose default is off."""
+    monkeypatch.setattr(_checks_module, "_CHECKING", contextvars.ContextVar("lrmoe_checking", default=False))
+    monkeypatch.setattr(_checks_module, "_BLOCKS", contextvars.ContextVar("lrmoe_checks_blocks", default=()))
+    yield
 
 
 # (id, call, a pattern naming the argument and the contract)
@@ -122,6 +130,9 @@ def test_checks_is_a_block_that_restores_the_previous_setting():
             assert not checking()
         assert checking()
     assert not checking()
+    with pytest.raises(RuntimeError, match="inside"), lrmoe.checks():  # left by an exception: restored too
+        raise RuntimeError("inside")
+    assert not checking()
     with pytest.raises(TypeError, match="enabled must be a bool"):
         lrmoe.checks("yes")
 
@@ -136,15 +147,153 @@ def test_checks_without_with_changes_nothing():
     assert not checking()
 
 
-def test_a_block_holds_on_other_threads_too():
-    # Autograd runs the backward of CUDA tensors on threads of its own (the selection's checks run there), so the
-    # setting is the process's while the block runs (a contextvars.ContextVar, per thread, would not reach them).
+def test_the_setting_belongs_to_the_context_that_runs_the_block():
+    """A block sets checking for its own context: a thread started inside it has a context of its own, which sees
+    the setting outside every block (a Python that passes the context to new threads: the block's); a copy of the
+    block's context sees the block's."""
+    inherits = bool(getattr(sys.flags, "thread_inherit_context", False))  # Python 3.14+, free-threaded by default
     seen = []
     with lrmoe.checks():
         worker = threading.Thread(target=lambda: seen.append(checking()))
         worker.start()
         worker.join()
-    assert seen == [True]
+        assert contextvars.copy_context().run(checking)
+        assert checking()
+    assert seen == [inherits]
+    assert not checking()
+
+
+def test_a_checks_object_entered_on_two_threads_at_once_restores_each():
+    """One checks object, its blocks open on two threads at once and closed in the other order: each thread gets
+    its own setting back (a block leaves by the token of its own context)."""
+    block = lrmoe.checks()
+    entered, leave_first = threading.Barrier(2), threading.Event()
+    seen = {}
+
+    def run(name, first):
+        try:
+            with block:
+                entered.wait(timeout=30)
+                if not first:
+                    leave_first.wait(timeout=30)
+            seen[name] = checking()
+        except Exception as error:  # noqa: BLE001 - handed back to the test
+            seen[name] = error
+        finally:
+            if first:
+                leave_first.set()
+
+    workers = [threading.Thread(target=run, args=(name, first)) for name, first in (("a", True), ("b", False))]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join()
+    assert seen == {"a": False, "b": False}
+
+
+E_STEP, T_STEP, K_STEP, D_STEP, F_STEP = 4, 6, 2, 8, 4
+
+
+def _step_loss_with_out_of_contract_uniforms(experts=selective_swiglu_experts):
+    """A selective step (retain 0.5, "sample") whose plan's uniforms are 1.5, outside [0, 1): the forward reads no
+    uniform, and the backward's selection clamps them on the fast path (it runs) and refuses them under checking
+    (``uniform_G must be in [0, 1)``). Returns the loss, the gradient's leaf."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(T_STEP, D_STEP, generator=gen, requires_grad=True)
+    gate_up = torch.randn(E_STEP, 2 * F_STEP, D_STEP, generator=gen, requires_grad=True)
+    down = torch.randn(E_STEP, D_STEP, F_STEP, generator=gen, requires_grad=True)
+    ids = torch.stack([torch.randperm(E_STEP, generator=gen)[:K_STEP] for _ in range(T_STEP)])
+    gates = torch.rand(T_STEP, K_STEP, generator=gen)
+    plan = dataclasses.replace(plan_experts(ids, E_STEP, retain=0.5, selection="sample"),
+                               uniform=torch.full((E_STEP,), 1.5))
+    out = experts(x, gate_up, down, ids, gates, plan=plan, retain=0.5, selection="sample")
+    return out.square().sum(), x
+
+
+def _backward_on_a_new_thread(loss):
+    """loss.backward() on a plain new thread, as autograd runs the backward of CUDA tensors: a context of its own.
+    Returns the exception the backward raised, or None."""
+    raised = []
+
+    def run():
+        try:
+            loss.backward()
+        except Exception as error:  # noqa: BLE001 - handed back to the test
+            raised.append(error)
+
+    worker = threading.Thread(target=run)
+    worker.start()
+    worker.join()
+    return raised[0] if raised else None
+
+
+def test_the_out_of_contract_step_runs_unchecked_and_is_refused_checked():
+    """The step these tests use: its backward runs on the fast path and is refused when forward and backward run
+    in one block."""
+    loss, x = _step_loss_with_out_of_contract_uniforms()
+    loss.backward()
+    assert x.grad is not None and x.grad.isfinite().all()
+    with lrmoe.checks():
+        loss, _ = _step_loss_with_out_of_contract_uniforms()
+        with pytest.raises(ValueError, match=r"uniform_G must be in \[0, 1\)"):
+            loss.backward()
+
+
+def test_a_forward_inside_a_block_has_its_backward_checked_after_the_block():
+    with lrmoe.checks():
+        loss, _ = _step_loss_with_out_of_contract_uniforms()
+    assert not checking()
+    with pytest.raises(ValueError, match=r"uniform_G must be in \[0, 1\)"):
+        loss.backward()
+
+
+def test_a_forward_inside_a_block_has_its_backward_checked_on_another_thread():
+    with lrmoe.checks():
+        loss, _ = _step_loss_with_out_of_contract_uniforms()
+        error = _backward_on_a_new_thread(loss)  # inside the block too: the new thread's context is not the block's
+    assert isinstance(error, ValueError) and "uniform_G must be in [0, 1)" in str(error)
+    loss, _ = _step_loss_with_out_of_contract_uniforms()  # and from outside it, the forward's block long gone
+    with lrmoe.checks():
+        loss, _ = _step_loss_with_out_of_contract_uniforms()
+    error = _backward_on_a_new_thread(loss)
+    assert isinstance(error, ValueError) and "uniform_G must be in [0, 1)" in str(error)
+
+
+def test_a_forward_outside_every_block_has_no_check_in_its_backward_inside_one():
+    loss, x = _step_loss_with_out_of_contract_uniforms()
+    with lrmoe.checks():
+        loss.backward()  # the forward ran unchecked: so does its backward
+    assert x.grad is not None and x.grad.isfinite().all()
+    loss, x = _step_loss_with_out_of_contract_uniforms()
+    with lrmoe.checks():
+        assert _backward_on_a_new_thread(loss) is None
+    assert x.grad is not None and x.grad.isfinite().all()
+
+
+def test_checking_compiles_whole_inside_and_outside_a_block():
+    """checking() reads the context variable only outside torch.compile's tracing: a function branching on it
+    traces whole (fullgraph), and compiled it never checks."""
+
+    def f(x):
+        return x + 1 if checking() else x - 1
+
+    compiled = torch.compile(f, fullgraph=True, backend="eager")
+    x = torch.zeros(2)
+    with lrmoe.checks():
+        assert torch.equal(compiled(x), x - 1)
+        assert torch.equal(f(x), x + 1)
+    assert torch.equal(compiled(x), x - 1)
+
+
+def test_a_compiled_step_traces_whole_in_a_block_and_its_backward_checks_nothing():
+    """The selective step compiled whole (fullgraph: its forward records the setting, its backward sets it, neither
+    traced) inside a block: forward and backward run, the out-of-contract uniforms unchecked, as compiled code
+    never checks."""
+    compiled = torch.compile(selective_swiglu_experts, fullgraph=True, backend="aot_eager")
+    with lrmoe.checks():
+        loss, x = _step_loss_with_out_of_contract_uniforms(compiled)
+        loss.backward()
+    assert x.grad is not None and x.grad.isfinite().all()
 
 
 @pytest.mark.parametrize("value, on", [("1", True), ("true", True), ("0", False), ("", False), (None, False)])
