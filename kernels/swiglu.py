@@ -13,6 +13,11 @@ Shapes: N rows of h, R rows out, F the expert hidden dim (h is [N, 2F], gate hal
     dh_i as above; cphi_i = coef_i * phi_i (fp32 product of the rounded phi, rounded once); and
     dot_i = sum over f of dphi_if * phi_if in fp32 (the unscaled dphi, the rounded phi). Each program runs over
     all F columns of its rows, so the row sums need no atomics.
+``swiglu_dot_triton(src, rows_R, dphi_RF, src_is_phi) -> dot_R``
+    dot_i = sum over f of dphi_if * phi_if in fp32, phi of h_i = src[rows[i]] as above (rounded), or with
+    ``src_is_phi`` phi_i = src[rows[i]] itself ([N, F]): the dot alone, for rows whose gradient the backward does
+    not compute. The same loop and reduction either way, so a phi saved by the forward gives the dot of its h bit
+    for bit.
 ``swiglu_sqnorm_triton(h_N2F) -> (phi_NF, phi_sq_N)``
     phi as above for every row of h, and phi_sq_n = sum over f of phi_nf^2 in fp32 from the rounded phi: the
     layers' forward SwiGLU and the ||phi||^2 the "lrm" score needs, from one read of h (PyTorch would write a SiLU
@@ -36,7 +41,7 @@ import triton.language as tl
 
 from .launch import interpreting, known_empty, launch
 
-__all__ = ["swiglu_backward_scaled_triton", "swiglu_backward_triton", "swiglu_sqnorm_triton"]
+__all__ = ["swiglu_backward_scaled_triton", "swiglu_backward_triton", "swiglu_dot_triton", "swiglu_sqnorm_triton"]
 
 
 
@@ -124,6 +129,41 @@ def _swiglu_backward_scaled_kernel(
         phi = _phi(gate, up, h_dtype).to(tl.float32)  # masked lanes: zero
         tl.store(cphi_ptr + r64_R * stride_pr + f_F[None, :] * stride_pf, (phi * coef_R).to(h_dtype), mask=mask_RF)
         dot_RF += dphi_raw * phi
+    tl.store(dot_ptr + r_R, tl.sum(dot_RF, axis=1), mask=r_ok_R)
+
+
+@triton.jit
+def _swiglu_dot_kernel(
+    h_ptr, rows_ptr, dphi_ptr, dot_ptr,
+    R, N, F,
+    stride_hn, stride_hf, stride_dr, stride_df,
+    HAS_ROWS: tl.constexpr, IS_PHI: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_F: tl.constexpr,
+):  # fmt: skip
+    r_R = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    r_ok_R = r_R < R
+    if HAS_ROWS:
+        src_R = tl.load(rows_ptr + r_R, mask=r_ok_R, other=0).to(tl.int64)
+        read_R = r_ok_R & (src_R >= 0) & (src_R < N)  # an index outside h is not read: zero out
+    else:
+        src_R = r_R.to(tl.int64)
+        read_R = r_ok_R
+    r64_R = r_R.to(tl.int64)[:, None]
+    h_dtype = h_ptr.dtype.element_ty
+    dot_RF = tl.zeros((BLOCK_R, BLOCK_F), dtype=tl.float32)
+    for f0 in range(0, F, BLOCK_F):
+        f_F = f0 + tl.arange(0, BLOCK_F)
+        mask_RF = r_ok_R[:, None] & (f_F < F)[None, :]
+        read_RF = read_R[:, None] & (f_F < F)[None, :]
+        gate_ptr = h_ptr + src_R[:, None] * stride_hn + f_F[None, :] * stride_hf
+        if IS_PHI:
+            phi = tl.load(gate_ptr, mask=read_RF, other=0.0).to(tl.float32)
+        else:
+            gate = tl.load(gate_ptr, mask=read_RF, other=0.0).to(tl.float32)
+            up = tl.load(gate_ptr + F * stride_hf, mask=read_RF, other=0.0).to(tl.float32)
+            phi = _phi(gate, up, h_dtype).to(tl.float32)
+        dphi = tl.load(dphi_ptr + r64_R * stride_dr + f_F[None, :] * stride_df, mask=mask_RF,
+                       other=0.0).to(tl.float32)
+        dot_RF += dphi * phi
     tl.store(dot_ptr + r_R, tl.sum(dot_RF, axis=1), mask=r_ok_R)
 
 
@@ -232,3 +272,24 @@ def swiglu_backward_scaled_triton(
         HAS_ROWS=rows_R is not None, **cfg,
     )  # fmt: skip
     return dh_R2F, cphi_RF, dot_R
+
+
+def swiglu_dot_triton(h_N2F: torch.Tensor, rows_R: torch.Tensor | None, dphi_RF: torch.Tensor,
+                      src_is_phi: bool = False) -> torch.Tensor:
+    """dot_R fp32; see the module docstring (``h_N2F`` is phi [N, F] with ``src_is_phi``). CUDA tensors (CPU
+    ones under TRITON_INTERPRET=1); nothing is checked here (lrmoe.ops.swiglu does that). No host sync."""
+    N = h_N2F.shape[0]
+    F = dphi_RF.shape[1]
+    R = dphi_RF.shape[0]
+    rows_R = None if rows_R is None else rows_R.contiguous()  # read as a flat array
+    dot_R = torch.zeros((R,), dtype=torch.float32, device=h_N2F.device)
+    if known_empty(R):
+        return dot_R
+    cfg = _sqnorm_blocks(F)
+    launch(_swiglu_dot_kernel, (triton.cdiv(R, cfg["BLOCK_R"]),))(
+        h_N2F, h_N2F if rows_R is None else rows_R, dphi_RF, dot_R,
+        R, N, F,
+        *h_N2F.stride(), *dphi_RF.stride(),
+        HAS_ROWS=rows_R is not None, IS_PHI=src_is_phi, **cfg,
+    )  # fmt: skip
+    return dot_R

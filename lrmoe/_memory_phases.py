@@ -15,7 +15,8 @@ _INT64 = 8
 _INT32 = 4
 
 
-def saved_activations(config: MemoryConfig, rows: Rows, retain: float, b: int, replicas: int) -> dict[str, int]:
+def saved_activations(config: MemoryConfig, rows: Rows, retain: float, b: int, replicas: int, policy: str,
+                      blocked: bool, save_outputs: bool) -> dict[str, int]:
     T, D, F, E, P, N = config.tokens, config.dim, config.hidden_dim, config.num_experts, rows.pairs, rows.recv
     saved = {
         "x": T * D * b,
@@ -27,8 +28,12 @@ def saved_activations(config: MemoryConfig, rows: Rows, retain: float, b: int, r
         saved["gate_sums"] = T * _FP32
     saved["gates"] = P * b
     saved["h"] = N * 2 * F * b
-    if not router_from_rows(config, retain):  # otherwise the backward computes <g_t, y_u> without y
+    from_rows = router_from_rows(config, retain, blocked, save_outputs)
+    if not from_rows:  # otherwise the backward computes <g_t, y_u> without y
         saved["y"] = P * D * b
+    elif retain < 1.0 and policy != "save":  # the dropped pairs' phi, where no h is on the device to make it
+        saved["phi"] = N * F * b
+    if retain < 1.0 or not from_rows:  # the scores' ||phi||^2
         saved["phi_sq"] = P * _FP32
     saved["order_and_inverse"] = 2 * P * _INT64
     if config.world_size == 1:
@@ -47,10 +52,11 @@ def saved_activations(config: MemoryConfig, rows: Rows, retain: float, b: int, r
     return saved
 
 
-def router_from_rows(config: MemoryConfig, retain: float) -> bool:
-    """Whether the step keeps every pair on one device, where the portable backend computes the router gradient
-    from the token rows and nothing saves y or ||phi||^2 (lrmoe.functional.expert_step)."""
-    return retain >= 1.0 and config.world_size == 1
+def router_from_rows(config: MemoryConfig, retain: float, blocked: bool, save_outputs: bool) -> bool:
+    """Whether the portable backend computes the router gradient in the backward and the step saves no y
+    (lrmoe.functional.expert_step): on one device, without the blocked backward, at retain 1 or without
+    ``save_outputs``."""
+    return config.world_size == 1 and not blocked and (retain >= 1.0 or not save_outputs)
 
 
 class _Timeline:
@@ -101,13 +107,15 @@ def forward_phases(config: MemoryConfig, rows: Rows, b: int, policy: str,
         t.mark("dispatch", dispatch_send=P * D * b)  # received rows are saved (x_recv)
         t.alloc(recv_permutation_tmp=N * _INT64)
     t.alloc(row_index=N * _INT64)
+    phi_saved = saved.get("phi", 0)  # made by the SwiGLU, before the down projection
     # h: saved under "save"; otherwise a forward transient (offloaded: and, on a GPU, until its copy to the host is
     # done, which the copy overlaps with the rest of the forward).
-    t.mark("gate_up_gemm", x_rows=N * D * b if _gathers(config, D, 2 * F) else 0, saved_later=before_gemm)
+    t.mark("gate_up_gemm", x_rows=N * D * b if _gathers(config, D, 2 * F) else 0,
+           saved_later=before_gemm - phi_saved)
     t.alloc(h=N * 2 * F * b if policy != "save" else 0)
     # lrmoe::swiglu_sqnorm: phi and its rows' ||phi||^2, both locals until the forward returns; no SiLU temporary.
-    t.mark("swiglu", phi=N * F * b, phi_sq_rows=N * _FP32, saved_later=before_gemm)
-    t.alloc(phi=N * F * b, phi_sq_rows=N * _FP32)
+    t.mark("swiglu", phi=0 if phi_saved else N * F * b, phi_sq_rows=N * _FP32, saved_later=before_gemm)
+    t.alloc(phi=0 if phi_saved else N * F * b, phi_sq_rows=N * _FP32)
     # phi read in place (rows_R=None). One device: y is the saved y (counted there), read in place by the combine;
     # when y is not saved, a local until the forward returns.
     y_rows = N * D * b if config.world_size > 1 or "y" not in saved else 0
@@ -122,7 +130,7 @@ def forward_phases(config: MemoryConfig, rows: Rows, b: int, policy: str,
 
 
 def backward_phases(config: MemoryConfig, rows: Rows, retain: float, b: int, policy: str,
-                     replicas: int, blocked: bool = False) -> dict[str, dict[str, int]]:
+                     replicas: int, blocked: bool = False, save_outputs: bool = False) -> dict[str, dict[str, int]]:
     """The backward of ``selective_swiglu_experts`` (W = 1) or of ``ExpertParallel``'s expert function (W > 1),
     line by line. Every local stays referenced until the function returns, so nothing it allocates is freed
     before the end; the weight-gradient outputs are live from their GEMM on (they become the gradients, or are
@@ -131,7 +139,8 @@ def backward_phases(config: MemoryConfig, rows: Rows, retain: float, b: int, pol
     R, M = rows.sent_retained, rows.recv_retained
     n_inst = config.local_experts + replicas  # weight-gradient outputs cover every instance
     dense = retain >= 1.0
-    from_rows = router_from_rows(config, retain) and not blocked
+    from_rows = router_from_rows(config, retain, blocked, save_outputs)
+    all_rows = from_rows and not dense  # the router gradient of every forward row, dropped ones too
     t = _Timeline()
     t.alloc(grad_out=T * D * b)
     if not from_rows:
@@ -140,11 +149,30 @@ def backward_phases(config: MemoryConfig, rows: Rows, retain: float, b: int, pol
     if dense:
         t.alloc(row_weights=R * _FP32)  # ones; the rows are the forward's order
     else:
-        t.alloc(scores=P * _FP32, pair_ids=R * _INT64, row_weights=R * _FP32, finite_scores=P * _FP32)
+        # The scores are the step's local when the router gradient's pass made them; otherwise (all_rows) the
+        # selection's own, gone when it returns.
+        if all_rows:
+            t.mark("selection", scores=P * _FP32, finite_scores=P * _FP32)
+            t.alloc(pair_ids=R * _INT64, row_weights=R * _FP32)
+        else:
+            t.alloc(scores=P * _FP32, pair_ids=R * _INT64, row_weights=R * _FP32, finite_scores=P * _FP32)
     if blocked:  # pad_to_blocks: its index temporaries on one line, then the padded pair ids and weights
         t.mark("pad_to_blocks", pad_index=5 * R * _INT64)  # rows, experts, clamped, destinations, a temporary
         t.alloc(padded_pair_ids=(R + 1) * _INT64, padded_row_weights=(R + 1) * _FP32)
     t.alloc(row_index=2 * R * _INT64, row_coef=R * _FP32)  # safe pair ids, token ids; alpha / p
+    if all_rows:
+        # The exchange: the rows' index into the saved h and the forward rows' tokens. The backend: g W_down^T at
+        # every forward row (its g rows gathered where the GEMM gathers), their dots with phi, the retained rows'
+        # rows of it; then the retained token rows.
+        N = rows.recv
+        t.alloc(h_row_index=M * _INT64, forward_tokens=P * _INT64)
+        t.mark("router_dphi_gemm", g_rows=N * D * b if _gathers(config, D, F) else 0, router_dphi=N * F * b)
+        t.alloc(router_dphi=N * F * b)
+        t.mark("router_dots", router_dots=N * _FP32)
+        t.alloc(router_dots=N * _FP32)
+        t.mark("dphi_rows", dphi_rows=M * F * b)
+        t.alloc(dphi_rows=M * F * b)
+        t.free("router_dphi")
     # retained_dy: lrmoe::gather_scale_rows, one pass, no temporary (eager); from_rows: the tokens' rows, unscaled
     t.mark("dy", dy=R * D * b)
     t.alloc(dy=R * D * b)
@@ -167,20 +195,22 @@ def backward_phases(config: MemoryConfig, rows: Rows, retain: float, b: int, pol
     # The rows' index into the saved h (or its host copy), an argument of expert_rows_backward; none where every
     # pair is kept on one device with h saved: the rows are h's own, which lrmoe::swiglu_backward reads in place.
     h_index = policy != "recompute" and not (dense and policy == "save" and config.world_size == 1 and not blocked)
-    if h_index:
+    if h_index and not all_rows:
         t.alloc(h_row_index=M * _INT64)
     if policy == "offload":  # the retained rows read back from the host copy
         t.mark("h_rows", h_rows=M * 2 * F * b)
         t.alloc(h_rows=M * 2 * F * b)
     # The GEMMs below read their rows in place (rows_R=None): no gather copy.
-    t.mark("dphi_gemm", dphi_rows=M * F * b)
-    t.alloc(dphi_rows=M * F * b)
+    if not all_rows:
+        t.mark("dphi_gemm", dphi_rows=M * F * b)
+        t.alloc(dphi_rows=M * F * b)
     # lrmoe::swiglu_backward: its outputs. Its CPU reference's temporaries are inside one op (not modelled, see the
     # module docstring); the CUDA kernel has none.
-    # from_rows: lrmoe::swiglu_backward_scaled, which also writes each row's router gradient, fp32.
+    # from_rows: lrmoe::swiglu_backward_scaled, which also writes each row's router gradient, fp32 (all_rows: the
+    # forward rows' are the ones kept).
     dots = M * _FP32 if from_rows else 0
-    t.mark("swiglu_backward", dh_rows=M * 2 * F * b, phi_rows=M * F * b, router_dots=dots)
-    t.alloc(dh_rows=M * 2 * F * b, phi_rows=M * F * b, router_dots=dots)
+    t.mark("swiglu_backward", dh_rows=M * 2 * F * b, phi_rows=M * F * b, retained_dots=dots)
+    t.alloc(dh_rows=M * 2 * F * b, phi_rows=M * F * b, router_dots=0 if all_rows else dots)
     t.free(*(["h_rows"] if policy != "save" else []), "dphi_rows")
     t.mark("grad_down_gemm", grad_down=n_inst * D * F * b)
     t.alloc(grad_down=n_inst * D * F * b)

@@ -29,19 +29,21 @@ saved activations (forward to backward), "save" = what the code keeps today:
     router:  x T*D*b (the layer input, also saved by the experts on one device), scores T*E*4 (softmax/sigmoid
              output, fp32), expert ids P*8, and with norm_topk_prob the un-normalised gates P*4 and their sums T*4.
     W = 1:   gates P*b, h P*2F*b, sort order and inverse 2*P*8, quotas E*8, offsets E*4; below retain 1 also
-             y P*D*b and ||phi||^2 P*4 (at retain 1 the backward computes the router gradient from its own
-             operands: lrmoe.functional.expert_step) and the sampling uniforms E*4 (selection "sample").
+             ||phi||^2 P*4 and the sampling uniforms E*4 (selection "sample"), and with ``save_outputs`` y P*D*b
+             (otherwise the backward computes the router gradient from its own operands:
+             lrmoe.functional.expert_step).
     W > 1:   gates P*b, y P*D*b, ||phi||^2 P*4, order and inverse 2*P*8, received rows x_recv N*D*b,
              h N*2F*b, their expert-major permutation N*8, loads and quotas 2*W*E*8, uniforms E*4 (as above);
              with replicas, the instance weights torch.cat(owned, replicas) hold a copy of the owned shard,
              L*3FD*b (the replicas' part is replica_weights).
     "recompute" (LRMoE(activations="recompute"), one device or expert-parallel): the same without h, which is
-        a forward transient instead; backward recomputes h for the retained rows only from x, a buffer of M*2F*b
+        a forward transient instead (one device below retain 1 without ``save_outputs``: phi P*F*b saved for the
+        dropped pairs' router gradient); backward recomputes h for the retained rows only from x, a buffer of M*2F*b
         until the SwiGLU backward ("save" reads the saved h in place there).
     "offload" (LRMoE(activations="offload"), one device or expert-parallel): the same without h on the device:
         forward copies h to pinned host memory (``offloaded``, not device bytes; the pinned allocator rounds a
         block up to a power of two, so the host may hold up to twice that) and h is a forward transient, as
-        under "recompute"; backward reads the retained rows back from the host, with the row index "save"
+        under "recompute" (phi saved likewise); backward reads the retained rows back from the host, with the row index "save"
         uses, into a buffer of M*2F*b held until the SwiGLU backward.
 
 transients: ``forward_phases`` and ``backward_phases`` follow the code line by line (``_Timeline``): a local stays
@@ -53,8 +55,11 @@ copy) and the plan's loads E*8 live throughout.
 Backward (one device; W > 1 adds the payloads and the received and returned rows):
     dy           alpha * g / p per retained row, R*D*b (lrmoe::gather_scale_rows: no gathered or fp32 copy); at
                  retain 1 on one device the tokens' rows of g unscaled, R*D*b
-    router_gradient  the gates' gradient P*b (with its fp32 form P*4 on that line): first, from the saved y; at
-                 retain 1 on one device after dx, from the rows' dots (R*4, written by the SwiGLU backward)
+    router_gradient  the gates' gradient P*b (with its fp32 form P*4 on that line): first, from the saved y; on
+                 one device without it, after dx, from the rows' dots (written by the SwiGLU backward at retain 1;
+                 below it by the phases router_dphi_gemm (g W_down^T at every forward row, P*F*b, with g's rows
+                 gathered where the GEMM gathers, P*D*b), router_dots (P*4) and dphi_rows (the retained rows'
+                 rows of it, M*F*b), before dy)
     h_rows       "recompute" and "offload": h of the retained rows, M*2F*b (recomputed from x or read back from the
                  host copy); "save" keeps only their row index and reads the saved h in place
     dphi_gemm    dphi M*F*b
@@ -352,6 +357,7 @@ def layer_memory(
     rows: Rows | None = None,
     backward_capacity: float | None = None,
     backward: BackwardOptions | None = None,
+    save_outputs: bool = False,
 ) -> LayerMemory:
     """Model the bytes of one layer step on one rank.
 
@@ -365,19 +371,25 @@ def layer_memory(
         backward_capacity: LRMoE's (one device): the backward on E blocks of C rows with batched GEMMs; the
             default rows are then E * C.
         backward: the layer's :class:`~lrmoe.functional.BackwardOptions` instead of ``retain``, ``policy`` (its
-            ``activations``) and ``backward_capacity`` (not both); its ``selection`` replaces ``config.selection``.
+            ``activations``), ``backward_capacity`` and ``save_outputs`` (not both); its ``selection`` replaces
+            ``config.selection``.
+        save_outputs: ``BackwardOptions.save_outputs``: below retain 1 on one device, the experts' outputs y are
+            saved for the dropped pairs' router gradient (else that gradient's GEMM runs over every forward row).
     """
     if backward is not None:
         if not isinstance(backward, BackwardOptions):
             raise TypeError(f"backward must be a BackwardOptions or None, got {type(backward).__name__}")
-        if (retain, policy, backward_capacity) != (1.0, "save", None):
-            raise TypeError("layer_memory: pass either backward (a BackwardOptions) or retain, policy and "
-                            "backward_capacity, not both")
+        if (retain, policy, backward_capacity, save_outputs) != (1.0, "save", None, False):
+            raise TypeError("layer_memory: pass either backward (a BackwardOptions) or retain, policy, "
+                            "backward_capacity and save_outputs, not both")
         retain, policy, backward_capacity = backward.retain, backward.activations, backward.backward_capacity
+        save_outputs = backward.save_outputs
         if backward.selection != config.selection:
             config = dataclasses.replace(config, selection=backward.selection)
     check_retain(retain)
     check_choice("policy", policy, ACTIVATION_POLICIES)
+    if not isinstance(save_outputs, bool):
+        raise TypeError(f"save_outputs must be a bool, got {type(save_outputs).__name__}")
     if not isinstance(replicas, int) or isinstance(replicas, bool) or replicas < 0:
         raise ValueError(f"replicas must be a non-negative int, got {replicas!r}")
     if replicas and config.world_size == 1:
@@ -395,7 +407,8 @@ def layer_memory(
     g = (config.grad_dtype or config.param_dtype).itemsize
     o = config.optimizer_bytes_per_param
     numel = config.expert_numel
-    saved = saved_activations(config, rows, retain, b, replicas)
+    blocked = backward_capacity is not None
+    saved = saved_activations(config, rows, retain, b, replicas, policy, blocked, save_outputs)
     offloaded = 0
     if policy != "save":
         h_bytes = saved.pop("h")
@@ -410,8 +423,7 @@ def layer_memory(
         saved=saved,
         offloaded=offloaded,
         forward_phases=forward_phases(config, rows, b, policy, saved),
-        backward_phases=backward_phases(config, rows, retain, b, policy, replicas,
-                                         blocked=backward_capacity is not None),
+        backward_phases=backward_phases(config, rows, retain, b, policy, replicas, blocked, save_outputs),
         rows=rows,
         replicas=replicas,
         retain=retain,
@@ -454,6 +466,7 @@ def plan_memory(
     prefer: str = "retain",
     policy: str = "save",
     recv_rows: int | None = None,
+    save_outputs: bool = False,
 ) -> MemoryPlan:
     """Choose replicas per rank and the backward capacity so that the modelled peak fits ``budget_bytes``.
 
@@ -466,6 +479,7 @@ def plan_memory(
             replicas are given up before any backward row is.
         prefer="replicas": most replicas first, then highest retain.
     Since a larger budget only adds fitting candidates, a larger budget never gives a plan later in that order.
+    ``policy`` and ``save_outputs``: the layer's ``activations`` and ``save_outputs`` (``layer_memory``).
 
     ``budget_bytes``: an int, or any real number (a float such as 6e9, a NumPy number), rounded down to whole bytes.
 
@@ -499,7 +513,8 @@ def plan_memory(
     cheapest: LayerMemory | None = None
     for retain, replicas in candidates:
         rows = balanced_rows(config, retain, recv_rows)
-        memory = layer_memory(config, retain=retain, replicas=replicas, policy=policy, rows=rows)
+        memory = layer_memory(config, retain=retain, replicas=replicas, policy=policy, rows=rows,
+                              save_outputs=save_outputs)
         if memory.peak <= budget_bytes:
             return MemoryPlan(replicas=replicas, retain=retain, backward_rows=rows.recv_retained, memory=memory,
                               budget_bytes=budget_bytes, config=config)

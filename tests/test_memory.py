@@ -141,17 +141,32 @@ def test_saved_bytes_match_autograd(shape, dtype, retain_selection, norm_score_f
     assert mem.saved_activations + mem.offloaded == _saved_bytes(layer, x)
 
 
+@pytest.mark.parametrize("policy", ["save", "recompute", "offload"])
+@pytest.mark.parametrize("retain", [1.0, 0.5])
+def test_saved_bytes_with_save_outputs_match_autograd_and_add_y(policy, retain):
+    T, D, F, E, K = 24, 16, 12, 4, 2
+    layer, x = _layer(T, D, F, E, K, torch.bfloat16, retain=retain, activations=policy, save_outputs=True)
+    mem = layer_memory(MemoryConfig(D, F, E, K, T, param_dtype=torch.bfloat16), retain=retain, policy=policy,
+                       save_outputs=True)
+    assert mem.saved_activations + mem.offloaded == _saved_bytes(layer, x)
+    # Below retain 1 y (P*D*b) is saved, and without h on the device the phi the default saves is not; at
+    # retain 1 nothing changes.
+    default = layer_memory(MemoryConfig(D, F, E, K, T, param_dtype=torch.bfloat16), retain=retain, policy=policy)
+    extra = (T * K * D * 2 - (T * K * F * 2 if policy != "save" else 0)) if retain < 1 else 0
+    assert mem.saved_activations - default.saved_activations == extra
+
+
 def test_saved_bytes_grow_with_tokens_as_the_per_pair_formula_says():
     # An independent derivation for "save": per token, x (D*b), scores (E*4), gate sums (4); per pair, expert
-    # id (8), raw gate (4), gate (b), h (2F*b), order + inverse (16), and below retain 1 (where the router
-    # gradient needs the expert outputs and the selection their norms) y (D*b) and ||phi||^2 (4).
+    # id (8), raw gate (4), gate (b), h (2F*b), order + inverse (16), and below retain 1 the scores' ||phi||^2 (4).
+    # "recompute" below retain 1 keeps phi (F*b) for the dropped pairs' router gradient instead of h (2F*b).
     D, F, E, K, b = 12, 10, 6, 3, 2
     cfg = {"dim": D, "hidden_dim": F, "num_experts": E, "top_k": K, "param_dtype": torch.bfloat16}
-    for retain, y_and_norm in ((1.0, 0), (0.75, D * b + 4)):
+    for retain, policy, y_and_norm in ((1.0, "save", 0), (0.75, "save", 4), (0.75, "recompute", 4 + F * b - 2 * F * b)):
         per_token = D * b + E * 4 + 4 + K * (8 + 4 + b + 2 * F * b + 16 + y_and_norm)
-        m1 = layer_memory(MemoryConfig(tokens=10, **cfg), retain=retain).saved_activations
-        m2 = layer_memory(MemoryConfig(tokens=11, **cfg), retain=retain).saved_activations
-        assert m2 - m1 == per_token, retain
+        m1 = layer_memory(MemoryConfig(tokens=10, **cfg), retain=retain, policy=policy).saved_activations
+        m2 = layer_memory(MemoryConfig(tokens=11, **cfg), retain=retain, policy=policy).saved_activations
+        assert m2 - m1 == per_token, (retain, policy)
 
 
 @pytest.mark.parametrize("shape", [(40, 4, 2, 2), (16, 8, 8, 2), (64, 48, 4, 4)])  # D, F, E, K
@@ -172,8 +187,9 @@ def test_recompute_and_offload_keep_h_off_the_device(policy):
     cfg = MemoryConfig(D, F, E, K, T, param_dtype=torch.bfloat16)
     save = layer_memory(cfg, retain=0.75)
     other = layer_memory(cfg, retain=0.75, policy=policy)
-    h_bytes = T * K * 2 * F * 2
-    assert save.saved_activations - other.saved_activations == h_bytes
+    h_bytes, phi_bytes = T * K * 2 * F * 2, T * K * F * 2
+    # Below retain 1, without h on the device the dropped pairs' router gradient reads the saved phi instead.
+    assert save.saved_activations - other.saved_activations == h_bytes - phi_bytes
     assert other.offloaded == (h_bytes if policy == "offload" else 0)
     # h still exists on the device in forward, as a transient. In backward "save" reads the saved h in place
     # (lrmoe::swiglu_backward with the row index); the others hold the retained rows' h until the SwiGLU backward.
@@ -182,9 +198,9 @@ def test_recompute_and_offload_keep_h_off_the_device(policy):
     assert other.backward_phases["swiglu_backward"]["h_rows"] == m_rows * 2 * F * 2
     assert "h_rows" not in save.backward_phases["swiglu_backward"]
     assert "h_rows" not in other.backward_phases["grad_down_gemm"]  # released after its last use
-    # At the SwiGLU backward the two differ by that buffer, less the row index "recompute" does not need.
-    phase = {name: sum(m.backward_phases["swiglu_backward"].values()) for name, m in (("save", save), ("other", other))}
-    assert phase["other"] - phase["save"] == m_rows * 2 * F * 2 - (m_rows * 8 if policy == "recompute" else 0)
+    # Both hold the retained rows' forward rows (into h, and into every forward row's g W_down^T).
+    assert save.backward_phases["swiglu_backward"]["h_row_index"] == m_rows * 8
+    assert other.backward_phases["swiglu_backward"]["h_row_index"] == m_rows * 8
 
 
 # ---------------------------------------------------------------------------------------- peak on CPU
@@ -256,17 +272,24 @@ PEAK_CASES = [
     (PEAK_SHAPES[3], torch.bfloat16, 0.5, "recompute", False, 1.5),
     (PEAK_SHAPES[3], torch.float32, 0.5, "offload", True, 1.0),
 ]
+# save_outputs (the step keeps y below retain 1 instead of the router gradient's pass over every forward row)
+PEAK_CASES = [(*case, False) for case in PEAK_CASES] + [
+    (PEAK_SHAPES[0], torch.bfloat16, 0.5, "save", False, None, True),
+    (PEAK_SHAPES[3], torch.float32, 0.75, "recompute", True, None, True),
+    (PEAK_SHAPES[2], torch.bfloat16, 0.5, "offload", False, None, True),
+]
 
 
-@pytest.mark.parametrize("shape,dtype,retain,policy,preallocated,capacity", PEAK_CASES)
+@pytest.mark.parametrize("shape,dtype,retain,policy,preallocated,capacity,save_outputs", PEAK_CASES)
 def test_modelled_forward_and_backward_peaks_track_a_cpu_measurement(shape, dtype, retain, policy, preallocated,
-                                                                     capacity):
+                                                                     capacity, save_outputs):
     # The most bytes of storages live at once in forward and in backward, against saved + the largest transient,
     # the way the GPU benchmark measures the peak: gradients that start as None are allocated during backward and
     # counted; preallocated ones are held before the step and excluded, their GEMM outputs counted as transients.
     # Parameters and the caller's x and g are excluded while the model counts x (saved) and g (backward input).
     T, D, F, E, K = shape
-    layer, x = _layer(T, D, F, E, K, dtype, retain=retain, activations=policy, backward_capacity=capacity)
+    layer, x = _layer(T, D, F, E, K, dtype, retain=retain, activations=policy, backward_capacity=capacity,
+                      save_outputs=save_outputs)
     g = torch.randn(T, D, dtype=dtype)
     grads = [torch.zeros_like(p) for p in layer.parameters()] if preallocated else []
     for p, grad in zip(layer.parameters(), grads):
@@ -278,7 +301,7 @@ def test_modelled_forward_and_backward_peaks_track_a_cpu_measurement(shape, dtyp
         out.backward(g)
     fwd, bwd = mode.peaks(set())
     cfg = MemoryConfig(D, F, E, K, T, param_dtype=dtype, grads_preallocated=preallocated, device_type="cpu")
-    mem = layer_memory(cfg, retain=retain, policy=policy, backward_capacity=capacity)
+    mem = layer_memory(cfg, retain=retain, policy=policy, backward_capacity=capacity, save_outputs=save_outputs)
     # x is saved (counted by the model) but was allocated before; the test, not the layer, keeps out alive; the
     # host copy of "offload" is CPU memory here, live from forward to the end of backward.
     measured_fwd = fwd + x.nbytes - mem.offloaded
@@ -313,8 +336,13 @@ def test_backward_buffers_shrink_with_retain():
     mems = [layer_memory(cfg, retain=r) for r in (1.0, 0.75, 0.5, 0.25)]
     transients = [m.backward_transient for m in mems]
     assert transients == sorted(transients, reverse=True)
+    # The saved activations are the same at every retain ("save" keeps no y), so the peak falls with retain.
+    peaks = [m.peak for m in mems]
+    assert peaks == sorted(peaks, reverse=True) and len(set(peaks)) == 4
+    # The retained rows' buffers shrink with retain, down to the router gradient's pass over every forward row
+    # (g's rows gathered for its GEMM, P*D*b, and g W_down^T, P*F*b), which retain does not change.
     tokens = [token_transient(m) for m in mems]
-    assert tokens == sorted(tokens, reverse=True) and tokens[-1] < tokens[0] / 2
+    assert tokens == sorted(tokens, reverse=True) and tokens[-1] < tokens[0] * 0.6
 
 
 # ------------------------------------------------------------------------------------------------- rows
@@ -572,7 +600,10 @@ def test_layer_memory_takes_the_layers_backward_options():
     assert got.peak == want.peak and got.saved == want.saved and got.rows == want.rows
     assert "uniforms" in got.saved  # selection "sample" came from the options, not the config's "top"
     assert layer_memory(cfg, backward=BackwardOptions()).peak == layer_memory(cfg).peak
-    with pytest.raises(TypeError, match="either backward .* or retain, policy and backward_capacity"):
+    kept = layer_memory(cfg, backward=BackwardOptions(retain=0.5, save_outputs=True))
+    want = layer_memory(dataclasses.replace(cfg, selection="sample"), retain=0.5, save_outputs=True)
+    assert kept.saved == want.saved and "y" in kept.saved
+    with pytest.raises(TypeError, match="either backward .* or retain, policy, backward_capacity and save_outputs"):
         layer_memory(cfg, retain=0.5, backward=opts)
     with pytest.raises(TypeError, match="backward must be a BackwardOptions"):
         layer_memory(cfg, backward={"retain": 0.5})

@@ -34,6 +34,7 @@ from lrmoe.ops import (
     hopper_rows_backward,
     swiglu_backward,
     swiglu_backward_scaled,
+    swiglu_dot,
     swiglu_sqnorm,
 )
 
@@ -225,17 +226,40 @@ def token_rows_backward(rows: TokenRows, x_ND: torch.Tensor, src_rows_R: torch.T
                         h_saved: torch.Tensor | None, h_index_R: torch.Tensor | None,
                         needs: tuple[bool, bool, bool], h_on_host: bool) -> ExpertGrads:
     """expert_rows_backward for rows given as :class:`TokenRows` (row r's output gradient coef_r * g[tok_r]),
-    which also returns each row's router gradient <g_t, y_u> = <g_t W_down^T, phi_u>. The token rows are
-    gathered once, unscaled (the down projection's two GEMMs read them); lrmoe::swiglu_backward_scaled applies the
-    coefficients in fp32, writes coef * phi for the down projection's weight gradient and sums the dot from the
-    same pass over h."""
+    which also returns the router gradient <g_t, y_u> = <g_t W_down^T, phi_u> of each row, or with
+    ``rows.all_tok_N`` of each forward row (dropped ones too; ``ExpertGrads.dot_R`` is then over the forward rows).
+    The token rows are gathered once, unscaled (the down projection's two GEMMs read them);
+    lrmoe::swiglu_backward_scaled applies the coefficients in fp32, writes coef * phi for the down projection's
+    weight gradient and sums the dot from the same pass over h."""
     need_x, need_gu, need_down = needs
-    g_RD = take_rows(rows.g_TD, rows.tok_R).to(rows.dtype)
-    h_src, h_rows_R = _rows_h(h_saved, h_index_R, h_on_host, gather_grouped_mm, x_ND, gate_up_EFD, src_rows_R,
-                              offsets_E)
-    gdown_RF = gather_grouped_mm(g_RD, down_EDF.transpose(1, 2), None, offsets_E)  # g_t W_down^T, unscaled
+    g_TD = rows.g_TD.to(rows.dtype)
+    down_EFD = down_EDF.transpose(1, 2)
+    if rows.all_tok_N is None:  # the rows are the forward's, or their router gradient is not asked for
+        g_RD = take_rows(g_TD, rows.tok_R)
+        h_src, h_rows_R = _rows_h(h_saved, h_index_R, h_on_host, gather_grouped_mm, x_ND, gate_up_EFD, src_rows_R,
+                                  offsets_E)
+        gdown_RF = gather_grouped_mm(g_RD, down_EFD, None, offsets_E)  # g_t W_down^T, unscaled
+        dot_N = None
+    else:
+        # Every forward row's router gradient: g W_down^T at every forward row (the dropped rows' only GEMM), its
+        # dot with phi (the saved phi, or phi of the saved h read in place); the retained rows take their rows of
+        # it (h_index_R: their rows of the forward, which are h's).
+        if h_index_R is None or (rows.all_phi_N is None and (h_saved is None or h_on_host)):
+            raise ValueError("the router gradient of every forward row needs the retained rows' forward rows and "
+                             "the forward rows' phi, saved or from the saved h")
+        gdown_NF = gather_grouped_mm(g_TD, down_EFD, rows.all_tok_N, rows.all_offsets_I)
+        # From the saved phi, the same kernel gives the dots of its h bit for bit ("offload" and "save" agree).
+        dot_N = (swiglu_dot(h_saved, None, gdown_NF) if rows.all_phi_N is None
+                 else swiglu_dot(rows.all_phi_N, None, gdown_NF, True))
+        gdown_RF = take_rows(gdown_NF, h_index_R)
+        del gdown_NF
+        g_RD = take_rows(g_TD, rows.tok_R)
+        h_src, h_rows_R = _rows_h(h_saved, h_index_R, h_on_host, gather_grouped_mm, x_ND, gate_up_EFD, src_rows_R,
+                                  offsets_E)
     dh_RF2, cphi_RF, dot_R = swiglu_backward_scaled(h_src, h_rows_R, gdown_RF, rows.coef_R)
-    del h_src, gdown_RF
+    if dot_N is not None:
+        dot_R = dot_N
+    del h_src, gdown_RF, dot_N
     grad_down = grouped_outer(g_RD, cphi_RF, None, offsets_E) if need_down else None  # sum_r g_t^T (coef_r phi_r)
     del g_RD, cphi_RF
     grad_gu = grouped_outer(dh_RF2, x_ND, src_rows_R, offsets_E) if need_gu else None

@@ -57,6 +57,7 @@ class StepConfig:
         [T, D]. The combine writes the output in it: a tensor of its own, not a view of [T, D] rows, since an
         in-place op on a view would drop the hooks FSDP2 puts on the layer's output.
     kernels: the name of the backend that computes the experts (lrmoe.functional.expert_kernels.BACKENDS).
+    save_outputs: keep y for the router gradient below retain 1 (BackwardOptions.save_outputs).
     """
 
     dense: bool
@@ -68,6 +69,7 @@ class StepConfig:
     group_rows: int | None = None
     out_shape: tuple[int, ...] | None = None
     kernels: str = "portable"
+    save_outputs: bool = False
 
 
 class _SelectiveStep(torch.autograd.Function):
@@ -91,10 +93,14 @@ class _SelectiveStep(torch.autograd.Function):
         ident_P = torch.arange(dest_P.shape[0], device=dest_P.device)
 
         kernels = BACKENDS[cfg.kernels]
-        # Every pair kept on one device, by a backend that computes the router gradient in its backward: y and
-        # ||phi||^2 are not saved (no score to make, and <g_t, y_u> comes from the backward's own operands).
-        router_from_rows = (cfg.dense and cfg.group_rows is None and transport.selects_in_dispatch_order
-                            and kernels.computes_router_gradient)
+        # On one device, with a backend that computes the router gradient in its backward, y is not saved:
+        # <g_t, y_u> comes from the backward's operands, g W_down^T and phi. Every pair kept: the retained rows
+        # are all the rows. Below retain 1 (unless save_outputs) the dropped rows' g W_down^T is their only extra
+        # GEMM, and their phi comes from the saved h, or (h recomputed or offloaded) from phi itself, saved: half
+        # of h's bytes.
+        router_from_rows = (cfg.group_rows is None and transport.selects_in_dispatch_order
+                            and kernels.computes_router_gradient and (cfg.dense or not cfg.save_outputs))
+        keep_phi = router_from_rows and not cfg.dense and cfg.activations != "save"
         h_NF2, phi_NF, phi_sq_N = kernels.gate_up(x_ND, dispatched.rows_N, offsets_I, gate_up_IFD)
         h_saved = saved_h(h_NF2, cfg.activations)
         y_ND = kernels.down(phi_NF, offsets_I, down_IDF)
@@ -102,7 +108,7 @@ class _SelectiveStep(torch.autograd.Function):
         y_PD, phi_sq_P = combined.y_PD, combined.phi_sq_P
         # Pair (t, k) = pair id t*K + k sits at row inv_P[t*K + k] of the dispatch-ordered buffers.
         inv_P = torch.empty_like(order_P).scatter_(0, order_P, ident_P)
-        phi_sq_TK = None if router_from_rows else phi_sq_P.index_select(0, inv_P).view(n_tok, top_k)
+        phi_sq_TK = None if cfg.dense and router_from_rows else phi_sq_P.index_select(0, inv_P).view(n_tok, top_k)
         lead = (n_tok,) if cfg.out_shape is None else cfg.out_shape[:-1]  # out [*lead, D], written in that shape
         out = combine(y_PD, inv_P.view(*lead, top_k), gates_TK.reshape(*lead, top_k))
 
@@ -114,7 +120,7 @@ class _SelectiveStep(torch.autograd.Function):
         ctx.checking = checking()
         ctx.save_for_backward(x_ND, gate_up_IFD, down_IDF, gates_TK, dest_P, quotas_G, uniform_G, groups_P,
                               assign_SWI, quotas_SWI, h_saved, None if router_from_rows else y_PD, phi_sq_TK,
-                              order_P, inv_P, offsets_I, combined.h_of_row_P)
+                              order_P, inv_P, offsets_I, combined.h_of_row_P, phi_NF if keep_phi else None)
         release_h(h_NF2, h_saved, out, cfg.activations)
         return out
 
@@ -138,7 +144,7 @@ class _SelectiveStep(torch.autograd.Function):
     @staticmethod
     def _backward(ctx, grad_out_TD):
         (x_ND, gate_up_IFD, down_IDF, gates_TK, dest_P, quotas_G, uniform_G, groups_P, assign_SWI, quotas_SWI,
-         h_saved, y_PD, phi_sq_TK, order_P, inv_P, offsets_I, h_of_row_P) = ctx.saved_tensors
+         h_saved, y_PD, phi_sq_TK, order_P, inv_P, offsets_I, h_of_row_P, phi_saved) = ctx.saved_tensors
         cfg: StepConfig = ctx.cfg
         transport = ctx.transport
         n_tok, top_k = gates_TK.shape
@@ -152,6 +158,8 @@ class _SelectiveStep(torch.autograd.Function):
                 g_TD, y_PD, inv_P.view(n_tok, top_k), gates_TK, phi_sq_TK, metric=cfg.metric, selects=not cfg.dense
             )
             grad_gates_TK = grad_gates_TK.to(gates_TK.dtype)
+        else:
+            scores_P = None  # select_retained scores the pairs from g and ||phi||^2 (lrmoe::score_pairs)
 
         # Source side: score this rank's own pairs and keep each group's quota, before any communication.
         if cfg.dense:  # every pair, in the forward dispatch order: each instance finds its rows where they were
@@ -172,15 +180,20 @@ class _SelectiveStep(torch.autograd.Function):
             )
             pair_R, weight_R, ends_G = sel.pair_ids, sel.weights, sel.offsets
 
+        # The router gradient of dropped rows too: the token of every forward row (dispatch order).
+        forward_tok_N = (torch.div(order_P, top_k, rounding_mode="floor") if from_rows and not cfg.dense
+                         else None)
         forward = ForwardRecord(x_ND, ctx.y_dtype, dest_P, inv_P, offsets_I, gate_up_IFD.shape[0], assign_SWI,
                                 quotas_SWI, h_of_row_P)
         # Every pair kept on one device with h saved: the rows are h's own, in its order, so the backward reads h
         # in place (no index, no gathered copy).
         h_in_place = (cfg.dense and cfg.group_rows is None and cfg.activations == "save"
                       and transport.selects_in_dispatch_order)
+        # The retained rows' forward rows: to read the saved h, or the rows of every forward row's g W_down^T.
+        need_h_index = (h_saved is not None and not h_in_place) or forward_tok_N is not None
         exchanged = transport.exchange(BackwardRequest(g_TD, gates_TK, pair_R, weight_R, ends_G, forward, cfg.dense,
-                                                       cfg.group_rows, h_saved is not None and not h_in_place,
-                                                       token_rows=from_rows))
+                                                       cfg.group_rows, need_h_index, token_rows=from_rows,
+                                                       forward_tok_N=forward_tok_N, forward_phi_N=phi_saved))
         del forward
         # The instance side: the compact expert backward over the retained rows only.
         need_x, need_gu, need_down = ctx.needs_input_grad[:3]
@@ -189,7 +202,7 @@ class _SelectiveStep(torch.autograd.Function):
             h_index_R=exchanged.h_index_R, needs=(need_x or transport.always_needs_dx, need_gu, need_down),
             h_on_host=cfg.activations == "offload", group_rows=cfg.group_rows,
         )
-        if from_rows:  # row r holds pair order_P[r]: pair p's dot is at row inv_P[p]
+        if from_rows:  # over the forward rows: row r holds pair order_P[r], so pair p's dot is at row inv_P[p]
             grad_gates_TK = grads.dot_R.index_select(0, inv_P).view(n_tok, top_k).to(gates_TK.dtype)
         dx_RD = None if grads.dx_RD is None else transport.give_back(grads.dx_RD, exchanged)
         grad_x = None if dx_RD is None else sum_rows_per_token(dx_RD, exchanged.pair_R, n_tok, top_k)

@@ -284,7 +284,8 @@ def selective_swiglu_experts(
     kernels = choose_kernels(opts.kernels, x_TD, dim, down_EDF.shape[2], blocked=capacity is not None)
     cfg = StepConfig(dense=retain >= 1.0, metric=opts.metric, selection=opts.selection, generator=opts.generator,
                      activations=activations, max_rows=max_rows, group_rows=capacity,
-                     out_shape=None if out_shape is None else _check_out_shape(out_shape, n_tok, dim), kernels=kernels)
+                     out_shape=None if out_shape is None else _check_out_shape(out_shape, n_tok, dim), kernels=kernels,
+                     save_outputs=opts.save_outputs)
     return selective_step(x_TD, gate_up_EFD, down_EDF, gates_TK, expert_ids_TK.reshape(-1).long(), quotas_G,
                           uniform_G, stats_probe, cfg, IdentityTransport(), groups_P=group_ids_P)
 

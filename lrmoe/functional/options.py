@@ -56,12 +56,20 @@ class BackwardOptions:
     policy: quota policy, "waterfill" or "proportional" (``plan_quotas``).
     activations: what forward keeps for backward. "save": every pair's gate/up projection h ([P, 2F]); backward
         gathers the retained rows. "recompute": not h; backward recomputes it for the retained rows only (one more
-        grouped GEMM over them, from x, which is saved either way): P*2F fewer saved elements, extra work that
-        scales with retain. "offload": h goes to pinned host memory, copied on a side stream while forward goes on
+        grouped GEMM over them, from x, which is saved either way): P*2F fewer saved elements (P*F below retain 1
+        on one device, where phi [P, F] is saved for the dropped pairs' router gradient, see save_outputs), extra
+        work that scales with retain. "offload": h goes to pinned host memory, copied on a side stream while forward goes on
         (lrmoe.ops.offload_to_host), and backward reads back the retained rows only (lrmoe.ops.gather_host_rows):
         the device memory of "recompute" without its GEMM, for P*2F elements over PCIe in forward and M*2F in
         backward. The same gradients for all three; "offload" reads back the very values "save" keeps, so its
         gradients are bit-identical to those of "save".
+    save_outputs: below retain 1, keep the experts' outputs y ([P, D]) for the router gradient <g_t, y_u> of the
+        pairs backward drops. False (default): not kept; backward computes every pair's router gradient as
+        <g_t W_down^T, phi_u>, which for the dropped pairs costs their part of the down projection's
+        input-gradient GEMM ((1 - retain) of one of the six dense backward GEMM units) and saves P*D elements per
+        layer (with ``activations`` "recompute" or "offload", phi [P, F] is saved for it instead). True: that GEMM
+        work saved, the memory spent. At retain 1 on one device no y is kept either way. Expert parallelism and
+        the "hopper" backend keep y whatever this says (their backward does not compute the router gradient yet).
     quota_align: trimmed experts' quotas in multiples of this many pairs, the same total (``plan_quotas``'
         ``align``); 128 fills torch._grouped_mm's 128-row tiles in backward. 1: the plain plan. Expert parallelism
         aligns each instance's quota (not with its capacity_factor).
@@ -99,6 +107,7 @@ class BackwardOptions:
     selection: str = "sample"
     policy: str = "waterfill"
     activations: str = "save"
+    save_outputs: bool = False
     quota_align: int = 1
     backward_capacity: float | None = None
     generator: torch.Generator | None = None
@@ -118,8 +127,9 @@ class BackwardOptions:
         check_choice("kernels", self.kernels, KERNEL_CHOICES)
         object.__setattr__(self, "quota_align", check_int("quota_align", self.quota_align))
         check_generator(self.generator)
-        if not isinstance(self.selective_in_eval, bool):
-            raise TypeError(f"selective_in_eval must be a bool, got {type(self.selective_in_eval).__name__}")
+        for name in ("save_outputs", "selective_in_eval"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {type(getattr(self, name)).__name__}")
         check_backward_capacity(self.backward_capacity, self.retain, self.quota_align, grouped_by_source=False,
                                 policy=self.policy)
 

@@ -79,7 +79,9 @@ class BackwardRequest:
     (``pair_R``, -1 for padding) with their weights 1/p, the selection's group ends (None when every pair is kept,
     in dispatch order), and whether the instances need each row's index into the saved h (False: no h was saved, or
     the retained rows are h's own rows in order, so the backward reads h in place). ``token_rows``: hand the
-    instances the rows as :class:`TokenRows` (one device only: ``selects_in_dispatch_order``) instead of dy rows."""
+    instances the rows as :class:`TokenRows` (one device only: ``selects_in_dispatch_order``) instead of dy rows;
+    ``forward_tok_N``, with them, the token of every forward row, for the router gradient of all forward rows
+    (``TokenRows.all_tok_N``), and ``forward_phi_N`` the forward rows' phi where the step saved it."""
 
     g_TD: torch.Tensor
     gates_TK: torch.Tensor
@@ -91,6 +93,8 @@ class BackwardRequest:
     group_rows: int | None
     need_h_index: bool
     token_rows: bool = False
+    forward_tok_N: torch.Tensor | None = None
+    forward_phi_N: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -98,12 +102,18 @@ class TokenRows:
     """The retained rows' output gradient left where it is: row r's is ``coef_R[r] * g_TD[tok_R[r]]`` (coef_R =
     alpha / p in fp32, fp64 for fp64 rows), in the step's compute dtype ``dtype``. A backend that computes the
     router gradient (``ExpertKernels.computes_router_gradient``) reads the token rows unscaled and applies the
-    coefficients inside its SwiGLU backward."""
+    coefficients inside its SwiGLU backward. ``all_tok_N`` and ``all_offsets_I``, when the retained rows are a
+    subset of the forward's: the token of every forward row (their order: the saved h's) and the instances' forward
+    row offsets, for the router gradient of every forward row, dropped ones included; ``all_phi_N``, the forward
+    rows' saved phi, where no h is saved on the device to take it from."""
 
     g_TD: torch.Tensor
     tok_R: torch.Tensor
     coef_R: torch.Tensor
     dtype: torch.dtype
+    all_tok_N: torch.Tensor | None = None
+    all_offsets_I: torch.Tensor | None = None
+    all_phi_N: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -196,7 +206,9 @@ class IdentityTransport(Transport):
             pair_R, weight_R, off_I = pad_to_blocks(pair_R, weight_R, off_I, request.group_rows)
         if request.token_rows:
             coef_R, tok_R, safe_R = retained_coefficients(request.gates_TK, pair_R, weight_R, fwd.dtype)
-            dy = TokenRows(request.g_TD, tok_R, coef_R, fwd.dtype)
+            all_offsets = None if request.forward_tok_N is None else fwd.offsets_I
+            dy = TokenRows(request.g_TD, tok_R, coef_R, fwd.dtype, request.forward_tok_N, all_offsets,
+                           request.forward_phi_N)
         else:
             dy_RD, tok_R, safe_R = retained_dy(request.g_TD, request.gates_TK, pair_R, weight_R, fwd.dtype)
             dy = [dy_RD]

@@ -363,7 +363,8 @@ class ExpertParallelDispatcher(nn.Module):
         cfg = StepConfig(dense=dense, metric=opts.metric, selection=opts.selection, generator=opts.generator,
                          activations=activations, max_rows=sum(splits.bwd_send),
                          out_shape=out_shape and tuple(out_shape),
-                         group_rows=splits.block_rows if rep.backward_blocks else None, kernels=kernels)
+                         group_rows=splits.block_rows if rep.backward_blocks else None, kernels=kernels,
+                         save_outputs=opts.save_outputs)
         return partial(_run_instances, group_P=group_P, plan=plan, probe=probe, cfg=cfg,
                        transport=AllToAllTransport(ep, splits))
 

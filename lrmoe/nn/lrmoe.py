@@ -303,8 +303,8 @@ class LRMoE(_PlanRecords, nn.Module):
             is added to the routed experts' for every token (GLM-4.5, DeepSeek-V3: moe_intermediate_size *
             n_shared_experts). Its backward is the ordinary dense one; under expert parallelism it stays
             replicated like the router.
-        retain, min_retain, metric, selection, policy, activations, quota_align, backward_capacity, generator,
-            kernels, selective_in_eval: the selective backward's options, each the field of that name of
+        retain, min_retain, metric, selection, policy, activations, save_outputs, quota_align, backward_capacity,
+            generator, kernels, selective_in_eval: the selective backward's options, each the field of that name of
             :class:`~lrmoe.functional.BackwardOptions` (its type, its default, its check; documented there).
         score_func, norm_topk_prob, routed_scaling_factor, n_group, topk_group, selection_bias, router_dtype: the
             router's options, each the field of that name of :class:`~lrmoe.functional.RoutingOptions`, likewise.
@@ -339,6 +339,7 @@ class LRMoE(_PlanRecords, nn.Module):
         norm_topk_prob: bool = True,
         generator: torch.Generator | None = None,
         activations: str = "save",
+        save_outputs: bool = False,
         quota_align: int = 1,
         backward_capacity: float | None = None,
         selective_in_eval: bool = False,

@@ -15,7 +15,7 @@ from lrmoe.ops.routing import topk_ids
 from lrmoe.ops.rows import gather_scale_rows
 from lrmoe.ops.scoring import score_pairs
 from lrmoe.ops.selection import argsort_ids, select_within_quota
-from lrmoe.ops.swiglu import swiglu, swiglu_backward, swiglu_backward_scaled, swiglu_sqnorm
+from lrmoe.ops.swiglu import swiglu, swiglu_backward, swiglu_backward_scaled, swiglu_dot, swiglu_sqnorm
 from lrmoe.ops.token_rows import gather_dot_rows, gather_dot_scores, gather_sum_rows
 
 __all__ = [
@@ -38,6 +38,7 @@ __all__ = [
     "swiglu",
     "swiglu_backward",
     "swiglu_backward_scaled",
+    "swiglu_dot",
     "swiglu_sqnorm",
     "topk_ids",
     "waterfill",

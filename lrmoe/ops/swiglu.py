@@ -27,6 +27,11 @@ Shapes: N rows of h, R rows out, F the expert hidden dim; h is [N, 2F], gate hal
     through the down projection, with coef the gate: then dot is <g_t, y_tk>, the router's gradient, read from
     the backward's own operands instead of a saved y. On CUDA one Triton kernel, each program over all F of its
     rows (no atomics). ``coef_R`` is fp32 (fp64 for fp64 h).
+``lrmoe::swiglu_dot(src, rows_R, dphi_RF, src_is_phi=False) -> dot_R``
+    dot_i = <dphi_i, phi_i> alone, fp32 (fp64 for fp64 src), phi of the rows of h ([N, 2F]) as ``swiglu`` gives it,
+    or with ``src_is_phi`` the rows of phi itself ([N, F], as the forward made it): the router gradient of the
+    pairs the selective backward drops, from g W_down^T at their tokens, where no expert output y is saved. On
+    CUDA one Triton kernel, the same loop either way: from a saved phi the dots of its h, bit for bit.
 
 The CPU kernels are the references (PyTorch); fp64 runs the references on every device. Neither op is
 differentiable (swiglu_backward is a backward already; the layers differentiate the SwiGLU themselves).
@@ -40,7 +45,7 @@ from torch.fx.experimental.symbolic_shapes import guard_or_false
 
 from lrmoe.ops._define import define_op
 
-__all__ = ["swiglu", "swiglu_backward", "swiglu_backward_scaled", "swiglu_sqnorm"]
+__all__ = ["swiglu", "swiglu_backward", "swiglu_backward_scaled", "swiglu_dot", "swiglu_sqnorm"]
 
 
 def swiglu(h_N2F: torch.Tensor) -> torch.Tensor:
@@ -135,6 +140,39 @@ def _fake_scaled(h_N2F, rows_R, dphi_RF, coef_R):
 def swiglu_backward_scaled(h_N2F: torch.Tensor, rows_R: torch.Tensor | None, dphi_RF: torch.Tensor,
                            coef_R: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return swiglu_backward_scaled_reference(h_N2F, rows_R, dphi_RF, coef_R)  # a backward already: forward only
+
+
+def swiglu_dot_reference(src, rows_R, dphi_RF, src_is_phi=False):
+    src_rows = src if rows_R is None else src.index_select(0, rows_R)
+    work = torch.promote_types(src.dtype, torch.float32)
+    return (dphi_RF.to(work) * (src_rows if src_is_phi else swiglu(src_rows)).to(work)).sum(-1)
+
+
+def _check_dot(src, rows_R, dphi_RF, src_is_phi=False) -> None:
+    if not src_is_phi:
+        _check(src, rows_R, dphi_RF, "swiglu_dot")
+        return
+    if src.dim() != 2 or not src.is_floating_point() or dphi_RF.dim() != 2 or src.shape[1] != dphi_RF.shape[1]:
+        raise ValueError(f"lrmoe::swiglu_dot: with src_is_phi, src must be a 2-D float tensor [N, F] with dphi_RF's "
+                         f"F columns, got shapes {tuple(src.shape)} and {tuple(dphi_RF.shape)}")
+    if rows_R is not None and (rows_R.dim() != 1 or rows_R.dtype not in (torch.int32, torch.int64)):
+        raise ValueError(f"lrmoe::swiglu_dot: rows_R must be a 1-D int32 or int64 tensor or None, got shape "
+                         f"{tuple(rows_R.shape)} and dtype {rows_R.dtype}")
+    n_out = src.shape[0] if rows_R is None else rows_R.shape[0]
+    if guard_or_false(dphi_RF.shape[0] != n_out) or not dphi_RF.is_floating_point():
+        raise ValueError(f"lrmoe::swiglu_dot: dphi_RF must be a float tensor of shape {(n_out, src.shape[1])} (the "
+                         f"rows of phi taken, F), got shape {tuple(dphi_RF.shape)} and dtype {dphi_RF.dtype}")
+
+
+def _fake_dot(src, rows_R, dphi_RF, src_is_phi=False):
+    return src.new_empty(dphi_RF.shape[0], dtype=torch.promote_types(src.dtype, torch.float32))
+
+
+@define_op("lrmoe::swiglu_dot", check=_check_dot, fake=_fake_dot, kernels="swiglu",
+           cuda=lambda kernels, *args: kernels.swiglu_dot_triton(*args), reference_if=_fp64, inline=True)
+def swiglu_dot(src: torch.Tensor, rows_R: torch.Tensor | None, dphi_RF: torch.Tensor,
+               src_is_phi: bool = False) -> torch.Tensor:
+    return swiglu_dot_reference(src, rows_R, dphi_RF, src_is_phi)  # a backward already: forward only
 
 
 def swiglu_sqnorm_reference(h_N2F):

@@ -56,6 +56,7 @@ REFUSED = [
     ("LRMoE scaling", lambda: LRMoE(D, FF, E, K, routed_scaling_factor=0.0), ValueError, "routed_scaling_factor"),
     ("LRMoE generator", lambda: LRMoE(D, FF, E, K, generator=0), TypeError, "generator must be a torch.Generator"),
     ("LRMoE selection_bias", lambda: LRMoE(D, FF, E, K, selection_bias=1), TypeError, "selection_bias must be a bool"),
+    ("LRMoE save_outputs", lambda: LRMoE(D, FF, E, K, save_outputs="yes"), TypeError, "save_outputs must be a bool"),
     # LRMoE's input
     ("LRMoE x list", lambda: _layer()([[0.0] * D]), ValueError, "x must be a tensor"),
     ("LRMoE x 0-d", lambda: _layer()(torch.tensor(1.0)), ValueError, "x must be a tensor"),

@@ -81,9 +81,9 @@ def test_model_largest_tokens_equals_a_scan_of_layer_memory(shape, retain, polic
     assert found == scanned
 
 
-def test_model_largest_tokens_at_the_qwen3_shape_matches_a_scan_and_grows_as_retain_falls_below_one():
+def test_model_largest_tokens_at_the_qwen3_shape_matches_a_scan_and_grows_as_retain_falls():
     shape = {"dim": 2048, "hidden_dim": 768, "num_experts": 128, "top_k": 8}
-    budget = 16 * 2**30
+    budget = 14 * 2**30  # retain 0.5's largest batch stays below the search's top, 2**17
     found = {}
     for retain in (1.0, 0.75, 0.5):
         found[retain] = common.model_largest_tokens(shape, budget, retain=retain, policy="save",
@@ -94,10 +94,7 @@ def test_model_largest_tokens_at_the_qwen3_shape_matches_a_scan_and_grows_as_ret
         assert all(f for t, f in zip(range(128, 2**17 + 1, 1024), fits) if t <= found[retain])
         assert common.modelled_bytes(shape, found[retain] + 128, retain=retain, policy="save",
                                     optimizer_bytes=ADAMW_FP32) > budget
-    # Below retain 1 the step saves the expert outputs y for the router gradient (P*D*b), which retain 1 on one
-    # device does not, so retain 0.75 fits fewer tokens than retain 1 at this shape; the backward buffers shrink
-    # with retain, so retain 0.5 fits the most.
-    assert found[0.75] < found[1.0] < found[0.5]
+    assert found[1.0] < found[0.75] < found[0.5]
 
 
 def test_memory_batch_on_cpu_prints_the_model_column_only(run_script, tmp_path):
@@ -111,11 +108,13 @@ def test_memory_batch_on_cpu_prints_the_model_column_only(run_script, tmp_path):
         assert r["measured_tokens"] is None and r["probes"] == 0 and r["model_tokens"] % 128 == 0
     by = {(r["policy"], r["retain"]): r["model_tokens"] for r in rows}
     for policy in ("save", "recompute"):
-        assert by[(policy, 0.75)] < by[(policy, 0.5)] and by[(policy, 1.0)] < by[(policy, 0.5)]  # y: see above
+        assert by[(policy, 1.0)] < by[(policy, 0.75)] < by[(policy, 0.5)]
         # The search's top leaves room above every prediction, so a measured T can exceed the model's.
         assert rows[0]["top"] >= by[(policy, 0.5)]
-    for retain in (1.0, 0.75, 0.5):
-        assert by[("recompute", retain)] >= by[("save", retain)]
+    # One layer: at retain 1 "recompute" holds no more than "save"; below it, it holds phi (half of h) through
+    # the backward besides the recomputed rows of h, which can peak above "save" (a model saves the difference
+    # in every layer, which one layer's budget does not show).
+    assert by[("recompute", 1.0)] >= by[("save", 1.0)]
 
 
 # ------------------------------------------------------------------------------------------- measuring path

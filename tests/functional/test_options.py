@@ -243,7 +243,7 @@ def test_every_lrmoe_keyword_reaches_its_field():
              backward_capacity=1.25, generator=gen, kernels="portable", selective_in_eval=True, score_func="sigmoid",
              norm_topk_prob=False, routed_scaling_factor=2.5, n_group=2, topk_group=1, selection_bias=True,
              router_dtype=torch.float32),
-        dict(retain=0.5, policy="proportional", quota_align=2),
+        dict(retain=0.5, policy="proportional", quota_align=2, save_outputs=True),
     ]
     defaults = {name: f.default for cls in (BackwardOptions, RoutingOptions) for name, f in _fields(cls).items()}
     covered = {name for kwargs in changed for name, value in kwargs.items() if value != defaults[name]}
@@ -273,7 +273,7 @@ def test_the_functions_take_every_backward_field_as_a_keyword():
     gates, c = torch.rand(T, K), torch.randn(T, D)
     flat = dict(retain=0.5, min_retain=0.1, metric="grad_l2", selection="sample", policy="proportional",
                 activations="recompute", quota_align=2, kernels="portable", selective_in_eval=True,
-                generator=None, backward_capacity=None)
+                generator=None, backward_capacity=None, save_outputs=True)
     assert set(flat) == set(_fields(BackwardOptions))
     a, b = plan_experts(ids, E, **flat), plan_experts(ids, E, backward=BackwardOptions(**flat))
     assert torch.equal(a.quotas, b.quotas) and torch.equal(a.uniform, b.uniform)

@@ -126,12 +126,13 @@ class _DyRowsKernels(ExpertKernels):
 
 
 @pytest.mark.parametrize("retain", [1.0, 0.5])
-@pytest.mark.parametrize("activations", ["save", "recompute"])
+@pytest.mark.parametrize("activations", ["save", "recompute", "offload"])
 def test_the_router_gradient_from_the_backward_equals_the_one_from_the_saved_output(retain, activations,
                                                                                      monkeypatch):
-    """At retain 1 on one device the portable backend takes the rows as token rows and returns <g_t, y_u> from
-    its own operands (<g_t W_down^T, phi_u>); a backend that does not compute the router gradient gets dy rows and
-    the step reads the saved y. The two give the same output and gradients (fp64: to rounding), the gates' too."""
+    """On one device the portable backend takes the rows as token rows and returns <g_t, y_u> from its own
+    operands (<g_t W_down^T, phi_u>): at retain 1, and below it for the dropped pairs too, from their own
+    g W_down^T and phi (of the saved h, or saved itself when h is not). A backend that does not compute the router gradient gets dy rows and the step reads the saved
+    y. The two give the same output and gradients (fp64: to rounding), the gates' (dropped pairs' too) included."""
     dy_rows = _DyRowsKernels()
     monkeypatch.setitem(BACKENDS, "dy-rows", dy_rows)
     seen = []
@@ -142,7 +143,7 @@ def test_the_router_gradient_from_the_backward_equals_the_one_from_the_saved_out
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
     assert want[4].abs().sum() > 0  # the gates got a gradient
     assert dy_rows.seen == ["list"]
-    assert seen == ["TokenRows" if retain == 1.0 else "list"]
+    assert seen == ["TokenRows"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,17 +155,22 @@ class _SeenPortable(PortableKernels):
         return super().backward(dy, *args, **kwargs)
 
 
-def test_at_retain_one_the_step_saves_no_expert_output(monkeypatch):
-    """Every pair kept on one device with a backend that computes the router gradient: the step saves x, the
-    weights, h and the routing, and no tensor of y's [T*K, D] rows; with a backend that does not, it saves y."""
+@pytest.mark.parametrize("retain", [1.0, 0.5])
+def test_the_step_saves_no_expert_output(retain, monkeypatch):
+    """On one device with a backend that computes the router gradient the step saves x, the weights, h and the
+    routing, and no tensor of y's [T*K, D] rows; with a backend that does not, it saves y. With h recomputed it
+    saves phi's [T*K, F] rows below retain 1 (the dropped pairs' router gradient reads them), none at retain 1."""
     monkeypatch.setitem(BACKENDS, "dy-rows", _DyRowsKernels())
-    T, D, K = 24, 8, 2
+    T, D, F, K = 24, 8, 12, 2
 
-    def saved_shapes(kernels):
+    def saved_shapes(kernels, activations="save"):
         shapes = []
         with torch.autograd.graph.saved_tensors_hooks(lambda t: shapes.append(tuple(t.shape)) or t, lambda t: t):
-            run_step(kernels, 1.0, T=T, D=D, K=K)
+            run_step(kernels, retain, activations=activations, T=T, D=D, F=F, K=K)
         return shapes
 
-    assert (T * K, D) not in saved_shapes("portable")
+    saved, recompute = saved_shapes("portable"), saved_shapes("portable", "recompute")
+    assert (T * K, D) not in saved and (T * K, 2 * F) in saved and (T * K, F) not in saved
     assert (T * K, D) in saved_shapes("dy-rows")
+    assert (T * K, D) not in recompute and (T * K, 2 * F) not in recompute
+    assert ((T * K, F) in recompute) == (retain < 1.0)

@@ -129,6 +129,8 @@ def run_launchers() -> None:
             swi.swiglu_backward_triton(h, rows, torch.randn(40 if rows is None else 24, 768).to(dtype))
             swi.swiglu_backward_scaled_triton(h, rows, torch.randn(40 if rows is None else 24, 768).to(dtype),
                                               torch.rand(40 if rows is None else 24))
+            swi.swiglu_dot_triton(h, rows, torch.randn(40 if rows is None else 24, 768).to(dtype))
+            swi.swiglu_dot_triton(h[:, :768], rows, torch.randn(40 if rows is None else 24, 768).to(dtype), True)
         swi.swiglu_sqnorm_triton(h)  # lrmoe::swiglu_sqnorm
 
     off = kernel_module("offload")

@@ -1,5 +1,5 @@
 """lrmoe_kernels.swiglu: the Triton launchers equal the reference ops lrmoe::swiglu_backward, lrmoe::swiglu_sqnorm and
-lrmoe::swiglu_backward_scaled
+lrmoe::swiglu_backward_scaled and lrmoe::swiglu_dot
 (their CPU kernels) on tiny odd shapes: rows through an index (repeated, out of order) or in place, F crossing
 several column blocks with a masked edge, a strided h, fp32 and bf16; an index outside h gives zero rows, never a
 read.
@@ -12,9 +12,19 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from lrmoe_kernels.swiglu import swiglu_backward_scaled_triton, swiglu_backward_triton, swiglu_sqnorm_triton
+from lrmoe_kernels.swiglu import (
+    swiglu_backward_scaled_triton,
+    swiglu_backward_triton,
+    swiglu_dot_triton,
+    swiglu_sqnorm_triton,
+)
 
-from lrmoe.ops.swiglu import swiglu_backward_reference, swiglu_backward_scaled_reference, swiglu_sqnorm_reference
+from lrmoe.ops.swiglu import (
+    swiglu_backward_reference,
+    swiglu_backward_scaled_reference,
+    swiglu_dot_reference,
+    swiglu_sqnorm_reference,
+)
 from lrmoe_kernels.launch import interpreting
 
 INTERPRET = interpreting()
@@ -159,3 +169,27 @@ def test_scaled_rows_outside_h_give_zeros_and_no_rows_give_empty_outputs():
     h, rows, dphi = _case(4, 0, 6, torch.float32, seed=5)
     outs = swiglu_backward_scaled_triton(h, rows, dphi, torch.ones(0, device=h.device))
     assert [t.shape for t in outs] == [(0, 12), (0, 6), (0,)]
+
+
+@pytest.mark.parametrize("f", [1, 19])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("indexed", [True, False])
+def test_dot_equal_to_reference_and_to_the_scaled_kernels_dot(f, dtype, indexed):
+    h, rows, dphi = _case(9, 13, f, dtype, seed=20 + f, indexed=indexed)
+    dot = swiglu_dot_triton(h, rows, dphi)
+    want = swiglu_dot_reference(h.cpu(), None if rows is None else rows.cpu(), dphi.cpu())
+    assert dot.dtype == torch.float32
+    # Each phi's roundings (truncations in the interpreter) bound the difference, as for the scaled kernel's dot.
+    h_rows = h.cpu() if rows is None else h.cpu()[rows.cpu()]
+    scale = (dphi.cpu().float() * torch.nn.functional.silu(h_rows.float()[:, :f]) * h_rows.float()[:, f:]).abs().sum(-1)
+    assert ((dot.cpu() - want).abs() <= scale * (2.0 ** -6 if dtype == torch.bfloat16 else 1e-6) + 1e-6).all()
+    ones = torch.ones(dphi.shape[0], device=h.device)
+    assert torch.equal(swiglu_backward_scaled_triton(h, rows, dphi, ones)[2].cpu(), dot.cpu())
+
+
+@pytest.mark.parametrize("f", [1, 19])
+@pytest.mark.parametrize("indexed", [True, False])
+def test_dot_from_phi_is_the_dot_of_its_h_bit_for_bit(f, indexed):
+    h, rows, dphi = _case(9, 13, f, torch.bfloat16, seed=30 + f, indexed=indexed)
+    phi, _ = swiglu_sqnorm_triton(h)  # the forward's phi
+    assert torch.equal(swiglu_dot_triton(phi, rows, dphi, True).cpu(), swiglu_dot_triton(h, rows, dphi).cpu())

@@ -213,17 +213,22 @@ def test_backward_gemms_see_at_most_the_planned_rows():
                 self.rows.append((str(func), rows.shape[0]))
             return func(*args, **(kwargs or {}))
 
-    torch.manual_seed(0)
-    layer = LRMoE(D, FF, E, K, retain=0.5)
-    x = torch.randn(64, D, requires_grad=True)
-    out = layer(x)
     n_pairs = 64 * K
-    with RecordGroupedOps() as mode:
-        out.square().sum().backward()
-    assert len(mode.rows) == 4  # dphi, dW_down, dW_gate_up, dx
     bound = math.ceil(0.5 * n_pairs) + E
-    assert all(rows <= bound for _, rows in mode.rows), mode.rows
-    assert max(rows for _, rows in mode.rows) < n_pairs
+    for save_outputs in (True, False):
+        torch.manual_seed(0)
+        layer = LRMoE(D, FF, E, K, retain=0.5, save_outputs=save_outputs)
+        x = torch.randn(64, D, requires_grad=True)
+        out = layer(x)
+        with RecordGroupedOps() as mode:
+            out.square().sum().backward()
+        assert len(mode.rows) == 4  # dphi, dW_down, dW_gate_up, dx
+        # Without the saved y, the router gradient's g W_down^T (the first GEMM) runs over every forward row; the
+        # retained rows take theirs from it.
+        selective = mode.rows if save_outputs else mode.rows[1:]
+        assert all(rows <= bound for _, rows in selective), mode.rows
+        assert max(rows for _, rows in selective) < n_pairs
+        assert save_outputs or mode.rows[0] == ("lrmoe.gather_grouped_mm.default", n_pairs)
 
 
 def test_quota_align_reaches_the_plan():
@@ -276,8 +281,9 @@ def test_recompute_gives_the_same_gradients_and_saves_less(retain, selection):
     torch.testing.assert_close(dx_r, dx_s, rtol=1e-6, atol=1e-7)
     for name in g_s:
         torch.testing.assert_close(g_r[name], g_s[name], rtol=1e-6, atol=1e-7)
-    # "recompute" does not keep h = [T*K, 2F] (fp32 here).
-    assert saved["save"] - saved["recompute"] == T * K * 2 * FF * 4
+    # "recompute" does not keep h = [T*K, 2F] (fp32 here); below retain 1 it keeps phi = [T*K, F] for the dropped
+    # pairs' router gradient.
+    assert saved["save"] - saved["recompute"] == T * K * 2 * FF * 4 - (T * K * FF * 4 if retain < 1 else 0)
 
 
 @pytest.mark.parametrize("retain, selection", [(1.0, "sample"), (0.75, "sample"), (0.75, "top"), (0.5, "sample")])
@@ -300,8 +306,11 @@ def test_offload_gives_the_gradients_of_save_bit_for_bit(retain, selection):
     assert torch.equal(out_s, out_o) and torch.equal(dx_s, dx_o)
     for name in g_s:
         assert torch.equal(g_o[name], g_s[name]), name
-    # On CPU the host copy is CPU memory too: the same tensors are saved, h as its copy ([T*K, 2F] fp32).
-    assert saved["offload"] == saved["save"] and ((T * K, 2 * FF), T * K * 2 * FF * 4) in saved["offload"]
+    # On CPU the host copy is CPU memory too: the same tensors are saved, h as its copy ([T*K, 2F] fp32), and below
+    # retain 1 phi ([T*K, F]) for the dropped pairs' router gradient.
+    phi = ((T * K, FF), T * K * FF * 4)
+    assert ((T * K, 2 * FF), T * K * 2 * FF * 4) in saved["offload"] and (phi in saved["offload"]) == (retain < 1)
+    assert sorted(saved["offload"]) == sorted(saved["save"] + ([phi] if retain < 1 else []))
 
 
 class _OpCalls(torch.utils._python_dispatch.TorchDispatchMode):
@@ -637,3 +646,23 @@ def test_fp64_experts_at_retain_1_give_plain_autograds_gradients():
     got = grads(lambda x, gu, dn, g: selective_swiglu_experts(x, gu, dn, ids, g, retain=1.0))
     for name, a, b in zip(["x", "gate_up", "down", "gates"], got, grads(plain), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-13, atol=1e-14, msg=lambda m, name=name: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("activations", ["save", "recompute", "offload"])
+@pytest.mark.parametrize("retain", [1.0, 0.75])
+def test_save_outputs_changes_what_is_saved_not_the_gradients(activations, retain):
+    """save_outputs=True keeps y for the router gradient below retain 1; the default computes it in the backward
+    (<g W_down^T, phi>). The same pairs are kept (same seed) and the gradients agree to fp64 rounding, the
+    router's included."""
+    results = {}
+    for save_outputs in (False, True):
+        layer, x, c = make(retain=retain, selection="sample", activations=activations, save_outputs=save_outputs)
+        layer = layer.double()
+        torch.manual_seed(3)
+        results[save_outputs] = grads(layer, x.double(), layer, c.double())
+    (out_a, dx_a, g_a), (out_b, dx_b, g_b) = results[False], results[True]
+    assert torch.equal(out_a, out_b)
+    torch.testing.assert_close(dx_a, dx_b, rtol=1e-12, atol=1e-12)
+    for name in g_a:
+        torch.testing.assert_close(g_a[name], g_b[name], rtol=1e-12, atol=1e-12, msg=name)
+    assert g_a["gate.weight"].abs().sum() > 0

@@ -61,6 +61,7 @@ def _cases(device: str, dtype: torch.dtype):
         ("swiglu_backward_scaled", ops.swiglu_backward_scaled,
          (randn(N, C), rows_N[:40], randn(40, C // 2), torch.rand(40, generator=g).to(device)),
          "_swiglu_backward_scaled_kernel"),
+        ("swiglu_dot", ops.swiglu_dot, (randn(N, C), rows_N[:40], randn(40, C // 2)), "_swiglu_dot_kernel"),
         ("gather_scale_rows", ops.gather_scale_rows, (randn(N, C), rows_N[:40], torch.rand(40, generator=g).to(device)),
          "_gather_rows_kernel"),
         ("swiglu_sqnorm", ops.swiglu_sqnorm, (randn(N, C),), "_swiglu_sqnorm_kernel"),
@@ -75,7 +76,7 @@ def _compiled(fn, args):
     return out, "\n".join(code)
 
 
-N_CASES = 15
+N_CASES = 16
 
 
 @pytest.mark.parametrize("case", range(N_CASES))
@@ -132,6 +133,7 @@ KERNEL_WRITES = {
     "_zero_tail_kernel": ["y_ptr"],
     "_swiglu_backward_kernel": ["dh_ptr", "phi_ptr"],
     "_swiglu_backward_scaled_kernel": ["dh_ptr", "cphi_ptr", "dot_ptr"],
+    "_swiglu_dot_kernel": ["dot_ptr"],
     "_gather_rows_kernel": ["out_ptr"],
     "_swiglu_sqnorm_kernel": ["phi_ptr", "sq_ptr"],
     "_topk_ids_kernel": ["ids_ptr"],

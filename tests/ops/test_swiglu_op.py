@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lrmoe.ops import swiglu, swiglu_backward, swiglu_backward_scaled, swiglu_sqnorm
+from lrmoe.ops import swiglu, swiglu_backward, swiglu_backward_scaled, swiglu_dot, swiglu_sqnorm
 
 # (N rows of h, F, rows or None): repeated and unordered rows, one row, rows in place, no rows.
 CASES = [(6, 5, [4, 0, 4, 2]), (1, 1, [0, 0]), (7, 8, None), (3, 4, [])]
@@ -186,3 +186,52 @@ def test_scaled_outputs_do_not_require_grad():
     h, rows, dphi, coef = _scaled_case(6, 5, [1, 2])
     outs = swiglu_backward_scaled(h.requires_grad_(True), rows, dphi.requires_grad_(True), coef)
     assert not any(t.requires_grad for t in outs)
+
+
+# ------------------------------------------------------------------------------------------ lrmoe::swiglu_dot
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("requires_grad", [False, True])
+def test_dot_opcheck(case, requires_grad):
+    h, rows, dphi = _case(*case)
+    torch.library.opcheck(swiglu_dot, (h.requires_grad_(requires_grad), rows, dphi))
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_dot_is_the_scaled_ops_dot(case, dtype):
+    # The definition: <dphi_i, phi_i> with phi as the forward rounds it, in fp64 here; and the same value as
+    # swiglu_backward_scaled's dot (which the retained rows get), whatever their coefficients.
+    h, rows, dphi = _case(*case, dtype=dtype, seed=5)
+    dot = swiglu_dot(h, rows, dphi)
+    phi = swiglu(h if rows is None else h[rows.long()]).double()
+    assert dot.dtype == torch.promote_types(dtype, torch.float32) and dot.shape == (dphi.shape[0],)
+    tol = dict(rtol=1e-12, atol=1e-12) if dtype == torch.float64 else dict(rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(dot.double(), (dphi.double() * phi).sum(-1), **tol)
+    coef = torch.rand(dphi.shape[0]).to(dot.dtype)
+    assert torch.equal(swiglu_backward_scaled(h, rows, dphi, coef)[2], dot)
+
+
+def test_dot_argument_errors_name_the_op_and_argument():
+    with pytest.raises(ValueError, match=r"lrmoe::swiglu_dot: dphi_RF must be a float tensor of shape \(2, 3\)"):
+        swiglu_dot(torch.randn(4, 6), torch.tensor([0, 1]), torch.randn(3, 3))
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_dot_from_a_saved_phi_is_the_dot_of_its_h_bit_for_bit(case, dtype):
+    h, rows, dphi = _case(*case, dtype=dtype, seed=6)
+    torch.library.opcheck(swiglu_dot, (swiglu(h), rows, dphi, True))
+    assert torch.equal(swiglu_dot(swiglu(h), rows, dphi, True), swiglu_dot(h, rows, dphi))
+
+
+@pytest.mark.parametrize("phi_shape,rows,dphi_shape,match", [
+    ((4, 3), None, (4, 2), r"with src_is_phi, src must be a 2-D float tensor \[N, F\] with dphi_RF's F columns"),
+    ((4, 3), [0, 1], (3, 3), r"dphi_RF must be a float tensor of shape \(2, 3\)"),
+    ((4, 3), [[0]], (1, 3), "rows_R must be a 1-D int32 or int64 tensor"),
+])
+def test_dot_from_phi_argument_errors(phi_shape, rows, dphi_shape, match):
+    with pytest.raises(ValueError, match=match):
+        swiglu_dot(torch.randn(*phi_shape), None if rows is None else torch.tensor(rows), torch.randn(*dphi_shape),
+                   True)
