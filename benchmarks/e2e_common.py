@@ -36,27 +36,28 @@ def log(*parts):
     print(f"[{time.perf_counter() - START:7.1f}s]", *parts, flush=True)
 
 
-KERNEL_TAGS = ("portable", "hopper")  # LRMoE's kernels= for a variant "lrmoe-<retain>[-top][-<kernels>]"
+KERNEL_TAGS = ("portable", "hopper")  # LRMoE's kernels= for a variant "lrmoe-<retain>[-top][-savey][-<kernels>]"
 
 
 def variant_name(name: str) -> str:
     """An argparse type for --variants: "transformers", "sonic", or "lrmoe-<retain>" with retain in (0, 1], an
-    optional "-top" (LRMoE's "top" selection instead of the default "sample") and an optional "-portable" or
-    "-hopper" (LRMoE's kernels instead of the default "auto"), e.g. "lrmoe-0.5-top", "lrmoe-1-portable"."""
+    optional "-top" (LRMoE's "top" selection instead of the default "sample"), an optional "-savey" (LRMoE's
+    save_outputs=True: y saved for the router gradient) and an optional "-portable" or "-hopper" (LRMoE's kernels
+    instead of the default "auto"), in that order, e.g. "lrmoe-0.5-top", "lrmoe-0.5-savey", "lrmoe-1-portable"."""
     parts = name.split("-")
     if name in ("transformers", "sonic"):
         return name
     tail = parts[2:]
     if tail and tail[-1] in KERNEL_TAGS:
         tail = tail[:-1]
-    if parts[0] == "lrmoe" and len(parts) >= 2 and tail in ([], ["top"]):
+    if parts[0] == "lrmoe" and len(parts) >= 2 and tail in ([], ["top"], ["savey"], ["top", "savey"]):
         try:
             retain = float(parts[1])
         except ValueError:
             retain = -1.0
         if 0.0 < retain <= 1.0:
             return name
-    raise argparse.ArgumentTypeError(f"a variant is transformers, sonic or lrmoe-<retain in (0, 1]>[-top]"
+    raise argparse.ArgumentTypeError(f"a variant is transformers, sonic or lrmoe-<retain in (0, 1]>[-top][-savey]"
                                      f"[-portable|-hopper], got {name!r}")
 
 
@@ -67,6 +68,11 @@ def retain_of(variant: str) -> float:
 def selection_of(variant: str) -> str:
     """LRMoE's selection of a variant name: "top" for "lrmoe-<retain>-top[-kernels]", else the default "sample"."""
     return "top" if variant.startswith("lrmoe") and "top" in variant.split("-")[2:] else "sample"
+
+
+def save_outputs_of(variant: str) -> bool:
+    """LRMoE's save_outputs of a variant name: True for a "-savey" tag."""
+    return variant.startswith("lrmoe") and "savey" in variant.split("-")[2:]
 
 
 def kernels_of(variant: str) -> str:
@@ -99,10 +105,11 @@ def sonic_first_step(c: dict, batch: int, seq: int, device) -> float:
     return time.perf_counter() - t0
 
 
-def make_moe(variant: str, c, device, retain=1.0, activations="save", selection="sample"):
+def make_moe(variant: str, c, device, retain=1.0, activations="save", selection="sample", save_outputs=False,
+             kernels="auto"):
     """The MoE layer of a train_e2e variant ("sonic", "transformers", "lrmoe") on [batch, seq, d]: SonicMoE's MoE
     (SwiGLU, no bias, N(0, 0.02)), transformers' Qwen3MoeSparseMoeBlock (grouped_mm experts on CUDA, eager on the
-    CPU) or lrmoe.nn.LRMoE (with ``retain``, ``activations`` and ``selection``). Each library is imported here, at
+    CPU) or lrmoe.nn.LRMoE (with ``retain``, ``activations``, ``selection``, ``save_outputs`` and ``kernels``). Each library is imported here, at
     the first call that needs it."""
     if variant == "sonic":
         return sonic_moe(c["dim"], c["hidden"], c["experts"], c["top_k"])
@@ -118,7 +125,7 @@ def make_moe(variant: str, c, device, retain=1.0, activations="save", selection=
     from lrmoe.nn import LRMoE
 
     return LRMoE(c["dim"], c["hidden"], c["experts"], c["top_k"], retain=retain, activations=activations,
-                 selection=selection)
+                 selection=selection, save_outputs=save_outputs, kernels=kernels)
 
 
 def own_code(fn):
@@ -227,7 +234,8 @@ def peer_layers(args) -> None:
         try:
             layer = (sonic_moe(shape["dim"], shape["hidden_dim"], shape["num_experts"], shape["top_k"]) if v == "sonic"
                      else hf_block(**shape) if v == "transformers"
-                     else LRMoE(**shape, retain=retain_of(v), selection=selection_of(v), kernels=kernels_of(v)))
+                     else LRMoE(**shape, retain=retain_of(v), selection=selection_of(v), kernels=kernels_of(v),
+                                save_outputs=save_outputs_of(v)))
         except Exception as err:  # noqa: BLE001 - SonicMoE may be missing: the others still run
             if v != "sonic":
                 raise

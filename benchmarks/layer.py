@@ -523,7 +523,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--retain", type=float, default=0.75)
     p = sub.add_parser("peers", help="SonicMoE, transformers' block and LRMoE side by side (SonicMoE first)")
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), type=variant_name,
-                   help="transformers, sonic, lrmoe-<retain>, lrmoe-<retain>-top (SonicMoE runs first)")
+                   help="transformers, sonic, lrmoe-<retain>[-top][-savey][-portable|-hopper] (SonicMoE runs first)")
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds (common.interleaved)")
     p.add_argument("--reps", type=int, default=20, help="back-to-back steps a round, their median")
     p.add_argument("--out", help="also write the table to OUT/layer.md")

@@ -8,8 +8,8 @@ q/k RMSNorm, rotary, causal SDPA; RMSNorm; E 128, k 8, f 768 SwiGLU experts; tie
 AdamW (fused, bf16 moments) with clipping, trained on the Python standard library's sources (every 10th file held
 out). Variants share the seed's initial weights (the same values in every layout), its data order and its held-out
 batches; only the MoE layer differs: transformers' Qwen3MoeSparseMoeBlock (grouped_mm experts), LRMoE at retain
-1 / 0.75 / 0.5 (default "sample" selection; --variants takes any lrmoe-<retain>, and lrmoe-<retain>-top for the
-"top" selection), SonicMoE (run first, see `benchmarks/layer.py imports`; `report` merges runs made apart). Each block's attention half and MoE half are compiled separately (one attention graph for
+1 / 0.75 / 0.5 (default "sample" selection; --variants takes any lrmoe-<retain>[-top][-savey][-portable|-hopper]: "top"
+selection, y saved for the router gradient, a kernel backend), SonicMoE (run first, see `benchmarks/layer.py imports`; `report` merges runs made apart). Each block's attention half and MoE half are compiled separately (one attention graph for
 all variants; SonicMoE's layer runs as its own kernels, uncompiled). Each (regime, variant, seed) trains for
 --seconds of wall-clock after a warm-up model has compiled everything; held-out loss is evaluated every
 --eval-every steps (the clock stops during evaluation).
@@ -45,11 +45,13 @@ from e2e_common import (  # noqa: E402
     REFERENCE,
     START,
     VARIANTS,
+    kernels_of,
     log,
     make_moe,
     own_code,
     plot,
     retain_of,
+    save_outputs_of,
     selection_of,
     sonic_first_step,
     summarize,
@@ -139,10 +141,11 @@ def head_loss(model, h_BLD, targets_BL):
 
 class LM(nn.Module):
     def __init__(self, c, variant, device, compile_fns, retain=1.0, activations="save", checkpoint=False,
-                 selection="sample"):
+                 selection="sample", save_outputs=False, kernels="auto"):
         super().__init__()
         self.embed = nn.Embedding(256, c["dim"])
-        self.blocks = nn.ModuleList(Block(c, make_moe(variant, c, device, retain, activations, selection))
+        self.blocks = nn.ModuleList(Block(c, make_moe(variant, c, device, retain, activations, selection,
+                                                      save_outputs, kernels))
                                     for _ in range(c["layers"]))
         self.norm = nn.RMSNorm(c["dim"], eps=1e-6)
         inv_freq = 1e6 ** (-torch.arange(0, c["head_dim"], 2, dtype=torch.float32) / c["head_dim"])
@@ -233,7 +236,7 @@ def build(spec, c, seed, device, fns):
         torch.set_default_dtype(torch.bfloat16)
         try:
             model = LM(c, spec["variant"], device, fns, spec["retain"], spec["activations"], spec["checkpoint"],
-                       spec.get("selection", "sample"))
+                       spec.get("selection", "sample"), spec.get("save_outputs", False), spec.get("kernels", "auto"))
         finally:
             torch.set_default_dtype(old)
     model.to(device=device, dtype=torch.bfloat16)
@@ -438,7 +441,7 @@ def train_main(args):
     if "unconstrained" in args.regimes:
         for v in variants:
             spec = dict(variant=v.split("-")[0], retain=retain_of(v), activations="save", checkpoint=False,
-                        selection=selection_of(v))
+                        selection=selection_of(v), save_outputs=save_outputs_of(v), kernels=kernels_of(v))
             results["runs"][f"unconstrained/{v}"] = run_variant(v, spec, c, data, args, device, shared, args.seeds)
     if "constrained" in args.regimes and REFERENCE in variants:
         ref = results["runs"].get(f"unconstrained/{REFERENCE}", {})
@@ -503,7 +506,8 @@ def main():
     for key in ("layers", "batch", "seq"):
         p.add_argument(f"--{key}", type=int)
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), type=variant_name,
-                   help="transformers, sonic, lrmoe-<retain> (default \"sample\" selection), lrmoe-<retain>-top")
+                   help="transformers, sonic, lrmoe-<retain>[-top][-savey][-portable|-hopper] (default: \"sample\" "
+                        "selection, y not saved, kernels \"auto\")")
     p.add_argument("--regimes", nargs="+", default=["unconstrained", "constrained"],
                    choices=["unconstrained", "constrained"])
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1])

@@ -80,21 +80,24 @@ def test_import_order_child_starts_without_lrmoe_or_transformers():
 
 
 @pytest.mark.parametrize("name", ["transformers", "sonic", "lrmoe-1", "lrmoe-0.75", "lrmoe-0.5-top", "lrmoe-1-top",
-                                  "lrmoe-1-hopper", "lrmoe-0.5-top-portable"])
+                                  "lrmoe-1-hopper", "lrmoe-0.5-top-portable", "lrmoe-0.5-savey",
+                                  "lrmoe-0.5-top-savey-portable"])
 def test_variant_names_accepted(name):
     assert e2e_common.variant_name(name) == name
 
 
-def test_a_variant_names_its_kernels_and_selection():
-    assert [(e2e_common.selection_of(v), e2e_common.kernels_of(v)) for v in
-            ("lrmoe-0.5", "lrmoe-0.5-hopper", "lrmoe-0.5-top-portable", "lrmoe-1-top")] == [
-        ("sample", "auto"), ("sample", "hopper"), ("top", "portable"), ("top", "auto")]
+def test_a_variant_names_its_kernels_selection_and_saved_outputs():
+    assert [(e2e_common.selection_of(v), e2e_common.kernels_of(v), e2e_common.save_outputs_of(v)) for v in
+            ("lrmoe-0.5", "lrmoe-0.5-hopper", "lrmoe-0.5-top-portable", "lrmoe-1-top", "lrmoe-0.5-top-savey-hopper",
+             "transformers")] == [
+        ("sample", "auto", False), ("sample", "hopper", False), ("top", "portable", False), ("top", "auto", False),
+        ("top", "hopper", True), ("sample", "auto", False)]
 
 
 @pytest.mark.parametrize("name", ["lrmoe", "lrmoe-0", "lrmoe-1.5", "lrmoe-x", "lrmoe-0.5-bottom", "lrmoe-0.5-top-x",
-                                  "lrmoe-0.5-hopper-top", "dense", "transformers-top"])
+                                  "lrmoe-0.5-hopper-top", "lrmoe-0.5-savey-top", "dense", "transformers-top"])
 def test_variant_names_refused_with_what_is_expected(name):
-    with pytest.raises(Exception, match=r"lrmoe-<retain in \(0, 1\]>\[-top\]\[-portable\|-hopper\], got"):
+    with pytest.raises(Exception, match=r"lrmoe-<retain in \(0, 1\]>\[-top\]\[-savey\]\[-portable\|-hopper\], got"):
         e2e_common.variant_name(name)
 
 
