@@ -32,6 +32,7 @@ from lrmoe.ops import (
     hopper_down,
     hopper_gate_up,
     hopper_rows_backward,
+    hopper_token_rows_backward,
     swiglu_backward,
     swiglu_backward_scaled,
     swiglu_dot,
@@ -56,9 +57,12 @@ class ExpertKernels(abc.ABC):
 
     ``computes_router_gradient``: the backend's backward takes the rows as :class:`TokenRows` and returns each
     row's <g_t, y_u> (``ExpertGrads.dot_R``) from its own operands, <g_t W_down^T, phi_u>. A step where every pair
-    is kept on one device then saves no expert output y for the router's gradient."""
+    is kept on one device then saves no expert output y for the router's gradient.
+    ``computes_dropped_router_gradient``: it also takes ``TokenRows.all_tok_N`` and returns the router gradient of
+    every forward row, the dropped ones' included: a selective step on one device then saves no y either."""
 
     computes_router_gradient: bool = False
+    computes_dropped_router_gradient: bool = False
 
     @abc.abstractmethod
     def gate_up(self, x_ND: torch.Tensor, rows_N: torch.Tensor | None, offsets_I: torch.Tensor,
@@ -92,6 +96,7 @@ class PortableKernels(ExpertKernels):
     (lrmoe::swiglu_backward_scaled)."""
 
     computes_router_gradient = True
+    computes_dropped_router_gradient = True
 
     def gate_up(self, x_ND, rows_N, offsets_I, gate_up_IFD):
         h_NF2 = gather_grouped_mm(x_ND, gate_up_IFD, rows_N, offsets_I)  # the row gather fused into the GEMM
@@ -121,7 +126,11 @@ class HopperKernels(ExpertKernels):
     load and SwiGLU in its epilogue; in the backward dphi with the SwiGLU derivative in its epilogue, weight
     gradients over each group's rows that read x through the row index. h is kept interleaved (gate and up
     columns alternating), which only this backend reads. A blocked backward (``group_rows``) is the portable
-    backend's; the layers do not choose this one for it."""
+    backend's; the layers do not choose this one for it. Given :class:`TokenRows` (every pair kept, one device) it
+    reads g's rows through the token index, scales them in the epilogue and returns the router gradient
+    (lrmoe::hopper_token_rows_backward); below retain 1 it takes dy rows and the step keeps y."""
+
+    computes_router_gradient = True
 
     def gate_up(self, x_ND, rows_N, offsets_I, gate_up_IFD):
         return hopper_gate_up(x_ND, gate_up_IFD, rows_N, offsets_I)
@@ -133,18 +142,25 @@ class HopperKernels(ExpertKernels):
                  group_rows):
         if group_rows is not None:
             raise ValueError("kernels='hopper' has no blocked backward (backward_capacity); use kernels='portable'")
-        if isinstance(dy, TokenRows):
-            raise ValueError("kernels='hopper' takes dy rows (it does not compute the router gradient)")
-        dy_RD = dy.pop()
+        token_rows = isinstance(dy, TokenRows)
+        if token_rows and dy.all_tok_N is not None:
+            raise ValueError("kernels='hopper' computes the router gradient of the retained rows only")
+        dy_RD = None if token_rows else dy.pop()
         # The retained rows' h as the portable backward finds it (recomputed by the gate/up GEMM over the retained
         # rows, read back from the host, or the saved h and an index), then row-aligned with dy: the GEMM's
         # epilogue reads its operand rows in order.
         h_src, h_rows_R = _rows_h(h_saved, h_index_R, h_on_host, lambda *args: hopper_gate_up(*args)[0], x_ND,
                                   gate_up_IFD, rows_R, offsets_I)
         h_RF2 = h_src if h_rows_R is None else h_src.index_select(0, h_rows_R)
-        dx_RD, grad_gu, grad_down = hopper_rows_backward(dy_RD, x_ND, rows_R, offsets_I, gate_up_IFD, down_IDF, h_RF2,
-                                                         *needs)
-        return ExpertGrads(*(g if need else None for g, need in zip((dx_RD, grad_gu, grad_down), needs)))
+        dot_R = None
+        if token_rows:  # g's rows read through the token index, scaled in the epilogue, with the router gradient
+            dx_RD, grad_gu, grad_down, dot_R = hopper_token_rows_backward(
+                dy.g_TD.to(dy.dtype), dy.tok_R, dy.coef_R, x_ND, rows_R, offsets_I, gate_up_IFD, down_IDF, h_RF2,
+                *needs)
+        else:
+            dx_RD, grad_gu, grad_down = hopper_rows_backward(dy_RD, x_ND, rows_R, offsets_I, gate_up_IFD, down_IDF,
+                                                             h_RF2, *needs)
+        return ExpertGrads(*(g if need else None for g, need in zip((dx_RD, grad_gu, grad_down), needs)), dot_R)
 
 
 BACKENDS: dict[str, ExpertKernels] = {"portable": PortableKernels(), "hopper": HopperKernels()}

@@ -98,8 +98,9 @@ class _SelectiveStep(torch.autograd.Function):
         # are all the rows. Below retain 1 (unless save_outputs) the dropped rows' g W_down^T is their only extra
         # GEMM, and their phi comes from the saved h, or (h recomputed or offloaded) from phi itself, saved: half
         # of h's bytes.
-        router_from_rows = (cfg.group_rows is None and transport.selects_in_dispatch_order
-                            and kernels.computes_router_gradient and (cfg.dense or not cfg.save_outputs))
+        router_from_rows = cfg.group_rows is None and transport.selects_in_dispatch_order and (
+            kernels.computes_router_gradient if cfg.dense
+            else kernels.computes_dropped_router_gradient and not cfg.save_outputs)
         keep_phi = router_from_rows and not cfg.dense and cfg.activations != "save"
         h_NF2, phi_NF, phi_sq_N = kernels.gate_up(x_ND, dispatched.rows_N, offsets_I, gate_up_IFD)
         h_saved = saved_h(h_NF2, cfg.activations)

@@ -68,8 +68,9 @@ class BackwardOptions:
         <g_t W_down^T, phi_u>, which for the dropped pairs costs their part of the down projection's
         input-gradient GEMM ((1 - retain) of one of the six dense backward GEMM units) and saves P*D elements per
         layer (with ``activations`` "recompute" or "offload", phi [P, F] is saved for it instead). True: that GEMM
-        work saved, the memory spent. At retain 1 on one device no y is kept either way. Expert parallelism and
-        the "hopper" backend keep y whatever this says (their backward does not compute the router gradient yet).
+        work saved, the memory spent. At retain 1 on one device no y is kept either way. Expert parallelism, and
+        the "hopper" backend below retain 1, keep y whatever this says (their backward does not compute those
+        router gradients).
     quota_align: trimmed experts' quotas in multiples of this many pairs, the same total (``plan_quotas``'
         ``align``); 128 fills torch._grouped_mm's 128-row tiles in backward. 1: the plain plan. Expert parallelism
         aligns each instance's quota (not with its capacity_factor).

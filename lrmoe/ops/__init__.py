@@ -8,7 +8,13 @@ plan's op, lrmoe::ep_plan, is defined in lrmoe.functional.ep_plan (its kernel is
 """
 
 from lrmoe.ops.grouped_gemm import gather_grouped_mm, grouped_outer
-from lrmoe.ops.hopper import hopper_available, hopper_down, hopper_gate_up, hopper_rows_backward
+from lrmoe.ops.hopper import (
+    hopper_available,
+    hopper_down,
+    hopper_gate_up,
+    hopper_rows_backward,
+    hopper_token_rows_backward,
+)
 from lrmoe.ops.offload import gather_host_rows, offload_to_host, offload_wait
 from lrmoe.ops.quotas import waterfill
 from lrmoe.ops.routing import topk_ids
@@ -31,6 +37,7 @@ __all__ = [
     "hopper_down",
     "hopper_gate_up",
     "hopper_rows_backward",
+    "hopper_token_rows_backward",
     "offload_to_host",
     "offload_wait",
     "score_pairs",

@@ -21,6 +21,14 @@ need_down) -> (dx_RD, grad_gate_up_IFD, grad_down_IDF)``
     gate/up weight gradient reading x's rows through ``rows_R`` (no gathered copy). Outputs not needed are empty
     [0] tensors. Rows past the last offset are not computed (the buffers' padding: their dx rows are not defined,
     and no caller reads them).
+``lrmoe::hopper_token_rows_backward(g_TD, tok_R, coef_R, x_ND, rows_R, offsets_I, gate_up_IFD, down_IDF, h_RF2,
+need_dx, need_gate_up, need_down) -> (dx_RD, grad_gate_up_IFD, grad_down_IDF, dot_R)``
+    The same for rows whose output gradient is ``coef_R[r] * g_TD[tok_R[r]]`` (lrmoe.functional.transport's
+    TokenRows), with each row's router gradient dot_R = <g_t W_down^T, phi_r> in fp32 (fp64 for fp64 h, on the
+    CPU): one ``gemm_dgated`` reads
+    g's rows through ``tok_R`` (no gathered copy), scales g W_down^T by coef in its epilogue before the SwiGLU
+    derivative, sums <phi, g W_down^T> unscaled (``colvec_reduce``) and writes coef * phi, the down projection's
+    weight-gradient operand against the unscaled g rows, which that GEMM reads through ``tok_R`` too.
 
 The CPU kernels are references in PyTorch (lrmoe's portable ops, with h interleaved), so the backend's composition
 is tested in CI; the CUDA kernels need the optional ``quack-kernels`` package (``pip install lrmoe[hopper]``) on an
@@ -38,10 +46,10 @@ import torch
 
 from lrmoe.ops._define import define_op
 from lrmoe.ops.grouped_gemm import gather_grouped_mm, grouped_outer
-from lrmoe.ops.swiglu import swiglu_backward, swiglu_sqnorm
+from lrmoe.ops.swiglu import swiglu_backward, swiglu_backward_scaled, swiglu_sqnorm
 
-__all__ = ["hopper_available", "hopper_down", "hopper_gate_up", "hopper_rows_backward", "interleave_halves",
-           "split_interleaved"]
+__all__ = ["hopper_available", "hopper_down", "hopper_gate_up", "hopper_rows_backward", "hopper_token_rows_backward",
+           "interleave_halves", "split_interleaved"]
 
 
 @functools.cache
@@ -156,3 +164,52 @@ def hopper_rows_backward(dy_RD: torch.Tensor, x_ND: torch.Tensor, rows_R: torch.
     grad_gu = grouped_outer(dh_R2F, x_ND, rows_R, offsets_I) if need_gate_up else dy_RD.new_empty(0)
     dx_RD = gather_grouped_mm(dh_R2F, gate_up_IFD.transpose(1, 2), None, offsets_I) if need_dx else dy_RD.new_empty(0)
     return dx_RD, grad_gu, grad_down
+
+
+# --- backward over token rows, with the router gradient ----------------------------------------------------------
+
+
+def _token_rows_fake(g_TD, tok_R, coef_R, x_ND, rows_R, offsets_I, gate_up_IFD, down_IDF, h_RF2, need_dx,
+                     need_gate_up, need_down):
+    n_rows = tok_R.shape[0]
+    return (g_TD.new_empty((n_rows, g_TD.shape[1]) if need_dx else (0,)),
+            gate_up_IFD.new_empty(gate_up_IFD.shape if need_gate_up else (0,)),
+            down_IDF.new_empty(down_IDF.shape if need_down else (0,)),
+            g_TD.new_empty(n_rows, dtype=torch.promote_types(h_RF2.dtype, torch.float32)))
+
+
+def _token_rows_cuda(g_TD, tok_R, coef_R, x_ND, rows_R, offsets_I, gate_up_IFD, down_IDF, h_RF2, need_dx,
+                     need_gate_up, need_down):
+    q = _quack()
+    cu = _cu_seqlens(offsets_I)
+    tok = tok_R.int()
+    # g W_down^T at each row's token (g read through the index), scaled by coef before the SwiGLU derivative;
+    # <phi, g W_down^T> summed unscaled; coef * phi written.
+    dh_RF2, cphi_RF, dot_R = q.gemm_dgated(g_TD, down_IDF, h_RF2, activation="swiglu", colvec_scale=coef_R.float(),
+                                           colvec_reduce=True, cu_seqlens_m=cu, A_idx=tok, dynamic_scheduler=False,
+                                           tuned=False)
+    grad_down, grad_gu, dx_RD = (g_TD.new_empty(0) for _ in range(3))
+    if need_down:  # sum over each group's rows of g_t (coef phi)^T: variable K, g's rows through the index
+        grad_down = q.gemm(g_TD.mT, cphi_RF, cu_seqlens_k=cu, A_idx=tok, tuned=False)
+    if need_gate_up:
+        grad_gu = torch.empty_like(gate_up_IFD)
+        idx = None if rows_R is None else rows_R.int()
+        q.gemm(x_ND.mT, dh_RF2, out=grad_gu.mT, cu_seqlens_k=cu, A_idx=idx, concat_layout=("out",), tuned=False)
+    if need_dx:
+        dx_RD = q.gemm(dh_RF2, gate_up_IFD, cu_seqlens_m=cu, concat_layout=("B",), tuned=False)
+    return dx_RD, grad_gu, grad_down, dot_R
+
+
+@define_op("lrmoe::hopper_token_rows_backward", fake=_token_rows_fake, cuda=_token_rows_cuda)
+def hopper_token_rows_backward(g_TD: torch.Tensor, tok_R: torch.Tensor, coef_R: torch.Tensor, x_ND: torch.Tensor,
+                               rows_R: torch.Tensor | None, offsets_I: torch.Tensor, gate_up_IFD: torch.Tensor,
+                               down_IDF: torch.Tensor, h_RF2: torch.Tensor, need_dx: bool, need_gate_up: bool,
+                               need_down: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    g_RD = g_TD.index_select(0, tok_R)
+    gdown_RF = gather_grouped_mm(g_RD, down_IDF.transpose(1, 2), None, offsets_I)
+    dh_R2F, cphi_RF, dot_R = swiglu_backward_scaled(split_interleaved(h_RF2), None, gdown_RF,
+                                                    coef_R.to(torch.promote_types(h_RF2.dtype, torch.float32)))
+    grad_down = grouped_outer(g_RD, cphi_RF, None, offsets_I) if need_down else g_TD.new_empty(0)
+    grad_gu = grouped_outer(dh_R2F, x_ND, rows_R, offsets_I) if need_gate_up else g_TD.new_empty(0)
+    dx_RD = gather_grouped_mm(dh_R2F, gate_up_IFD.transpose(1, 2), None, offsets_I) if need_dx else g_TD.new_empty(0)
+    return dx_RD, grad_gu, grad_down, dot_R

@@ -25,6 +25,7 @@ class _CountingKernels(ExpertKernels):
 
     calls: list = dataclasses.field(default_factory=list, hash=False, compare=False)
     computes_router_gradient = PortableKernels.computes_router_gradient
+    computes_dropped_router_gradient = PortableKernels.computes_dropped_router_gradient
 
     def gate_up(self, *args):
         self.calls.append("gate_up")

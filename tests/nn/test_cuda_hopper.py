@@ -1,7 +1,8 @@
 """The "hopper" backend (quack's CuTe-DSL grouped GEMMs, lrmoe.ops.hopper) on an sm_90 GPU against the portable
 backend: the same layer, weights and batch give the same output and, at retain 1, the same gradients (bf16
 tolerances: the two sum in different orders); at retain < 1 "save", "recompute" and "offload" agree bit for bit
-with each other; the compiled layer traces in one graph, equals eager, and never synchronises with the host.
+with each other; the compiled layer traces in one graph, equals eager, and never synchronises with the host; at
+retain 1 no expert output is saved.
 Skipped without such a GPU and quack (the GPU run carries quack)."""
 
 from __future__ import annotations
@@ -83,3 +84,19 @@ def test_compiled_hopper_layer_equals_eager_without_host_syncs(retain):
         _run(layer, fn=compiled)
     finally:
         torch.cuda.set_sync_debug_mode(0)
+
+
+@pytest.mark.parametrize("retain", [1.0, 0.5])
+def test_hopper_saves_y_only_below_retain_1(retain):
+    """At retain 1 the hopper backward reads g's rows through the token index and returns the router gradient
+    from its dgated GEMM's epilogue (lrmoe::hopper_token_rows_backward), so no [T*K, D] expert output is saved;
+    below retain 1 it keeps y (it does not compute the dropped pairs' router gradient)."""
+    T = 512
+    layer = _layer("hopper", retain)
+    shapes = []
+    x = torch.randn(T, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: shapes.append(tuple(t.shape)) or t, lambda t: t):
+        out = layer(x)
+    out.sum().backward()
+    # h [T*K, 2F] has y's shape here (2F = D): saved once at retain 1, with y below it.
+    assert 2 * F == D and shapes.count((T * K, D)) == (2 if retain < 1.0 else 1)

@@ -11,7 +11,7 @@ import torch
 
 from lrmoe.functional.expert_kernels import choose_kernels
 from lrmoe.functional.options import BackwardOptions
-from lrmoe.ops import hopper_down, hopper_gate_up, hopper_rows_backward
+from lrmoe.ops import hopper_down, hopper_gate_up, hopper_rows_backward, hopper_token_rows_backward
 from lrmoe.ops.hopper import interleave_halves, split_interleaved
 from step_case import run_step
 
@@ -41,6 +41,11 @@ def test_the_ops_pass_opcheck(with_rows):
     dy = torch.randn(n, 8, dtype=torch.float64)
     torch.library.opcheck(hopper_rows_backward, (dy, x, rows, offsets, gate_up, down, h, True, True, True))
     torch.library.opcheck(hopper_rows_backward, (dy, x, rows, offsets, gate_up, down, h, False, True, False))
+    g = torch.randn(5, 8, dtype=torch.float64)
+    tok = torch.tensor([4, 0, 0, 3, 2, 1, 1, 4])[:n]
+    coef = torch.rand(n, dtype=torch.float64)
+    for needs in ((True, True, True), (False, True, False)):
+        torch.library.opcheck(hopper_token_rows_backward, (g, tok, coef, x, rows, offsets, gate_up, down, h, *needs))
 
 
 def test_gate_up_is_the_swiglu_of_each_rows_expert():
@@ -77,3 +82,23 @@ def test_choose_kernels_keeps_the_portable_backend_where_hopper_cannot_run():
         choose_kernels("hopper", x, 8, 8, blocked=False)
     with pytest.raises(ValueError, match="kernels must be one of"):
         BackwardOptions(kernels="cutlass")
+
+
+def test_token_rows_backward_is_the_rows_backward_of_the_scaled_rows_with_the_router_gradient():
+    """hopper_token_rows_backward's rows are coef * g[tok]: the gradients of hopper_rows_backward on those dy rows,
+    and each row's <g_t W_down^T, phi_r>, the dot of the unscaled row with the row's expert output."""
+    gate_up, down = _weights()
+    x = torch.randn(7, 8, dtype=torch.float64)
+    rows = torch.tensor([6, 0, 0, 3, 2, 5, 1, 4])
+    offsets = torch.tensor([3, 3, 8], dtype=torch.int32)
+    h, phi, _ = hopper_gate_up(x, gate_up, rows, offsets)
+    g = torch.randn(5, 8, dtype=torch.float64)
+    tok = torch.tensor([4, 0, 0, 3, 2, 1, 1, 4])
+    coef = torch.rand(8, dtype=torch.float64)
+    dx, ggu, gd, dot = hopper_token_rows_backward(g, tok, coef, x, rows, offsets, gate_up, down, h, True, True, True)
+    want = hopper_rows_backward(g[tok] * coef[:, None], x, rows, offsets, gate_up, down, h, True, True, True)
+    for a, b in zip((dx, ggu, gd), want):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    experts = [0, 0, 0, 2, 2, 2, 2, 2]
+    y = torch.stack([down[e] @ phi[i] for i, e in enumerate(experts)])
+    torch.testing.assert_close(dot, (g[tok] * y).sum(-1), rtol=1e-12, atol=1e-12)
