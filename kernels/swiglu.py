@@ -54,6 +54,19 @@ def _phi(gate, up, h_dtype: tl.constexpr):
 
 
 @triton.jit
+def _source_rows(rows_ptr, r_R, r_ok_R, N, HAS_ROWS: tl.constexpr):
+    """(the row of h each output row reads, whether it reads one): rows[r] through the index, or r itself. An
+    index outside h is not read: its outputs are zero."""
+    if HAS_ROWS:
+        src_R = tl.load(rows_ptr + r_R, mask=r_ok_R, other=0).to(tl.int64)
+        read_R = r_ok_R & (src_R >= 0) & (src_R < N)
+    else:
+        src_R = r_R.to(tl.int64)
+        read_R = r_ok_R
+    return src_R, read_R
+
+
+@triton.jit
 def _swiglu_backward_kernel(
     h_ptr, rows_ptr, dphi_ptr, dh_ptr, phi_ptr,
     R, N, F,
@@ -64,12 +77,7 @@ def _swiglu_backward_kernel(
     f_F = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
     r_ok_R = r_R < R
     mask_RF = r_ok_R[:, None] & (f_F < F)[None, :]
-    if HAS_ROWS:
-        src_R = tl.load(rows_ptr + r_R, mask=r_ok_R, other=0).to(tl.int64)
-        read_R = r_ok_R & (src_R >= 0) & (src_R < N)  # an index outside h is not read: zeros out
-    else:
-        src_R = r_R.to(tl.int64)
-        read_R = r_ok_R
+    src_R, read_R = _source_rows(rows_ptr, r_R, r_ok_R, N, HAS_ROWS)
     read_RF = read_R[:, None] & (f_F < F)[None, :]
     gate_ptr = h_ptr + src_R[:, None] * stride_hn + f_F[None, :] * stride_hf
     h_dtype = h_ptr.dtype.element_ty
@@ -99,12 +107,7 @@ def _swiglu_backward_scaled_kernel(
 ):  # fmt: skip
     r_R = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     r_ok_R = r_R < R
-    if HAS_ROWS:
-        src_R = tl.load(rows_ptr + r_R, mask=r_ok_R, other=0).to(tl.int64)
-        read_R = r_ok_R & (src_R >= 0) & (src_R < N)  # an index outside h is not read: zeros out
-    else:
-        src_R = r_R.to(tl.int64)
-        read_R = r_ok_R
+    src_R, read_R = _source_rows(rows_ptr, r_R, r_ok_R, N, HAS_ROWS)
     coef_R = tl.load(coef_ptr + r_R, mask=r_ok_R, other=0.0).to(tl.float32)[:, None]
     r64_R = r_R.to(tl.int64)[:, None]
     h_dtype = h_ptr.dtype.element_ty
@@ -141,12 +144,7 @@ def _swiglu_dot_kernel(
 ):  # fmt: skip
     r_R = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     r_ok_R = r_R < R
-    if HAS_ROWS:
-        src_R = tl.load(rows_ptr + r_R, mask=r_ok_R, other=0).to(tl.int64)
-        read_R = r_ok_R & (src_R >= 0) & (src_R < N)  # an index outside h is not read: zero out
-    else:
-        src_R = r_R.to(tl.int64)
-        read_R = r_ok_R
+    src_R, read_R = _source_rows(rows_ptr, r_R, r_ok_R, N, HAS_ROWS)
     r64_R = r_R.to(tl.int64)[:, None]
     h_dtype = h_ptr.dtype.element_ty
     dot_RF = tl.zeros((BLOCK_R, BLOCK_F), dtype=tl.float32)
