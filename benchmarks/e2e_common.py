@@ -108,9 +108,9 @@ def sonic_first_step(c: dict, batch: int, seq: int, device) -> float:
 def make_moe(variant: str, c, device, retain=1.0, activations="save", selection="sample", save_outputs=False,
              kernels="auto"):
     """The MoE layer of a train_e2e variant ("sonic", "transformers", "lrmoe") on [batch, seq, d]: SonicMoE's MoE
-    (SwiGLU, no bias, N(0, 0.02)), transformers' Qwen3MoeSparseMoeBlock (grouped_mm experts on CUDA, eager on the
-    CPU) or lrmoe.nn.LRMoE (with ``retain``, ``activations``, ``selection``, ``save_outputs`` and ``kernels``). Each library is imported here, at
-    the first call that needs it."""
+    (SwiGLU, no bias, N(0, 0.02)), transformers' Qwen3MoeSparseMoeBlock (grouped_mm experts on CUDA, eager on the CPU)
+    or lrmoe.nn.LRMoE (with ``retain``, ``activations``, ``selection``, ``save_outputs`` and ``kernels``). Each
+    library is imported here, at the first call that needs it."""
     if variant == "sonic":
         return sonic_moe(c["dim"], c["hidden"], c["experts"], c["top_k"])
     if variant == "transformers":

@@ -8,11 +8,12 @@ q/k RMSNorm, rotary, causal SDPA; RMSNorm; E 128, k 8, f 768 SwiGLU experts; tie
 AdamW (fused, bf16 moments) with clipping, trained on the Python standard library's sources (every 10th file held
 out). Variants share the seed's initial weights (the same values in every layout), its data order and its held-out
 batches; only the MoE layer differs: transformers' Qwen3MoeSparseMoeBlock (grouped_mm experts), LRMoE at retain
-1 / 0.75 / 0.5 (default "sample" selection; --variants takes any lrmoe-<retain>[-top][-savey][-portable|-hopper]: "top"
-selection, y saved for the router gradient, a kernel backend), SonicMoE (run first, see `benchmarks/layer.py imports`; `report` merges runs made apart). Each block's attention half and MoE half are compiled separately (one attention graph for
-all variants; SonicMoE's layer runs as its own kernels, uncompiled). Each (regime, variant, seed) trains for
---seconds of wall-clock after a warm-up model has compiled everything; held-out loss is evaluated every
---eval-every steps (the clock stops during evaluation).
+1 / 0.75 / 0.5 (default "sample" selection; --variants takes any lrmoe-<retain>[-top][-savey][-portable|-hopper]:
+"top" selection, y saved for the router gradient, a kernel backend), SonicMoE (run first, see `benchmarks/layer.py
+imports`; `report` merges runs made apart). Each block's attention half and MoE half are compiled separately (one
+attention graph for all variants; SonicMoE's layer runs as its own kernels, uncompiled). Each (regime, variant,
+seed) trains for --seconds of wall-clock after a warm-up model has compiled everything; held-out loss is evaluated
+every --eval-every steps (the clock stops during evaluation).
 Regimes: unconstrained (the batch every variant fits); constrained: a per-process memory cap
 (torch.cuda.set_per_process_memory_fraction) of --cap-fraction of the transformers run's measured peak, under which
 the transformers reference checkpoints every block, while LRMoE takes retain and its activation policy from

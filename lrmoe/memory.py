@@ -40,11 +40,11 @@ saved activations (forward to backward), "save" = what the code keeps today:
         a forward transient instead (one device below retain 1 without ``save_outputs``: phi P*F*b saved for the
         dropped pairs' router gradient); backward recomputes h for the retained rows only from x, a buffer of M*2F*b
         until the SwiGLU backward ("save" reads the saved h in place there).
-    "offload" (LRMoE(activations="offload"), one device or expert-parallel): the same without h on the device:
-        forward copies h to pinned host memory (``offloaded``, not device bytes; the pinned allocator rounds a
-        block up to a power of two, so the host may hold up to twice that) and h is a forward transient, as
-        under "recompute" (phi saved likewise); backward reads the retained rows back from the host, with the row index "save"
-        uses, into a buffer of M*2F*b held until the SwiGLU backward.
+    "offload" (LRMoE(activations="offload"), one device or expert-parallel): the same without h on the device: forward
+        copies h to pinned host memory (``offloaded``, not device bytes; the pinned allocator rounds a block up to a
+        power of two, so the host may hold up to twice that) and h is a forward transient, as under "recompute" (phi
+        saved likewise); backward reads the retained rows back from the host, with the row index "save" uses, into a
+        buffer of M*2F*b held until the SwiGLU backward.
 
 transients: ``forward_phases`` and ``backward_phases`` follow the code line by line (``_Timeline``): a local stays
 alive until its function returns (nothing in these functions frees a buffer early), a line's temporaries live

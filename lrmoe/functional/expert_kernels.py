@@ -80,11 +80,12 @@ class ExpertKernels(abc.ABC):
                  offsets_I: torch.Tensor, gate_up_IFD: torch.Tensor, down_IDF: torch.Tensor,
                  h_saved: torch.Tensor | None, h_index_R: torch.Tensor | None,
                  needs: tuple[bool, bool, bool], h_on_host: bool, group_rows: int | None) -> ExpertGrads:
-        """The compact expert backward over the retained rows. ``dy`` = [dy_RD] is consumed (popped), so each
-        row buffer can be freed after its last use; or :class:`TokenRows` (only where the backend
-        ``computes_router_gradient``), and then ``ExpertGrads.dot_R`` comes back too. Row i's input is ``x_ND[rows_R[i]]``; its pre-activation is
-        ``h_saved[h_index_R[i]]`` (in pinned host memory with ``h_on_host``), or recomputed when ``h_saved`` is
-        None. ``needs`` = (dx, gate/up grad, down grad). ``group_rows`` = C: the rows are I blocks of C rows."""
+        """The compact expert backward over the retained rows. ``dy`` = [dy_RD] is consumed (popped), so each row
+        buffer can be freed after its last use; or :class:`TokenRows` (only where the backend
+        ``computes_router_gradient``), and then ``ExpertGrads.dot_R`` comes back too. Row i's input is
+        ``x_ND[rows_R[i]]``; its pre-activation is ``h_saved[h_index_R[i]]`` (in pinned host memory with
+        ``h_on_host``), or recomputed when ``h_saved`` is None. ``needs`` = (dx, gate/up grad, down grad).
+        ``group_rows`` = C: the rows are I blocks of C rows."""
 
 
 @dataclass(frozen=True)

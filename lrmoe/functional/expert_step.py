@@ -15,11 +15,12 @@ groups and, across ranks, what each rank sends and receives (``ExpertPlan``; ``E
               transport.exchange (the retained rows alpha * g / p to the instances that ran them) -> compact expert
               backward over those rows only -> transport.give_back (their input-gradient rows) -> sum per token.
 
-Where every pair is kept on one device and the backend computes the router gradient
-(``ExpertKernels.computes_router_gradient``), the forward saves neither y nor ||phi||^2: nothing is scored, and the
-expert backward, handed the rows as the tokens' own gradient rows with their gates (``TokenRows``), returns
-<g_t, y_u> = <g_t W_down^T, phi_u> from operands it reads anyway. The saved activations are then x, h and the
-routing, as a dense MoE layer's.
+On one device, where the backend computes the router gradient (``ExpertKernels.computes_router_gradient`` at
+retain 1, ``computes_dropped_router_gradient`` below it, unless ``save_outputs``), the forward saves no y: the
+expert backward, handed the rows as the tokens' own gradient rows with their coefficients (``TokenRows``), returns
+<g_t, y_u> = <g_t W_down^T, phi_u> from its own operands, for the dropped pairs from one more GEMM over every
+forward row (``TokenRows.all_tok_N``). The saved activations are then x, h (or, where h is not kept, phi below
+retain 1) and the routing, as a dense MoE layer's; at retain 1 not even ||phi||^2, since nothing is scored.
 
 Two seams, each an abstract class with frozen dataclasses for what crosses it: the transport
 (lrmoe.functional.transport: :class:`IdentityTransport` on one device, lrmoe.nn._transport.AllToAllTransport under

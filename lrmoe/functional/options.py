@@ -56,10 +56,10 @@ class BackwardOptions:
     policy: quota policy, "waterfill" or "proportional" (``plan_quotas``).
     activations: what forward keeps for backward. "save": every pair's gate/up projection h ([P, 2F]); backward
         gathers the retained rows. "recompute": not h; backward recomputes it for the retained rows only (one more
-        grouped GEMM over them, from x, which is saved either way): P*2F fewer saved elements (P*F below retain 1
-        on one device, where phi [P, F] is saved for the dropped pairs' router gradient, see save_outputs), extra
-        work that scales with retain. "offload": h goes to pinned host memory, copied on a side stream while forward goes on
-        (lrmoe.ops.offload_to_host), and backward reads back the retained rows only (lrmoe.ops.gather_host_rows):
+        grouped GEMM over them, from x, which is saved either way): P*2F fewer saved elements (P*F below retain 1 on
+        one device, where phi [P, F] is saved for the dropped pairs' router gradient, see save_outputs), extra work
+        that scales with retain. "offload": h goes to pinned host memory, copied on a side stream while forward goes
+        on (lrmoe.ops.offload_to_host), and backward reads back the retained rows only (lrmoe.ops.gather_host_rows):
         the device memory of "recompute" without its GEMM, for P*2F elements over PCIe in forward and M*2F in
         backward. The same gradients for all three; "offload" reads back the very values "save" keeps, so its
         gradients are bit-identical to those of "save".

@@ -1,6 +1,6 @@
-"""Row helpers of the selective backward, shared by the step and the transports: the retained rows' output
-gradient (``retained_dy``, or its coefficients alone: ``retained_coefficients``), their layout in equal blocks (``pad_to_blocks``, ``block_slots``) and a gather that
-tolerates a source with no rows (``take_rows``).
+"""Row helpers of the selective backward, shared by the step and the transports: the retained rows' output gradient
+(``retained_dy``, or its coefficients alone: ``retained_coefficients``), their layout in equal blocks
+(``pad_to_blocks``, ``block_slots``) and a gather that tolerates a source with no rows (``take_rows``).
 
 Shapes: T tokens, D model dim, K top-k, R retained rows, E groups (experts or instances), C rows per block.
 """

@@ -130,10 +130,11 @@ class _DyRowsKernels(ExpertKernels):
 @pytest.mark.parametrize("activations", ["save", "recompute", "offload"])
 def test_the_router_gradient_from_the_backward_equals_the_one_from_the_saved_output(retain, activations,
                                                                                      monkeypatch):
-    """On one device the portable backend takes the rows as token rows and returns <g_t, y_u> from its own
-    operands (<g_t W_down^T, phi_u>): at retain 1, and below it for the dropped pairs too, from their own
-    g W_down^T and phi (of the saved h, or saved itself when h is not). A backend that does not compute the router gradient gets dy rows and the step reads the saved
-    y. The two give the same output and gradients (fp64: to rounding), the gates' (dropped pairs' too) included."""
+    """On one device the portable backend takes the rows as token rows and returns <g_t, y_u> from its own operands
+    (<g_t W_down^T, phi_u>): at retain 1, and below it for the dropped pairs too, from their own g W_down^T and phi
+    (of the saved h, or saved itself when h is not). A backend that does not compute the router gradient gets dy rows
+    and the step reads the saved y. The two give the same output and gradients (fp64: to rounding), the gates'
+    (dropped pairs' too) included."""
     dy_rows = _DyRowsKernels()
     monkeypatch.setitem(BACKENDS, "dy-rows", dy_rows)
     seen = []

@@ -1,5 +1,6 @@
-"""lrmoe::swiglu_backward, lrmoe::swiglu_backward_scaled and lrmoe::swiglu_sqnorm: torch.library.opcheck, values against the definitions (autograd
-of the SwiGLU itself for the backward), the outputs' non-differentiability, and argument errors."""
+"""lrmoe::swiglu_backward, lrmoe::swiglu_backward_scaled, lrmoe::swiglu_dot and lrmoe::swiglu_sqnorm:
+torch.library.opcheck, values against the definitions (autograd of the SwiGLU itself for the backward), the outputs'
+non-differentiability, and argument errors."""
 
 from __future__ import annotations
 
