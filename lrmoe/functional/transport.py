@@ -7,7 +7,8 @@ of tensors:
 
     forward:  dispatch(x_TD, ...) -> Dispatched   the rows the experts read, and where each GEMM row is
               combine(y_ND, ...)  -> Combined     the rows back at their sources, in dispatch order
-    backward: exchange(BackwardRequest) -> Exchanged   the retained rows alpha * g / p at the instances
+    backward: exchange(BackwardRequest) -> Exchanged   the retained rows alpha * g / p at the instances (on one
+                                                       device, on request, as TokenRows: g's rows by token)
               give_back(dx_RD, Exchanged) -> dx rows back at their sources
               probe_grad(mass_kept, Exchanged) -> the step's backward statistics
 
