@@ -176,3 +176,18 @@ def test_the_step_saves_no_expert_output(retain, monkeypatch):
     assert (T * K, D) in saved_shapes("dy-rows")
     assert (T * K, D) not in recompute and (T * K, 2 * F) not in recompute
     assert ((T * K, F) in recompute) == (retain < 1.0)
+
+
+def test_expert_parallelism_refuses_token_rows():
+    """Under expert parallelism the retained rows cross ranks, so there is no source row to read in place: the
+    all-to-all transport refuses a request for token rows rather than sending dy rows the backend would misread
+    (the step never asks it: it does not select in dispatch order)."""
+    from lrmoe.functional.transport import BackwardRequest
+    from lrmoe.nn._transport import AllToAllTransport
+
+    transport = AllToAllTransport(ep=None, splits=None)
+    assert not transport.selects_in_dispatch_order
+    empty = torch.zeros(0)
+    request = BackwardRequest(empty, empty, empty, empty, None, None, True, None, False, token_rows=True)
+    with pytest.raises(ValueError, match="AllToAllTransport sends dy rows; token_rows needs selects_in_dispatch_order"):
+        transport.exchange(request)
