@@ -446,11 +446,12 @@ def policies(args) -> None:
     for policy in ("save", "recompute", "offload"):
         for retain in args.retain:
             torch.manual_seed(0)
-            layer = LRMoE(**shape, retain=retain, activations=policy).cuda().bfloat16()
+            layer = LRMoE(**shape, retain=retain, activations=policy,
+                          save_outputs=args.save_outputs).cuda().bfloat16()
             params = list(layer.parameters())
             _saved_and_peak(layer, params, x, g)  # warm-up: kernels compiled, allocator primed
             saved, peak = _saved_and_peak(layer, params, x, g)
-            m = layer_memory(cfg, retain=retain, policy=policy)
+            m = layer_memory(cfg, retain=retain, policy=policy, save_outputs=args.save_outputs)
             # The model counts x (saved) and the incoming gradient (a backward transient); both exist before.
             saved_model = m.saved_activations
             saved_meas = saved + x.nbytes
@@ -468,7 +469,8 @@ def policies(args) -> None:
                 compiled = torch.compile(layer, fullgraph=True)
                 comp_ms = do_bench(lambda c=compiled: c(x).backward(g), warmup=3, rep=30, return_mode="median",
                                    grad_to_none=[x, *params])
-            print(f"{'lrmoe ' + policy:>20} {retain:>6g} {saved_meas / MiB:>9.1f} {saved_model / MiB:>7.1f} "
+            name = f"lrmoe {policy}" + (" +y" if args.save_outputs else "")
+            print(f"{name:>20} {retain:>6g} {saved_meas / MiB:>9.1f} {saved_model / MiB:>7.1f} "
                   f"{saved_meas / saved_model:>6.3f} {peak_meas / MiB:>8.1f} {peak_model / MiB:>7.1f} "
                   f"{peak_meas / peak_model:>6.3f} {eager_ms:>8.3f} {comp_ms:>8.3f}", flush=True)
             del layer, params
@@ -518,6 +520,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tokens", type=int, default=8192)
     p.add_argument("--retain", type=float, nargs="+", default=[1.0, 0.75, 0.5])
     p.add_argument("--compile-retain", type=float, default=0.75, help="retain timed compiled too")
+    p.add_argument("--save-outputs", action="store_true",
+                   help="LRMoE(save_outputs=True): y saved for the router gradient below retain 1 (rows '+y')")
     for name, p in sub.choices.items():
         p.add_argument("--shape", default="qwen3-30b-a3b", choices=sorted(SHAPE_CHOICES))
         if name != "policies":
