@@ -141,16 +141,21 @@ def _rows_backward_cuda(dy_RD, x_ND, rows_R, offsets_I, gate_up_IFD, down_IDF, h
     # dh (interleaved, as h) and phi from one GEMM: dphi = dy @ down with the SwiGLU derivative in its epilogue.
     dh_RF2, phi_RF = q.gemm_dgated(dy_RD, down_IDF, h_RF2, activation="swiglu", cu_seqlens_m=cu,
                                    dynamic_scheduler=False, tuned=False)
-    grad_down, grad_gu, dx_RD = (dy_RD.new_empty(0) for _ in range(3))
-    if need_down:  # sum over each group's rows of dy_r phi_r^T: variable K, A = dy^T (m-major)
-        grad_down = q.gemm(dy_RD.mT, phi_RF, cu_seqlens_k=cu, tuned=False)
+    # sum over each group's rows of dy_r phi_r^T: variable K, A = dy^T (m-major)
+    grad_down = q.gemm(dy_RD.mT, phi_RF, cu_seqlens_k=cu, tuned=False) if need_down else dy_RD.new_empty(0)
+    return (*_gate_up_grads_cuda(q, cu, dh_RF2, x_ND, rows_R, gate_up_IFD, need_dx, need_gate_up), grad_down)
+
+
+def _gate_up_grads_cuda(q, cu, dh_RF2, x_ND, rows_R, gate_up_IFD, need_dx, need_gate_up):
+    """(dx_RD, grad_gate_up_IFD) from the interleaved dh, empty [0] tensors where not needed."""
+    grad_gu, dx_RD = dh_RF2.new_empty(0), dh_RF2.new_empty(0)
     if need_gate_up:  # x's rows read through the index; the result written back in gate-then-up row order
         grad_gu = torch.empty_like(gate_up_IFD)
         idx = None if rows_R is None else rows_R.int()
         q.gemm(x_ND.mT, dh_RF2, out=grad_gu.mT, cu_seqlens_k=cu, A_idx=idx, concat_layout=("out",), tuned=False)
     if need_dx:  # dh's interleaved columns meet the weight's gate-then-up rows through the concat layout
         dx_RD = q.gemm(dh_RF2, gate_up_IFD, cu_seqlens_m=cu, concat_layout=("B",), tuned=False)
-    return dx_RD, grad_gu, grad_down
+    return dx_RD, grad_gu
 
 
 @define_op("lrmoe::hopper_rows_backward", fake=_rows_backward_fake, cuda=_rows_backward_cuda)
@@ -161,9 +166,16 @@ def hopper_rows_backward(dy_RD: torch.Tensor, x_ND: torch.Tensor, rows_R: torch.
     dphi_RF = gather_grouped_mm(dy_RD, down_IDF.transpose(1, 2), None, offsets_I)
     dh_R2F, phi_RF = swiglu_backward(split_interleaved(h_RF2), None, dphi_RF)
     grad_down = grouped_outer(dy_RD, phi_RF, None, offsets_I) if need_down else dy_RD.new_empty(0)
-    grad_gu = grouped_outer(dh_R2F, x_ND, rows_R, offsets_I) if need_gate_up else dy_RD.new_empty(0)
-    dx_RD = gather_grouped_mm(dh_R2F, gate_up_IFD.transpose(1, 2), None, offsets_I) if need_dx else dy_RD.new_empty(0)
-    return dx_RD, grad_gu, grad_down
+    return (*_gate_up_grads_reference(dh_R2F, x_ND, rows_R, offsets_I, gate_up_IFD, need_dx, need_gate_up),
+            grad_down)
+
+
+def _gate_up_grads_reference(dh_R2F, x_ND, rows_R, offsets_I, gate_up_IFD, need_dx, need_gate_up):
+    """(dx_RD, grad_gate_up_IFD) from dh in halves (gate columns, then up), empty [0] tensors where not needed."""
+    grad_gu = grouped_outer(dh_R2F, x_ND, rows_R, offsets_I) if need_gate_up else dh_R2F.new_empty(0)
+    dx_RD = (gather_grouped_mm(dh_R2F, gate_up_IFD.transpose(1, 2), None, offsets_I) if need_dx
+             else dh_R2F.new_empty(0))
+    return dx_RD, grad_gu
 
 
 # --- backward over token rows, with the router gradient ----------------------------------------------------------
@@ -188,16 +200,10 @@ def _token_rows_cuda(g_TD, tok_R, coef_R, x_ND, rows_R, offsets_I, gate_up_IFD, 
     dh_RF2, cphi_RF, dot_R = q.gemm_dgated(g_TD, down_IDF, h_RF2, activation="swiglu", colvec_scale=coef_R.float(),
                                            colvec_reduce=True, cu_seqlens_m=cu, A_idx=tok, dynamic_scheduler=False,
                                            tuned=False)
-    grad_down, grad_gu, dx_RD = (g_TD.new_empty(0) for _ in range(3))
-    if need_down:  # sum over each group's rows of g_t (coef phi)^T: variable K, g's rows through the index
-        grad_down = q.gemm(g_TD.mT, cphi_RF, cu_seqlens_k=cu, A_idx=tok, tuned=False)
-    if need_gate_up:
-        grad_gu = torch.empty_like(gate_up_IFD)
-        idx = None if rows_R is None else rows_R.int()
-        q.gemm(x_ND.mT, dh_RF2, out=grad_gu.mT, cu_seqlens_k=cu, A_idx=idx, concat_layout=("out",), tuned=False)
-    if need_dx:
-        dx_RD = q.gemm(dh_RF2, gate_up_IFD, cu_seqlens_m=cu, concat_layout=("B",), tuned=False)
-    return dx_RD, grad_gu, grad_down, dot_R
+    # sum over each group's rows of g_t (coef phi)^T: variable K, g's rows through the index
+    grad_down = (q.gemm(g_TD.mT, cphi_RF, cu_seqlens_k=cu, A_idx=tok, tuned=False) if need_down
+                 else g_TD.new_empty(0))
+    return (*_gate_up_grads_cuda(q, cu, dh_RF2, x_ND, rows_R, gate_up_IFD, need_dx, need_gate_up), grad_down, dot_R)
 
 
 @define_op("lrmoe::hopper_token_rows_backward", fake=_token_rows_fake, cuda=_token_rows_cuda)
@@ -210,6 +216,5 @@ def hopper_token_rows_backward(g_TD: torch.Tensor, tok_R: torch.Tensor, coef_R: 
     dh_R2F, cphi_RF, dot_R = swiglu_backward_scaled(split_interleaved(h_RF2), None, gdown_RF,
                                                     coef_R.to(torch.promote_types(h_RF2.dtype, torch.float32)))
     grad_down = grouped_outer(g_RD, cphi_RF, None, offsets_I) if need_down else g_TD.new_empty(0)
-    grad_gu = grouped_outer(dh_R2F, x_ND, rows_R, offsets_I) if need_gate_up else g_TD.new_empty(0)
-    dx_RD = gather_grouped_mm(dh_R2F, gate_up_IFD.transpose(1, 2), None, offsets_I) if need_dx else g_TD.new_empty(0)
-    return dx_RD, grad_gu, grad_down, dot_R
+    return (*_gate_up_grads_reference(dh_R2F, x_ND, rows_R, offsets_I, gate_up_IFD, need_dx, need_gate_up),
+            grad_down, dot_R)
